@@ -1,0 +1,30 @@
+# automap: `make demo` and `make test` work on a fresh machine (they create .venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test test-all demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "" --hypothesis-profile=thorough
+
+demo: $(STAMP)
+	$(PY) -m automap demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/propagation.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

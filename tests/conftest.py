@@ -1,0 +1,16 @@
+"""Every test runs with 8 simulated CPU devices.
+
+The flag must be set before JAX initialises its backend, which happens at the first
+device query, so it is set here, at import time of the test session.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
