@@ -1,0 +1,11 @@
+"""Partitioning rules: one registry of factor rules keyed by primitive name.
+
+Importing this package registers the rules of every family. `get_rule(name)` returns a
+rule function `(in_shapes, out_shapes, params) -> FactorRule`, or None for primitives
+without a rule (the IR then treats the op as replicated and warns once).
+"""
+
+from . import _dot, _elementwise, _indexing, _misc, _reduce, _shape  # noqa: F401  (registration)
+from ._registry import Namer, conservative_rule, get_rule, register, registered
+
+__all__ = ["Namer", "conservative_rule", "get_rule", "register", "registered"]

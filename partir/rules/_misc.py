@@ -1,0 +1,89 @@
+"""Sorting, windows (pooling and its gradients) and random numbers."""
+
+from __future__ import annotations
+
+from .._rule import factor_rule
+from ._registry import Namer, register
+
+WINDOWED = ["reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+            "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"]
+
+
+@register(*WINDOWED)
+def windowed(in_shapes, out_shapes, params):
+    """Dims with a trivial window (size 1, stride 1, no padding or dilation) are shared by
+    every value; windowed dims are blocked (no halo exchange): `([i, j]) -> ([i, k]) blocked={j, k}`."""
+    rank = len(params["window_dimensions"])
+    ones = (1,) * rank
+    pads = params.get("padding") or ((0, 0),) * rank
+    base = params.get("base_dilation") or ones
+    wdil = params.get("window_dilation") or ones
+    trivial = [
+        params["window_dimensions"][d] == 1 and params["window_strides"][d] == 1
+        and tuple(pads[d]) == (0, 0) and base[d] == 1 and wdil[d] == 1
+        for d in range(rank)
+    ]
+    name = Namer()
+    blocked = []
+
+    def spec(key, shape):
+        if len(shape) != rank:  # init values of the generic reduce_window are scalars
+            return [name((key, d)) for d in range(len(shape))]
+        v = [name(d) if trivial[d] else name((key, d)) for d in range(rank)]
+        blocked.extend(v[d] for d in range(rank) if not trivial[d])
+        return v
+
+    ins = [spec(("in", k), s) for k, s in enumerate(in_shapes)]
+    outs = [spec(("out", k), s) for k, s in enumerate(out_shapes)]
+    return factor_rule(ins, outs, in_shapes, out_shapes, blocked=blocked)
+
+
+@register("sort")
+def sort(in_shapes, out_shapes, params):
+    """All operands (keys and payloads) share factors; the sorted dim is blocked."""
+    name = Namer()
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    return factor_rule([dims] * len(in_shapes), [dims] * len(out_shapes), in_shapes, out_shapes,
+                       blocked=[dims[params["dimension"]]])
+
+
+@register("top_k")
+def top_k(in_shapes, out_shapes, params):
+    """Leading dims pass through; the selected dim is blocked: `([i, j]) -> ([i, k], [i, k]) blocked={j, k}`."""
+    name = Namer()
+    rank = len(in_shapes[0])
+    ax = params.get("axis", rank - 1) % rank
+    ins = [name(d) if d != ax else name("in") for d in range(rank)]
+    out = [name(d) if d != ax else name("out") for d in range(rank)]
+    return factor_rule([ins], [out] * len(out_shapes), in_shapes, out_shapes, blocked=[ins[ax], out[ax]])
+
+
+@register("random_bits", "random_split")
+def random_expand(in_shapes, out_shapes, params):
+    """The key array's dims lead the result; the generated dims are free to split
+    (JAX's partitionable threefry makes bits independent of the layout)."""
+    name = Namer()
+    key = [name(d) for d in range(len(in_shapes[0]))]
+    out = key + [name(("new", d)) for d in range(len(out_shapes[0]) - len(key))]
+    return factor_rule([key], [out], in_shapes, out_shapes)
+
+
+@register("random_seed", "random_fold_in")
+def random_elementwise(in_shapes, out_shapes, params):
+    """Seeds (and folded-in data) map one-to-one to keys."""
+    name = Namer()
+    out = [name(d) for d in range(len(out_shapes[0]))]
+    ins = [out if len(s) == len(out) else [name(("x", k, d)) for d in range(len(s))] for k, s in enumerate(in_shapes)]
+    return factor_rule(ins, [out], in_shapes, out_shapes)
+
+
+@register("random_wrap", "random_unwrap")
+def random_wrap(in_shapes, out_shapes, params):
+    """Raw key data carries a trailing key-word dim that the typed key array does not."""
+    name = Namer()
+    (a,), (b,) = in_shapes, out_shapes
+    shared = [name(d) for d in range(min(len(a), len(b)))]
+    word = name("word")
+    ins = shared + [word] * (len(a) - len(shared))
+    outs = shared + [word] * (len(b) - len(shared))
+    return factor_rule([ins], [outs], in_shapes, out_shapes, blocked=[word])

@@ -1,0 +1,63 @@
+"""Reductions and scans along dims."""
+
+from __future__ import annotations
+
+from .._rule import factor_rule
+from ._registry import Namer, register
+
+#: reduce_* primitive -> the kind of partial result a split reduced dim leaves.
+REDUCTIONS = {
+    "reduce_sum": "sum",
+    "reduce_max": "max",
+    "reduce_min": "min",
+    "reduce_prod": "prod",
+    "reduce_and": "and",
+    "reduce_or": "or",
+}
+
+#: Reductions whose partial results one all-reduce cannot combine (an arg-max needs the
+#: value and the index): their reduced dims are blocked, i.e. gathered before the op.
+BLOCKED_REDUCTIONS = ["argmax", "argmin", "reduce_xor", "reduce"]
+
+#: Scans along one dim (`axis` param): that dim is blocked.
+CUMULATIVE = ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"]
+
+
+def _reduce_rule(in_shapes, out_shapes, axes, *, kind=None):
+    # All operands (variadic `reduce` has several) share factors dim by dim.
+    name = Namer()
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    kept = [f for d, f in enumerate(dims) if d not in axes]
+    gone = [f for d, f in enumerate(dims) if d in axes]
+    ins, outs = [dims] * len(in_shapes), [kept] * len(out_shapes)
+    if kind is None:
+        return factor_rule(ins, outs, in_shapes, out_shapes, blocked=gone)
+    return factor_rule(ins, outs, in_shapes, out_shapes, reduction=gone, reduce_kind=kind)
+
+
+def _def_reduction(prim: str, kind: str) -> None:
+    def rule(in_shapes, out_shapes, params):
+        """`([i, j]) -> ([i]) reduction={j}` for a reduction over dim 1."""
+        return _reduce_rule(in_shapes, out_shapes, tuple(params["axes"]), kind=kind)
+
+    rule.__name__ = f"{prim}_rule"
+    register(prim)(rule)
+
+
+for _prim, _kind in REDUCTIONS.items():
+    _def_reduction(_prim, _kind)
+
+
+@register(*BLOCKED_REDUCTIONS)
+def blocked_reduction(in_shapes, out_shapes, params):
+    """`([i, j]) -> ([i]) blocked={j}`: the reduced dims must be whole on every device."""
+    axes = params.get("axes", params.get("dimensions"))
+    return _reduce_rule(in_shapes, out_shapes, tuple(axes))
+
+
+@register(*CUMULATIVE)
+def cumulative(in_shapes, out_shapes, params):
+    """`([i, j]) -> ([i, j]) blocked={j}` for a scan along dim 1."""
+    name = Namer()
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    return factor_rule([dims], [dims], in_shapes, out_shapes, blocked=[dims[params["axis"]]])
