@@ -1,0 +1,240 @@
+"""The partitioning IR: values, ops and regions lifted from a jaxpr.
+
+A `Program` is a flat graph over every value of the jaxpr and of its nested jaxprs.
+Nested jaxprs (`jit`, `remat2`, custom derivatives, `scan`, `while`, `cond`) become
+`Region`s; their boundaries are *link* ops, identity factor rules that tie an outer
+value to the inner value it becomes (an argument entering a call, a loop carry going
+round, a stacked `[L, ...]` parameter sliced per iteration with its `L` dim blocked).
+So one generic propagator moves tilings into and out of bodies, and a carry keeps one
+tiling across iterations.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import PartitioningError
+from ._rule import FactorRule
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """One array value of the program (per call site: a function called twice has two)."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    region: int
+
+    @property
+    def rank(self) -> int:
+        """Number of dims."""
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole (unpartitioned) value."""
+        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys): count their raw words
+        return getattr(dtype, "itemsize", 8)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Op:
+    """One op: a primitive application, or a link across a region boundary.
+
+    `operands`/`results` hold value ids (-1 for a literal operand or a dropped result);
+    `slots` pairs each value of rank > 0 with the factors of its dims, operands first,
+    which is what the propagator walks.
+    """
+
+    id: int
+    primitive: str
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    rule: FactorRule
+    region: int
+    link: bool
+    eqn: Any = None
+    slots: tuple = ()
+    num_operand_slots: int = 0
+
+
+@dataclass(eq=False)
+class Region:
+    """A jaxpr body: the top level, or one call site of a nested jaxpr.
+
+    `trip_count` is how many times the body runs per run of its parent (a scan's
+    length; None for a `while`, whose count is unknown; 1 otherwise)."""
+
+    id: int
+    kind: str
+    parent: int
+    jaxpr: Any
+    consts: tuple = ()
+    constvars: tuple[int, ...] = ()
+    invars: tuple[int, ...] = ()
+    outvars: tuple[int, ...] = ()
+    eqn_results: list = field(default_factory=list)
+    eqn_ops: list = field(default_factory=list)
+    children: dict = field(default_factory=dict)
+    trip_count: int | None = 1
+
+
+class Program:
+    """A lifted program: the graph the partitioner works on. Immutable once built."""
+
+    def __init__(self, *, values, ops, regions, inputs, outputs, in_tree, out_tree,
+                 input_names, output_names, closed_jaxpr, fallbacks, value_names):
+        self.values: tuple[Value, ...] = tuple(values)
+        self.ops: tuple[Op, ...] = tuple(ops)
+        self.regions: tuple[Region, ...] = tuple(regions)
+        self.inputs: tuple[int, ...] = tuple(inputs)
+        self.outputs: tuple[int, ...] = tuple(outputs)
+        self.in_tree = in_tree
+        self.out_tree = out_tree
+        self.input_names: tuple[str, ...] = tuple(input_names)
+        self.output_names: tuple[str, ...] = tuple(output_names)
+        self.closed_jaxpr = closed_jaxpr
+        self.fallbacks: tuple[str, ...] = tuple(fallbacks)
+        self._names: dict[int, str] = dict(value_names)
+        producer = [-1] * len(self.values)
+        users: list[list[int]] = [[] for _ in self.values]
+        for op in self.ops:
+            for v in op.results:
+                if v >= 0:
+                    producer[v] = op.id
+            for v in op.operands:
+                if v >= 0 and (not users[v] or users[v][-1] != op.id):
+                    users[v].append(op.id)
+        self.producer: tuple[int, ...] = tuple(producer)
+        self.users: tuple[tuple[int, ...], ...] = tuple(map(tuple, users))
+        self.value_ops: tuple[tuple[int, ...], ...] = tuple(
+            tuple(sorted(set(u) | ({p} if p >= 0 else set()))) for u, p in zip(users, producer)
+        )
+        self._by_name: dict[str, int] | None = None
+        self._multiplicity: dict[int, float] = {}
+
+    # -- names ---------------------------------------------------------------------
+    def name(self, v: int) -> str:
+        """A readable name: the pytree path of an input, `primitive@file:line#id` otherwise."""
+        n = self._names.get(v)
+        if n is None:
+            op = self.ops[self.producer[v]] if self.producer[v] >= 0 else None
+            n = f"{op.primitive}{_source(op.eqn)}#{v}" if op is not None else f"value#{v}"
+            self._names[v] = n
+        return n
+
+    def value(self, ref) -> Value:
+        """Resolve a value id, `Value` or exact name to a `Value`."""
+        return self.values[self.resolve(ref)]
+
+    def resolve(self, ref) -> int:
+        """Resolve a value id, `Value` or exact name to a value id; a clear error otherwise."""
+        if isinstance(ref, Value):
+            return ref.id
+        if isinstance(ref, (int, np.integer)) and not isinstance(ref, bool):
+            if 0 <= ref < len(self.values):
+                return int(ref)
+            raise PartitioningError(f"value id {ref} is out of range: the program has {len(self.values)} values")
+        if isinstance(ref, str):
+            if self._by_name is None:
+                self._by_name = {self.name(v): v for v in range(len(self.values))}
+            if ref in self._by_name:
+                return self._by_name[ref]
+            near = close_names(ref, self.input_names)
+            hint = f"; did you mean {', '.join(near)}?" if near else f"; inputs are named like {self.input_names[0]!r}" if self.input_names else ""
+            raise PartitioningError(f"no value is named {ref!r}{hint}")
+        raise PartitioningError(f"cannot resolve {ref!r} to a value: pass a value id, a Value or a name")
+
+    def match_inputs(self, pattern: str) -> list[int]:
+        """Input value ids whose names match a glob (on `/`-joined keys) or `re:` regex."""
+        return [v for v, n in zip(self.inputs, self.input_names) if path_matches(pattern, n)]
+
+    # -- structure -----------------------------------------------------------------
+    def multiplicity(self, region: int) -> float:
+        """How many times a region's body runs per run of the program (product of the
+        trip counts of it and its ancestors; an unknown `while` count counts as 1)."""
+        m = self._multiplicity.get(region)
+        if m is None:
+            r = self.regions[region]
+            m = float(r.trip_count or 1) * (self.multiplicity(r.parent) if r.parent >= 0 else 1.0)
+            self._multiplicity[region] = m
+        return m
+
+    def graph(self):
+        """The dataflow as a `networkx.DiGraph`: nodes are op ids, an edge u->v carries
+        the values u produces and v consumes (edge attribute `values`)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(self.ops)))
+        for op in self.ops:
+            for v in op.operands:
+                if v >= 0 and self.producer[v] >= 0:
+                    p = self.producer[v]
+                    if g.has_edge(p, op.id):
+                        g.edges[p, op.id]["values"].append(v)
+                    else:
+                        g.add_edge(p, op.id, values=[v])
+        return g
+
+    def primitives(self) -> dict[str, int]:
+        """Primitive name -> number of (non-link) ops, sorted by name."""
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            if not op.link:
+                counts[op.primitive] = counts.get(op.primitive, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def __repr__(self) -> str:
+        return (f"Program({len(self.inputs)} inputs, {len(self.outputs)} outputs, {len(self.values)} values, "
+                f"{len(self.ops)} ops, {len(self.regions)} regions)")
+
+
+def _source(eqn) -> str:
+    # The innermost frame outside JAX itself: where the user's code made this value.
+    tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    if tb is None:
+        return ""
+    for frame in tb.frames:
+        f = frame.file_name
+        if f"{os.sep}jax{os.sep}" in f or f"{os.sep}jaxlib{os.sep}" in f:
+            continue
+        return f"@{os.path.basename(f)}:{frame.line_num}"
+    return ""
+
+
+def _keys(name: str) -> str:
+    # "params['layers'][3]['mlp']['w1']" -> "params/layers/3/mlp/w1"
+    parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)|^([A-Za-z_]\w*)", name)
+    return "/".join(next(p for p in groups if p) for groups in parts)
+
+
+def path_matches(pattern: str, name: str) -> bool:
+    """Does an input name match a pattern? `re:...` is a regex searched in the name;
+    anything else is a glob matched against the name itself or its `/`-joined keys
+    (`params/layers/*/mlp/w1`)."""
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(_keys(name), pattern)
+
+
+def close_names(ref: str, names, n: int = 3) -> list[str]:
+    """Up to `n` names closest to `ref` (for error messages)."""
+    import difflib
+
+    keyed = {_keys(x): x for x in names}
+    hits = difflib.get_close_matches(_keys(ref) if not ref.startswith("re:") else ref[3:], list(keyed), n=n, cutoff=0.5)
+    return [keyed[h] for h in hits]

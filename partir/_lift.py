@@ -1,0 +1,258 @@
+"""`lift`: trace a function to a jaxpr and build the partitioning IR from it."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from ._errors import UnknownPrimitiveWarning
+from ._ir import Op, Program, Region, Value
+from ._rule import FactorRule, factor_rule
+from .rules import Namer, conservative_rule, get_rule
+
+#: Call-like primitives whose single sub-jaxpr runs once, as is, on the call's operands.
+CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
+         "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+
+
+def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
+    """Trace `fn(*args)` and lift its jaxpr into a `Program`.
+
+    `args` may be arrays or `jax.ShapeDtypeStruct`s (nothing is allocated). Inputs are
+    named by pytree path under their parameter name (`params['layers'][3]['mlp']['w1']`),
+    outputs as `out...`, intermediates by primitive and source line.
+    """
+    static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    closed, out_shape = jax.make_jaxpr(fn, static_argnums=static, return_shape=True)(*args)
+    dyn = tuple(a for i, a in enumerate(args) if i not in static)
+    arg_names = _arg_names(fn, len(args))
+    dyn_names = [n for i, n in enumerate(arg_names) if i not in static]
+    leaves, in_tree = jax.tree_util.tree_flatten_with_path(dyn)
+    input_names = [dyn_names[p[0].idx] + jax.tree_util.keystr(p[1:]) for p, _ in leaves]
+    out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    output_names = ["out" + jax.tree_util.keystr(p) for p, _ in out_leaves]
+    b = _Builder()
+    top = b.region("top", -1, closed.jaxpr, closed.consts)
+    env = {}
+    constvars = [b.value(v.aval, top, f"const[{i}]") for i, v in enumerate(closed.jaxpr.constvars)]
+    invars = [b.value(v.aval, top, n) for v, n in zip(closed.jaxpr.invars, input_names)]
+    env.update(zip(closed.jaxpr.constvars, constvars))
+    env.update(zip(closed.jaxpr.invars, invars))
+    outvars = b.body(top, closed.jaxpr, env)
+    top_region = b.regions[top]
+    top_region.constvars, top_region.invars, top_region.outvars = tuple(constvars), tuple(invars), tuple(outvars)
+    for o, n in zip(outvars, output_names):
+        if o >= 0 and o not in b.names:
+            b.names[o] = n
+    return Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
+                   in_tree=in_tree, out_tree=out_tree, input_names=input_names,
+                   output_names=output_names, closed_jaxpr=closed, fallbacks=sorted(b.fallbacks),
+                   value_names=b.names)
+
+
+def _arg_names(fn, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(n):
+        p = params[i] if i < len(params) else None
+        ok = p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        names.append(p.name if ok else f"args[{i}]")
+    return names
+
+
+class _Builder:
+    def __init__(self):
+        self.values: list[Value] = []
+        self.ops: list[Op] = []
+        self.regions: list[Region] = []
+        self.names: dict[int, str] = {}
+        self.fallbacks: set[str] = set()
+        self._rule_cache: dict = {}
+
+    # -- construction helpers ---------------------------------------------------------
+    def region(self, kind, parent, jaxpr, consts=(), trip_count=1) -> int:
+        self.regions.append(Region(len(self.regions), kind, parent, jaxpr, tuple(consts), trip_count=trip_count))
+        return len(self.regions) - 1
+
+    def value(self, aval, region, name=None) -> int:
+        vid = len(self.values)
+        self.values.append(Value(vid, tuple(int(d) for d in aval.shape), aval.dtype, region))
+        if name is not None:
+            self.names[vid] = name
+        return vid
+
+    def op(self, prim, operands, results, rule, region, link, eqn=None) -> int:
+        slots = []
+        for vids, specs in ((operands, rule.operands), (results, rule.results)):
+            for v, spec in zip(vids, specs):
+                if v >= 0 and spec:
+                    slots.append((v, spec))
+        n_in = sum(1 for v, s in zip(operands, rule.operands) if v >= 0 and s)
+        oid = len(self.ops)
+        self.ops.append(Op(oid, prim, tuple(operands), tuple(results), rule, region, link, eqn, tuple(slots), n_in))
+        return oid
+
+    def link(self, kind, src, dst, region, *, blocked_lead=0):
+        """An identity link src -> dst, run once per run of `region`; `blocked_lead` leading
+        dims of src (the stacked layer dim of a scan's xs) or of dst (of its ys, when
+        negative) exist on one side only and are blocked."""
+        if src < 0 or dst < 0:
+            return
+        a, b = self.values[src].shape, self.values[dst].shape
+        name = Namer()
+        if blocked_lead > 0:
+            lead = [name(("L", d)) for d in range(blocked_lead)]
+            rule = factor_rule([lead + [name(d) for d in range(len(b))]], [[name(d) for d in range(len(b))]], [a], [b], blocked=lead)
+        elif blocked_lead < 0:
+            lead = [name(("L", d)) for d in range(-blocked_lead)]
+            rule = factor_rule([[name(d) for d in range(len(a))]], [lead + [name(d) for d in range(len(a))]], [a], [b], blocked=lead)
+        else:
+            dims = [name(d) for d in range(len(a))]
+            rule = factor_rule([dims], [dims], [a], [b])
+        self.op(kind, (src,), (dst,), rule, region, True)
+
+    def rule(self, eqn, in_shapes, out_shapes) -> FactorRule:
+        prim = eqn.primitive.name
+        try:
+            key = (prim, in_shapes, out_shapes, tuple(sorted(eqn.params.items())))
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in self._rule_cache:
+            return self._rule_cache[key]
+        fn = get_rule(prim)
+        problem = None
+        if fn is not None:
+            try:
+                rule = fn(in_shapes, out_shapes, eqn.params)
+            except Exception as e:  # a rule that cannot describe these params: stay safe
+                problem = f"its rule failed on these params ({type(e).__name__}: {e})"
+        else:
+            problem = "it has no partitioning rule"
+        if problem is not None:
+            rule = conservative_rule(in_shapes, out_shapes)
+            if prim not in self.fallbacks:
+                self.fallbacks.add(prim)
+                warnings.warn(
+                    f"automap: primitive '{prim}' is treated as replicated because {problem}; "
+                    "the plan stays correct but may gather its operands. Register a rule with "
+                    "partir.rules.register to partition it.",
+                    UnknownPrimitiveWarning,
+                    stacklevel=4,
+                )
+        if key is not None:
+            self._rule_cache[key] = rule
+        return rule
+
+    # -- the walk -----------------------------------------------------------------------
+    def body(self, rid, jaxpr: Jaxpr, env) -> list[int]:
+        region = self.regions[rid]
+        for i, eqn in enumerate(jaxpr.eqns):
+            ins = [-1 if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            outs = [self.value(v.aval, rid) if not _dropped(v) else -1 for v in eqn.outvars]
+            for v, o in zip(eqn.outvars, outs):
+                if o >= 0:
+                    env[v] = o
+            region.eqn_results.append(tuple(outs))
+            prim = eqn.primitive.name
+            handler = _NESTED.get(prim) or (_call if prim in CALLS and _sub_jaxprs(eqn) else None)
+            if handler is not None:
+                region.children[i] = handler(self, rid, eqn, ins, outs)
+                region.eqn_ops.append(-1)
+                continue
+            in_shapes = tuple(tuple(int(d) for d in getattr(v.aval, "shape", ())) for v in eqn.invars)
+            out_shapes = tuple(tuple(int(d) for d in v.aval.shape) for v in eqn.outvars)
+            rule = self.rule(eqn, in_shapes, out_shapes)
+            region.eqn_ops.append(self.op(prim, ins, outs, rule, rid, False, eqn))
+        return [-1 if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+
+    def sub(self, kind, parent, closed, *, trip_count=1, names=None):
+        """Open a child region for `closed` (Jaxpr or ClosedJaxpr); returns (rid, invars, outvars)."""
+        jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, ClosedJaxpr) else (closed, ())
+        rid = self.region(kind, parent, jaxpr, consts, trip_count)
+        env = {}
+        cvs = [self.value(v.aval, rid, f"{kind}#{rid}.const[{k}]") for k, v in enumerate(jaxpr.constvars)]
+        ivs = [self.value(v.aval, rid, f"{kind}#{rid}.in[{k}]") for k, v in enumerate(jaxpr.invars)]
+        env.update(zip(jaxpr.constvars, cvs))
+        env.update(zip(jaxpr.invars, ivs))
+        ovs = self.body(rid, jaxpr, env)
+        r = self.regions[rid]
+        r.constvars, r.invars, r.outvars = tuple(cvs), tuple(ivs), tuple(ovs)
+        return rid, ivs, ovs
+
+
+def _dropped(v) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def _sub_jaxprs(eqn):
+    return [v for v in eqn.params.values() if isinstance(v, (Jaxpr, ClosedJaxpr))]
+
+
+def _call(b: _Builder, rid, eqn, ins, outs):
+    (sub,) = _sub_jaxprs(eqn)
+    prim = eqn.primitive.name
+    child, ivs, ovs = b.sub(prim, rid, sub)
+    for k, (src, dst) in enumerate(zip(ins, ivs)):
+        b.link(f"{prim}.in", src, dst, rid)
+    for src, dst in zip(ovs, outs):
+        b.link(f"{prim}.out", src, dst, rid)
+    return (child,)
+
+
+def _scan(b: _Builder, rid, eqn, ins, outs):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    child, ivs, ovs = b.sub("scan", rid, p["jaxpr"], trip_count=int(p["length"]))
+    for src, dst in zip(ins[:nc], ivs[:nc]):
+        b.link("scan.const", src, dst, rid)
+    for k in range(nk):
+        b.link("scan.carry_in", ins[nc + k], ivs[nc + k], rid)
+        b.link("scan.carry_loop", ovs[k], ivs[nc + k], child)
+        b.link("scan.carry_out", ovs[k], outs[k], rid)
+    for src, dst in zip(ins[nc + nk:], ivs[nc + nk:]):
+        b.link("scan.xs", src, dst, rid, blocked_lead=1)
+    for src, dst in zip(ovs[nk:], outs[nk:]):
+        b.link("scan.ys", src, dst, rid, blocked_lead=-1)
+    return (child,)
+
+
+def _while(b: _Builder, rid, eqn, ins, outs):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    init = ins[cn + bn:]
+    cid, civ, _ = b.sub("while.cond", rid, p["cond_jaxpr"], trip_count=None)
+    bid, biv, bov = b.sub("while.body", rid, p["body_jaxpr"], trip_count=None)
+    for src, dst in zip(ins[:cn], civ[:cn]):
+        b.link("while.const", src, dst, rid)
+    for src, dst in zip(ins[cn:cn + bn], biv[:bn]):
+        b.link("while.const", src, dst, rid)
+    for k, src in enumerate(init):
+        b.link("while.carry_in", src, biv[bn + k], rid)
+        b.link("while.carry_in", src, civ[cn + k], rid)
+        b.link("while.carry_loop", bov[k], biv[bn + k], bid)
+        b.link("while.carry_loop", bov[k], civ[cn + k], bid)
+        b.link("while.carry_out", bov[k], outs[k], rid)
+    return (cid, bid)
+
+
+def _cond(b: _Builder, rid, eqn, ins, outs):
+    children = []
+    for branch in eqn.params["branches"]:
+        child, ivs, ovs = b.sub("cond.branch", rid, branch)
+        for src, dst in zip(ins[1:], ivs):
+            b.link("cond.in", src, dst, rid)
+        for src, dst in zip(ovs, outs):
+            b.link("cond.out", src, dst, rid)
+        children.append(child)
+    return tuple(children)
+
+
+_NESTED = {"scan": _scan, "while": _while, "cond": _cond}
