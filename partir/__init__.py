@@ -1,0 +1,29 @@
+"""partir: the partitioning IR of automap.
+
+`lift` turns a function into a `Program` (a flat graph of values and ops over the
+jaxpr and its nested jaxprs); a `Partitioning` holds one `Tiling` per value, changed
+by `tile`/`replicate` actions and completed by factor-rule propagation; `lower` turns
+it into a sharded `jax.jit` callable; `collectives_of` reads back what XLA inserted.
+"""
+
+from . import rules
+from ._dump import dump
+from ._errors import PartitioningError, UnknownPrimitiveWarning
+from ._hlo import Collective, collectives, collectives_of, summarize
+from ._ir import Op, Program, Region, Value, path_matches
+from ._lift import lift
+from ._lower import CONSTRAIN_MODES, device_arrays, lower, register_backend
+from ._mesh import MeshSpec
+from ._partitioning import Decision, Partitioning, Reshard
+from ._reshard import Transition, transition
+from ._rule import FactorRule, factor_rule
+from ._tiling import Tiling
+from ._verify import check_equivalence
+
+__all__ = [
+    "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "MeshSpec", "Op", "Partitioning",
+    "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
+    "UnknownPrimitiveWarning", "Value", "check_equivalence", "collectives", "collectives_of", "device_arrays", "dump",
+    "factor_rule", "lift", "lower", "path_matches", "register_backend", "rules", "summarize",
+    "transition",
+]

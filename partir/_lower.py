@@ -1,0 +1,217 @@
+"""Lowering: a partitioned program becomes a callable that runs on a device mesh.
+
+One small interface, `lower(part, mesh, backend=...)`, over a table of backends. The
+`jit` backend re-interprets the jaxpr under `jax.jit` with `in_shardings` and
+`out_shardings` from the input and output tilings and a `with_sharding_constraint` on
+every value the plan fixes; XLA's partitioner then inserts the collectives at the
+reshard and reduction points. Constraints never change what is computed, only where,
+so the lowered program is equivalent to the original by construction; the tests check
+that the interpreter keeps it so (nested jaxprs included).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._errors import PartitioningError
+from ._partitioning import Partitioning
+
+#: What the `jit` backend constrains: every value ('all'), or only the program's inputs
+#: and outputs ('boundary', leaving the interior to XLA's propagation).
+CONSTRAIN_MODES = ("all", "boundary")
+
+_BACKENDS: dict[str, Callable] = {}
+
+
+def register_backend(name: str):
+    """Decorator: add a lowering backend `fn(part, jax_mesh, **options) -> callable`."""
+
+    def deco(fn):
+        _BACKENDS[name] = fn
+        return fn
+
+    return deco
+
+
+def lower(part: Partitioning, mesh=None, *, backend: str = "jit", **options):
+    """Lower a partitioning to a callable taking the original (non-static) arguments.
+
+    `mesh` is a `jax.sharding.Mesh` whose axes match the plan's; by default one is built
+    from the first devices. Returns what the backend returns (`jit`: a `jax.jit` object,
+    so `.lower(*args).compile()` shows the partitioned HLO).
+    """
+    if backend not in _BACKENDS:
+        raise PartitioningError(f"unknown lowering backend {backend!r}; choose one of {sorted(_BACKENDS)}")
+    if mesh is None:
+        mesh = part.mesh.jax_mesh()
+    elif dict(mesh.shape) != part.mesh.sizes():
+        raise PartitioningError(
+            f"the plan is for mesh {part.mesh} but the given mesh has axes {dict(mesh.shape)}; "
+            "pass a mesh with the same axis names and sizes"
+        )
+    return _BACKENDS[backend](part, mesh, **options)
+
+
+def _numeric(dtype) -> bool:
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+@register_backend("jit")
+def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnums=()):
+    """`jax.jit` with in/out shardings and sharding constraints on the plan's values."""
+    if constrain not in CONSTRAIN_MODES:
+        raise PartitioningError(f"constrain={constrain!r} is not one of {CONSTRAIN_MODES}")
+    prog = part.program
+    shardings: dict[int, NamedSharding] = {}
+
+    def sharding(v: int) -> NamedSharding:
+        s = shardings.get(v)
+        if s is None:
+            s = shardings[v] = NamedSharding(mesh, part.tiling(v).spec())
+        return s
+
+    def constrain_value(x, v: int):
+        if constrain != "all" or v < 0:
+            return x
+        val = prog.values[v]
+        if not val.shape or not _numeric(val.dtype):
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding(v))
+
+    def run(*args):
+        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), constrain_value)
+        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    in_sh = jax.tree_util.tree_unflatten(prog.in_tree, [sharding(v) for v in prog.inputs])
+    out_sh = jax.tree_util.tree_unflatten(
+        prog.out_tree, [sharding(v) if v >= 0 else replicated for v in prog.outputs])
+    return Lowered(jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
+
+
+class Lowered:
+    """A lowered plan: call it like the original function (its non-static arguments);
+    `.lower(*args)` gives JAX's `Lowered` stage (`.compile().as_text()` shows the HLO).
+    Arguments are checked against the structure the plan was made for."""
+
+    def __init__(self, jitted, program):
+        self.jitted = jitted
+        self._in_tree = program.in_tree
+
+    def _check(self, args):
+        tree = jax.tree_util.tree_structure(args)
+        if tree != self._in_tree:
+            raise PartitioningError(
+                f"the arguments do not have the structure the plan was made for: expected {self._in_tree}, "
+                f"got {tree}; pass the same pytrees (non-static arguments only) as when the program was lifted"
+            )
+
+    def __call__(self, *args):
+        self._check(args)
+        return self.jitted(*args)
+
+    def lower(self, *args):
+        """`jax.jit(...).lower(*args)` of the plan."""
+        self._check(args)
+        return self.jitted.lower(*args)
+
+
+def _eval_region(prog, rid: int, args, constrain):
+    """Interpret region `rid`'s jaxpr on `args`, constraining every value it defines."""
+    region = prog.regions[rid]
+    jaxpr = region.jaxpr
+    env = {}
+    for var, c in zip(jaxpr.constvars, region.consts):
+        env[var] = c
+    for var, a, v in zip(jaxpr.invars, args, region.invars):
+        env[var] = a if rid == 0 else constrain(a, v)
+
+    def read(x):
+        return x.val if isinstance(x, Literal) else env[x]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [read(x) for x in eqn.invars]
+        children = region.children.get(i)
+        if children is not None:
+            outs = _NESTED[_kind(eqn)](prog, eqn, children, invals, constrain)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
+            if v >= 0:
+                env[var] = constrain(o, v)
+    return [read(x) for x in jaxpr.outvars]
+
+
+def _kind(eqn) -> str:
+    name = eqn.primitive.name
+    return name if name in _NESTED else "remat" if name in ("remat2", "checkpoint") else "call"
+
+
+def _call(prog, eqn, children, invals, constrain):
+    (child,) = children
+    return _eval_region(prog, child, invals, constrain)
+
+
+def _remat(prog, eqn, children, invals, constrain):
+    (child,) = children
+    p = eqn.params
+
+    def body(*a):
+        return _eval_region(prog, child, a, constrain)
+
+    return jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))(*invals)
+
+
+def _scan(prog, eqn, children, invals, constrain):
+    (child,) = children
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+
+    def body(carry, x):
+        outs = _eval_region(prog, child, [*consts, *carry, *x], constrain)
+        return tuple(outs[:nk]), tuple(outs[nk:])
+
+    carry, ys = jax.lax.scan(body, tuple(init), tuple(xs), length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+def _while(prog, eqn, children, invals, constrain):
+    cid, bid = children
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+
+    def cond(carry):
+        return _eval_region(prog, cid, [*cconsts, *carry], constrain)[0]
+
+    def body(carry):
+        return tuple(_eval_region(prog, bid, [*bconsts, *carry], constrain))
+
+    return list(jax.lax.while_loop(cond, body, tuple(init)))
+
+
+def _cond(prog, eqn, children, invals, constrain):
+    index, ops = invals[0], invals[1:]
+    branches = [lambda *a, c=c: _eval_region(prog, c, a, constrain) for c in children]
+    return jax.lax.switch(index, branches, *ops)
+
+
+_NESTED = {"call": _call, "remat": _remat, "scan": _scan, "while": _while, "cond": _cond}
+
+
+def device_arrays(part: Partitioning, mesh, *args):
+    """Place `args` on `mesh` with the plan's input shardings (for running a lowered plan)."""
+    prog = part.program
+    leaves = jax.tree_util.tree_leaves(args)
+    placed = [jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x,
+                             NamedSharding(mesh, part.tiling(v).spec())) for x, v in zip(leaves, prog.inputs)]
+    return jax.tree_util.tree_unflatten(prog.in_tree, placed)
