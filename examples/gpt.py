@@ -1,0 +1,183 @@
+"""A GPT-style decoder-only transformer in plain ``jax.numpy``.
+
+Parameters (D = d_model, F = d_ff, V = vocab, S = seq_len, L = n_layers)::
+
+    embed:  tokens [V, D], positions [S, D]
+    layers[i]:  ln1 {scale [D], bias [D]}
+                attn {wq, wk, wv, wo: [D, D]}   (fused_qkv: {wqkv [D, 3D], wo [D, D]})
+                ln2 {scale [D], bias [D]}
+                mlp {w1 [D, F], b1 [F], w2 [F, D], b2 [D]}
+    ln_f:   {scale [D], bias [D]}
+    head:   {w [D, V]}                          (untied from the embedding)
+
+With ``scan_layers=True``, ``layers`` is a single dict of the same keys whose leaves
+are stacked on a leading [L] axis, and the layers run under ``jax.lax.scan``.
+Batch: ``{'tokens': i32[B, S], 'targets': i32[B, S]}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from examples._common import build_train_step, dense_init, normal
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Model sizes, layout switches and optimiser settings of the GPT example."""
+
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 8
+    d_ff: int = 256
+    vocab: int = 256
+    seq_len: int = 16
+    batch: int = 8
+    scan_layers: bool = False  # stack layer params on [L] and run lax.scan
+    remat: bool = False  # wrap each layer in jax.checkpoint
+    fused_qkv: bool = False  # one [D, 3D] projection instead of wq/wk/wv
+    learning_rate: float = 1e-3
+    adam_eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+
+    @property
+    def d_head(self) -> int:
+        """Per-head width ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+
+def _layer_norm_params(d: int) -> dict:
+    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def init_layer(config: GPTConfig, key: jax.Array) -> dict:
+    """Parameters of one transformer block (see module docstring)."""
+    d, f = config.d_model, config.d_ff
+    kq, kk, kv, ko, k1, k2 = jax.random.split(key, 6)
+    if config.fused_qkv:
+        # Same values as the split form, so fused and unfused models agree.
+        wqkv = jnp.concatenate([dense_init(k, d, (d, d)) for k in (kq, kk, kv)], axis=1)
+        attn = {"wqkv": wqkv}
+    else:
+        attn = {"wq": dense_init(kq, d, (d, d)), "wk": dense_init(kk, d, (d, d)),
+                "wv": dense_init(kv, d, (d, d))}
+    attn["wo"] = dense_init(ko, d, (d, d))
+    return {
+        "ln1": _layer_norm_params(d),
+        "attn": attn,
+        "ln2": _layer_norm_params(d),
+        "mlp": {"w1": dense_init(k1, d, (d, f)), "b1": jnp.zeros((f,), jnp.float32),
+                "w2": dense_init(k2, f, (f, d)), "b2": jnp.zeros((d,), jnp.float32)},
+    }
+
+
+def init_params(config: GPTConfig, key: jax.Array) -> dict:
+    """All parameters; the per-layer values do not depend on ``scan_layers``."""
+    kt, kp, kl, kh = jax.random.split(key, 4)
+    layers = [init_layer(config, k) for k in jax.random.split(kl, config.n_layers)]
+    if config.scan_layers:
+        layers = stack_layers(layers)
+    d = config.d_model
+    return {
+        "embed": {
+            # Unit-scale token embeddings keep the residual stream O(1).
+            "tokens": normal(kt, (config.vocab, d)),
+            "positions": 0.1 * normal(kp, (config.seq_len, d)),
+        },
+        "layers": layers,
+        "ln_f": _layer_norm_params(d),
+        "head": {"w": dense_init(kh, d, (d, config.vocab))},
+    }
+
+
+def stack_layers(layers: list[dict]) -> dict:
+    """Stack a list of per-layer dicts into one dict with a leading [L] axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def make_batch(config: GPTConfig, key: jax.Array) -> dict:
+    """Random token sequences; targets are the inputs shifted left by one."""
+    seq = jax.random.randint(key, (config.batch, config.seq_len + 1), 0, config.vocab, jnp.int32)
+    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+
+def layer_norm(p: dict, x: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """Layer normalisation over the last axis with learned scale and bias."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def attention(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """Causal multi-head self-attention on ``x [B, S, D]``."""
+    b, s, d = x.shape
+    h, dh = config.n_heads, config.d_head
+    if config.fused_qkv:
+        q, k, v = jnp.split(x @ p["wqkv"], 3, axis=-1)
+    else:
+        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    q, k, v = (t.reshape(b, s, h, dh) for t in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
+    causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
+    # A finite fill keeps softmax free of NaNs and its gradient exact zeros.
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, d)
+    return out @ p["wo"]
+
+
+def mlp(p: dict, x: jax.Array) -> jax.Array:
+    """Position-wise feed-forward block with a tanh-approximated gelu."""
+    return jax.nn.gelu(x @ p["w1"] + p["b1"], approximate=True) @ p["w2"] + p["b2"]
+
+
+def block(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
+    """One pre-LayerNorm transformer block; shared by the unrolled and scanned forms."""
+    x = x + attention(p["attn"], layer_norm(p["ln1"], x), config)
+    return x + mlp(p["mlp"], layer_norm(p["ln2"], x))
+
+
+def forward(params: dict, tokens: jax.Array, config: GPTConfig) -> jax.Array:
+    """Logits ``[B, S, V]`` for ``tokens [B, S]``."""
+    # Indexing the table lowers to a gather (its gradient to a scatter-add).
+    x = params["embed"]["tokens"][tokens] + params["embed"]["positions"]
+    layer = functools.partial(block, config=config)
+    if config.remat:
+        layer = jax.checkpoint(layer)
+    if config.scan_layers:
+        x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x = layer(p, x)
+    return layer_norm(params["ln_f"], x) @ params["head"]["w"]
+
+
+def loss_fn(params: dict, batch: dict, config: GPTConfig) -> jax.Array:
+    """Mean next-token cross-entropy."""
+    logp = jax.nn.log_softmax(forward(params, batch["tokens"], config), axis=-1)
+    target_logp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)
+    return -jnp.mean(target_logp)
+
+
+def init(config: GPTConfig, key: jax.Array) -> tuple[dict, dict]:
+    """Deterministic ``(params, batch)`` from ``key``."""
+    kp, kb = jax.random.split(key)
+    return init_params(config, kp), make_batch(config, kb)
+
+
+def make_train_step(config: GPTConfig | None = None, *, abstract: bool = False, seed: int = 0):
+    """Return ``(step, (params, opt_state, batch))`` for the GPT (see package docs)."""
+    return build_train_step(loss_fn, init, config or GPTConfig(), abstract=abstract, seed=seed)
+
+
+def factory():
+    """``make_train_step()`` with the default config."""
+    return make_train_step()
