@@ -11,11 +11,13 @@ tiling across iterations.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import gc
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,9 +25,9 @@ from ._errors import PartitioningError
 from ._rule import FactorRule
 
 
-@dataclass(frozen=True, slots=True)
-class Value:
-    """One array value of the program (per call site: a function called twice has two)."""
+class Value(NamedTuple):
+    """One array value of the program (per call site: a function called twice has two).
+    Immutable; a named tuple because programs hold tens of thousands of them."""
 
     id: int
     shape: tuple[int, ...]
@@ -50,13 +52,10 @@ def _itemsize(dtype) -> int:
         return getattr(dtype, "itemsize", 8)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Op:
-    """One op: a primitive application, or a link across a region boundary.
+class Op(NamedTuple):
+    """One op: a primitive application, or a link across a region boundary. Immutable.
 
-    `operands`/`results` hold value ids (-1 for a literal operand or a dropped result);
-    `slots` pairs each value of rank > 0 with the factors of its dims, operands first,
-    which is what the propagator walks.
+    `operands`/`results` hold value ids (-1 for a literal operand or a dropped result).
     """
 
     id: int
@@ -67,8 +66,6 @@ class Op:
     region: int
     link: bool
     eqn: Any = None
-    slots: tuple = ()
-    num_operand_slots: int = 0
 
 
 @dataclass(eq=False)
@@ -112,19 +109,32 @@ class Program:
         producer = [-1] * len(self.values)
         users: list[list[int]] = [[] for _ in self.values]
         for op in self.ops:
+            oid = op.id
             for v in op.results:
                 if v >= 0:
-                    producer[v] = op.id
+                    producer[v] = oid
             for v in op.operands:
-                if v >= 0 and (not users[v] or users[v][-1] != op.id):
-                    users[v].append(op.id)
+                if v >= 0:
+                    u = users[v]
+                    if not u or u[-1] != oid:
+                        u.append(oid)
         self.producer: tuple[int, ...] = tuple(producer)
         self.users: tuple[tuple[int, ...], ...] = tuple(map(tuple, users))
+        # Ops touching each value (producer first: it precedes its users in op order).
         self.value_ops: tuple[tuple[int, ...], ...] = tuple(
-            tuple(sorted(set(u) | ({p} if p >= 0 else set()))) for u, p in zip(users, producer)
-        )
+            tuple(u) if p < 0 else (p, *u) for u, p in zip(users, producer))
         self._by_name: dict[str, int] | None = None
         self._multiplicity: dict[int, float] = {}
+        self._classes = None
+
+    @property
+    def classes(self):
+        """The tiling classes of the program's values (see `partir._classes`)."""
+        if self._classes is None:
+            from ._classes import TilingClasses
+
+            self._classes = TilingClasses(self)
+        return self._classes
 
     # -- names ---------------------------------------------------------------------
     def name(self, v: int) -> str:
@@ -201,6 +211,20 @@ class Program:
     def __repr__(self) -> str:
         return (f"Program({len(self.inputs)} inputs, {len(self.outputs)} outputs, {len(self.values)} values, "
                 f"{len(self.ops)} ops, {len(self.regions)} regions)")
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Pause the cyclic garbage collector: building or propagating over a large program
+    allocates many small tuples, and a full collection of JAX's heap in the middle of
+    that costs more than the work itself. Nothing made meanwhile forms cycles."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _source(eqn) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ._errors import UnknownPrimitiveWarning
-from ._ir import Op, Program, Region, Value
+from ._ir import Op, Program, Region, Value, no_gc
 from ._rule import FactorRule, factor_rule
 from .rules import Namer, conservative_rule, get_rule
 
@@ -27,7 +27,8 @@ def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
     outputs as `out...`, intermediates by primitive and source line.
     """
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-    closed, out_shape = jax.make_jaxpr(fn, static_argnums=static, return_shape=True)(*args)
+    with no_gc():
+        closed, out_shape = jax.make_jaxpr(fn, static_argnums=static, return_shape=True)(*args)
     dyn = tuple(a for i, a in enumerate(args) if i not in static)
     arg_names = _arg_names(fn, len(args))
     dyn_names = [n for i, n in enumerate(arg_names) if i not in static]
@@ -35,6 +36,11 @@ def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
     input_names = [dyn_names[p[0].idx] + jax.tree_util.keystr(p[1:]) for p, _ in leaves]
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     output_names = ["out" + jax.tree_util.keystr(p) for p, _ in out_leaves]
+    with no_gc():
+        return _build(closed, in_tree, out_tree, input_names, output_names)
+
+
+def _build(closed, in_tree, out_tree, input_names, output_names) -> Program:
     b = _Builder()
     top = b.region("top", -1, closed.jaxpr, closed.consts)
     env = {}
@@ -48,10 +54,12 @@ def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
     for o, n in zip(outvars, output_names):
         if o >= 0 and o not in b.names:
             b.names[o] = n
-    return Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
+    prog = Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
                    in_tree=in_tree, out_tree=out_tree, input_names=input_names,
                    output_names=output_names, closed_jaxpr=closed, fallbacks=sorted(b.fallbacks),
                    value_names=b.names)
+    prog.classes  # part of building the IR: every partitioning needs them
+    return prog
 
 
 def _arg_names(fn, n: int) -> list[str]:
@@ -83,20 +91,14 @@ class _Builder:
 
     def value(self, aval, region, name=None) -> int:
         vid = len(self.values)
-        self.values.append(Value(vid, tuple(int(d) for d in aval.shape), aval.dtype, region))
+        self.values.append(Value(vid, tuple(aval.shape), aval.dtype, region))
         if name is not None:
             self.names[vid] = name
         return vid
 
     def op(self, prim, operands, results, rule, region, link, eqn=None) -> int:
-        slots = []
-        for vids, specs in ((operands, rule.operands), (results, rule.results)):
-            for v, spec in zip(vids, specs):
-                if v >= 0 and spec:
-                    slots.append((v, spec))
-        n_in = sum(1 for v, s in zip(operands, rule.operands) if v >= 0 and s)
         oid = len(self.ops)
-        self.ops.append(Op(oid, prim, tuple(operands), tuple(results), rule, region, link, eqn, tuple(slots), n_in))
+        self.ops.append(Op(oid, prim, tuple(operands), tuple(results), rule, region, link, eqn))
         return oid
 
     def link(self, kind, src, dst, region, *, blocked_lead=0):
@@ -121,7 +123,7 @@ class _Builder:
     def rule(self, eqn, in_shapes, out_shapes) -> FactorRule:
         prim = eqn.primitive.name
         try:
-            key = (prim, in_shapes, out_shapes, tuple(sorted(eqn.params.items())))
+            key = (prim, in_shapes, out_shapes, tuple(eqn.params.items()))
             hash(key)
         except TypeError:
             key = None
@@ -167,8 +169,8 @@ class _Builder:
                 region.children[i] = handler(self, rid, eqn, ins, outs)
                 region.eqn_ops.append(-1)
                 continue
-            in_shapes = tuple(tuple(int(d) for d in getattr(v.aval, "shape", ())) for v in eqn.invars)
-            out_shapes = tuple(tuple(int(d) for d in v.aval.shape) for v in eqn.outvars)
+            in_shapes = tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)
+            out_shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
             rule = self.rule(eqn, in_shapes, out_shapes)
             region.eqn_ops.append(self.op(prim, ins, outs, rule, rid, False, eqn))
         return [-1 if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]

@@ -4,9 +4,10 @@ completed by propagation.
 State: each value has an at-rest `Tiling`; each op has a *factor tiling*, the mesh axes
 of each of its rule's factors, i.e. how the op itself is computed. Both only ever grow.
 
-Propagation is a worklist fixpoint. When a value changes, each op touching it merges
-the value's tiling into its factor tiling (projecting dims onto factors), then pushes
-the factor tiling back onto all its values. A proposal that disagrees with what is
+Values that must share a tiling (`partir._classes`) are tiled as one class.
+Propagation is a worklist fixpoint over the non-trivial ops. When a class changes, each
+op touching it merges the class's tiling into its factor tiling (projecting dims onto
+factors), then pushes the factor tiling back onto all its classes. A proposal that disagrees with what is
 already there loses: the earlier decision wins, so the schedule order is the priority.
 The loser is not dropped silently: wherever a value's tiling differs from what an op
 computes with, `reshards()` reports a reshard point (and, for split reduction factors,
@@ -22,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
-from ._ir import Program
+from ._ir import Program, no_gc
 from ._mesh import MeshSpec
 from ._tiling import Tiling
 
@@ -59,12 +60,14 @@ class Partitioning:
         self.program = program
         self.mesh = mesh
         self._msize = mesh.sizes()
-        self._t: list[Tiling] = [Tiling.replicated(v.rank) for v in program.values]
+        self._cls = program.classes
+        self._of = self._cls.of
+        # Dim tilings of each class as plain tuples (axes per dim): the propagator's hot data.
+        self._d: list[tuple] = [((),) * program.values[m[0]].rank for m in self._cls.members]
         empty: dict[int, tuple] = {}
         self._f: list[tuple] = [empty.setdefault(op.rule.num_factors, ((),) * op.rule.num_factors) for op in program.ops]
-        self._pinned = bytearray(len(program.values))
+        self._pinned = bytearray(len(self._cls))
         self._inq = bytearray(len(program.ops))
-        self._blocked: dict[int, frozenset] = {}
         self._log: list[tuple] = []
         self._decisions: list[Decision] = []
         self._hash = 0
@@ -72,15 +75,20 @@ class Partitioning:
     # -- reading -----------------------------------------------------------------------
     def tiling(self, value) -> Tiling:
         """The at-rest tiling of a value (id, `Value` or name)."""
-        return self._t[self.program.resolve(value)]
+        return Tiling(self._d[self._of[self.program.resolve(value)]])
 
     def factor_tiling(self, op: int) -> tuple[tuple[str, ...], ...]:
         """Mesh axes of each factor of op `op`'s rule: how the op is computed."""
-        return self._f[op]
+        if not self._cls.trivial[op]:
+            return self._f[op]
+        F = list(self._f[op])
+        for c, d, f in self._cls.single[op]:
+            F[f] = self._d[c][d]
+        return tuple(F)
 
     def is_pinned(self, value) -> bool:
-        """True when `replicate` fixed the value's tiling."""
-        return bool(self._pinned[self.program.resolve(value)])
+        """True when `replicate` fixed the value's tiling (and its class's)."""
+        return bool(self._pinned[self._of[self.program.resolve(value)]])
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -91,12 +99,10 @@ class Partitioning:
         """A hash of the whole state (tilings, pins, factor tilings), kept incrementally."""
         return self._hash
 
-    def required(self, op: int, slot: int) -> Tiling:
-        """The tiling op `op` computes its `slot`-th slot with (operands first, results
-        after; only values of rank > 0 have slots)."""
+    def required(self, op: int, operand: int) -> Tiling:
+        """The tiling op `op` computes with for its `operand`-th operand."""
         o = self.program.ops[op]
-        _, spec = o.slots[slot]
-        return Tiling(self._project(self._f[op], spec, o.rule.sizes))
+        return Tiling(self._project(self.factor_tiling(op), o.rule.operands[operand], o.rule.sizes))
 
     def produced(self, value) -> Tiling:
         """The tiling a value has as its producer computes it: partial over the axes of
@@ -104,10 +110,10 @@ class Partitioning:
         v = self.program.resolve(value)
         oid = self.program.producer[v]
         if oid < 0:
-            return self._t[v]
+            return Tiling(self._d[self._of[v]])
         op = self.program.ops[oid]
         k = op.results.index(v)
-        F = self._f[oid]
+        F = self.factor_tiling(oid)
         dims = self._project(F, op.rule.results[k], op.rule.sizes)
         return Tiling(dims, self._partial_axes(op, F), op.rule.reduce_kind)
 
@@ -115,21 +121,27 @@ class Partitioning:
         """Every reshard and reduction point (of the given ops, or of all), in op order."""
         out = []
         prog = self.program
+        D = self._d
+        of = self._of
+        trivial = self._cls.trivial
         for oid in range(len(prog.ops)) if ops is None else sorted(ops):
+            if trivial[oid]:
+                continue
             op = prog.ops[oid]
             F = self._f[oid]
             partial = self._partial_axes(op, F)
             sizes = op.rule.sizes
             for k, (v, spec) in enumerate(zip(op.operands, op.rule.operands)):
                 if v >= 0 and spec:
-                    want = Tiling(self._project(F, spec, sizes))
-                    if want != self._t[v]:
-                        out.append(Reshard(oid, v, "operand", k, self._t[v], want))
+                    want = self._project(F, spec, sizes)
+                    if want != D[of[v]]:
+                        out.append(Reshard(oid, v, "operand", k, Tiling(D[of[v]]), Tiling(want)))
             for k, (v, spec) in enumerate(zip(op.results, op.rule.results)):
                 if v >= 0 and (spec or partial):
-                    made = Tiling(self._project(F, spec, sizes), partial, op.rule.reduce_kind)
-                    if made != self._t[v]:
-                        out.append(Reshard(oid, v, "result", k, made, self._t[v]))
+                    made = self._project(F, spec, sizes)
+                    if made != D[of[v]] or partial:
+                        out.append(Reshard(oid, v, "result", k, Tiling(made, partial, op.rule.reduce_kind),
+                                           Tiling(D[of[v]])))
         return out
 
     # -- actions -----------------------------------------------------------------------
@@ -140,33 +152,35 @@ class Partitioning:
         prog = self.program
         v = prog.resolve(value)
         val = prog.values[v]
-        name = prog.name(v)
         size = self.mesh.size(axis)
         if not -val.rank <= dim < val.rank:
-            raise PartitioningError(f"cannot tile {name}: dim {dim} is out of range for shape {val.shape}")
+            raise PartitioningError(f"cannot tile {prog.name(v)}: dim {dim} is out of range for shape {val.shape}")
         dim %= val.rank
-        t = self._t[v]
-        if self._pinned[v]:
-            raise PartitioningError(f"cannot tile {name}: it was pinned replicated by an earlier decision")
-        if axis in t.dims[dim]:
+        c = self._of[v]
+        dims = self._d[c]
+        if axis in dims[dim]:
             return
-        if axis in t.axes():
-            raise PartitioningError(f"cannot tile {name} dim {dim} over {axis!r}: its tiling {t} already uses that axis")
+        if self._pinned[c]:
+            raise PartitioningError(f"cannot tile {prog.name(v)}: it was pinned replicated by an earlier decision")
+        if any(axis in d for d in dims):
+            raise PartitioningError(
+                f"cannot tile {prog.name(v)} dim {dim} over {axis!r}: its tiling {Tiling(dims)} already uses that axis")
         k = size
-        for a in t.dims[dim]:
+        for a in dims[dim]:
             k *= self._msize[a]
         if val.shape[dim] % k:
             raise PartitioningError(
-                f"cannot tile {name} dim {dim} (size {val.shape[dim]}) over {axis!r}: {k} devices do not divide it; "
-                "pick a dim whose size the axis divides"
+                f"cannot tile {prog.name(v)} dim {dim} (size {val.shape[dim]}) over {axis!r}: {k} devices do not "
+                "divide it; pick a dim whose size the axis divides"
             )
         mark = self.mark()
         try:
-            dims = list(t.dims)
-            dims[dim] = dims[dim] + (axis,)
-            self._set(v, Tiling(tuple(dims)))
+            new = list(dims)
+            new[dim] = dims[dim] + (axis,)
+            self._set(c, tuple(new))
             self._decide(Decision("tile", v, dim, axis, source))
-            self._propagate(v)
+            with no_gc():
+                self._propagate(c)
         except BaseException:
             self.rollback(mark)
             raise
@@ -175,17 +189,16 @@ class Partitioning:
         """Pin `value` replicated: propagation will not split it, and ops that want it split
         reshard it instead."""
         v = self.program.resolve(value)
-        t = self._t[v]
-        if not t.is_replicated:
+        c = self._of[v]
+        if any(self._d[c]):
             raise PartitioningError(
-                f"cannot replicate {self.program.name(v)}: it is already tiled {t}; "
+                f"cannot replicate {self.program.name(v)}: it is already tiled {Tiling(self._d[c])}; "
                 "replicate it before the decisions that split it"
             )
-        if not self._pinned[v]:
-            self._hash ^= self._contrib(v)
-            self._log.append(("p", v))
-            self._pinned[v] = 1
-            self._hash ^= self._contrib(v)
+        if not self._pinned[c]:
+            self._log.append((_PIN, c))
+            self._pinned[c] = 1
+            self._hash ^= hash((_PIN, c))
         self._decide(Decision("replicate", v, None, None, source))
 
     def mark(self) -> int:
@@ -194,71 +207,60 @@ class Partitioning:
 
     def rollback(self, mark: int) -> None:
         """Undo every change made since `mark`."""
-        log = self._log
+        log, D, Fs = self._log, self._d, self._f
+        h = self._hash
         while len(log) > mark:
             entry = log.pop()
             kind = entry[0]
-            if kind == "t":
+            if kind == _VAL:
                 _, v, old = entry
-                self._hash ^= self._contrib(v)
-                self._t[v] = old
-                self._hash ^= self._contrib(v)
-            elif kind == "f":
+                h ^= _vhash(v, D[v]) ^ _vhash(v, old)
+                D[v] = old
+            elif kind == _FAC:
                 _, o, old = entry
-                self._hash ^= self._fcontrib(o)
-                self._f[o] = old
-                self._hash ^= self._fcontrib(o)
-            elif kind == "p":
-                v = entry[1]
-                self._hash ^= self._contrib(v)
-                self._pinned[v] = 0
-                self._hash ^= self._contrib(v)
+                h ^= _fhash(o, Fs[o]) ^ _fhash(o, old)
+                Fs[o] = old
+            elif kind == _PIN:
+                self._pinned[entry[1]] = 0
+                h ^= hash((_PIN, entry[1]))
             else:
                 self._decisions.pop()
+        self._hash = h
 
     def changed_since(self, mark: int) -> tuple[set[int], set[int]]:
-        """(values, ops) whose tilings changed since `mark`."""
-        vals, ops = set(), set()
+        """(values, ops) whose tilings changed since `mark`: values of changed classes;
+        ops whose factor tiling changed, including trivial ops of changed classes."""
+        classes, ops = set(), set()
         for entry in self._log[mark:]:
-            if entry[0] in ("t", "p"):
-                vals.add(entry[1])
-            elif entry[0] == "f":
+            if entry[0] in (_VAL, _PIN):
+                classes.add(entry[1])
+            elif entry[0] == _FAC:
                 ops.add(entry[1])
+        vals = {v for c in classes for v in self._cls.members[c]}
+        trivial = self._cls.trivial
+        value_ops = self.program.value_ops
+        ops.update(o for v in vals for o in value_ops[v] if trivial[o])
         return vals, ops
 
     def copy(self) -> "Partitioning":
         """An independent copy (the undo log is not carried over)."""
         c = Partitioning.__new__(Partitioning)
         c.program, c.mesh, c._msize = self.program, self.mesh, self._msize
-        c._t, c._f = list(self._t), list(self._f)
+        c._d, c._f = list(self._d), list(self._f)
         c._pinned, c._inq = bytearray(self._pinned), bytearray(len(self._inq))
-        c._blocked, c._log, c._decisions, c._hash = self._blocked, [], list(self._decisions), self._hash
+        c._log, c._decisions, c._hash = [], list(self._decisions), self._hash
         return c
 
     # -- internals ---------------------------------------------------------------------
-    def _contrib(self, v: int) -> int:
-        t = self._t[v]
-        return hash((v, t, self._pinned[v])) if (self._pinned[v] or not t.is_replicated) else 0
-
-    def _fcontrib(self, o: int) -> int:
-        F = self._f[o]
-        return hash(("f", o, F)) if any(F) else 0
-
-    def _set(self, v: int, t: Tiling) -> None:
-        self._hash ^= self._contrib(v)
-        self._log.append(("t", v, self._t[v]))
-        self._t[v] = t
-        self._hash ^= self._contrib(v)
+    def _set(self, v: int, dims: tuple) -> None:
+        old = self._d[v]
+        self._hash ^= _vhash(v, old) ^ _vhash(v, dims)
+        self._log.append((_VAL, v, old))
+        self._d[v] = dims
 
     def _decide(self, d: Decision) -> None:
         self._decisions.append(d)
-        self._log.append(("d",))
-
-    def _blocked_of(self, rule) -> frozenset:
-        b = self._blocked.get(id(rule))
-        if b is None:
-            b = self._blocked[id(rule)] = frozenset(rule.blocked)
-        return b
+        self._log.append((_DEC,))
 
     def _partial_axes(self, op, F) -> tuple[str, ...]:
         if not op.rule.reduction:
@@ -269,23 +271,23 @@ class Partitioning:
     def _project(self, F, spec, sizes) -> tuple[tuple[str, ...], ...]:
         # Factor tilings -> dim tilings. A dim made of several factors can only carry the
         # minor factors' axes when the major ones are split all the way.
-        ms = self._msize
         out = []
         for fs in spec:
-            if len(fs) == 1:
-                out.append(F[fs[0]])
-                continue
-            axes = ()
-            for f in fs:
-                ax = F[f]
-                axes += ax
-                k = 1
-                for a in ax:
-                    k *= ms[a]
-                if k != sizes[f]:
-                    break
-            out.append(axes)
+            out.append(F[fs[0]] if len(fs) == 1 else self._join(F, fs, sizes) if fs else ())
         return tuple(out)
+
+    def _join(self, F, fs, sizes) -> tuple[str, ...]:
+        ms = self._msize
+        axes = ()
+        for f in fs:
+            ax = F[f]
+            axes += ax
+            k = 1
+            for a in ax:
+                k *= ms[a]
+            if k != sizes[f]:
+                break
+        return axes
 
     def _split(self, axes, fs, sizes, blocked):
         # Dim tiling -> proposals per factor, major factor first; stops where an axis does
@@ -306,94 +308,114 @@ class Partitioning:
                 break
         return out
 
-    def _propagate(self, v: int) -> None:
-        prog = self.program
-        value_ops = prog.value_ops
+    def _propagate(self, c: int) -> None:
+        value_ops = self._cls.ops
         inq = self._inq
-        queue = deque()
-        for o in value_ops[v]:
+        queue = deque(value_ops[c])
+        for o in queue:
             inq[o] = 1
-            queue.append(o)
+        process = self._process
         while queue:
             o = queue.popleft()
             inq[o] = 0
-            for w in self._process(o):
+            for w in process(o):
                 for o2 in value_ops[w]:
-                    if o2 != o and not inq[o2]:
+                    if not inq[o2] and o2 != o:
                         inq[o2] = 1
                         queue.append(o2)
 
     def _process(self, oid: int) -> list[int]:
         op = self.program.ops[oid]
-        rule = op.rule
-        sizes = rule.sizes
-        blocked = self._blocked_of(rule)
-        ms = self._msize
-        T = self._t
+        single, multi = self._cls.single[oid], self._cls.multi[oid]
+        D = self._d
         F = self._f[oid]
         new = None
-        used = None
-        # 1. Pull: merge every value's dim tilings into the op's factor tiling.
-        for vid, spec in op.slots:
-            dims = T[vid].dims
-            for d in range(len(spec)):
-                axes = dims[d]
-                if not axes:
-                    continue
-                fs = spec[d]
-                if len(fs) == 1:
-                    f = fs[0]
-                    if f in blocked or (new or F)[f] == axes:
-                        continue
-                    props = ((f, axes),)
-                else:
-                    props = self._split(axes, fs, sizes, blocked)
-                for f, ax in props:
+        # 1. Pull: merge every class's dim tilings into the op's factor tiling; a proposal
+        # that disagrees with what is there loses (the earlier tiling wins).
+        for vid, d, f in single:
+            axes = D[vid][d]
+            if not axes:
+                continue
+            cur = (new or F)[f]
+            if cur == axes:
+                continue
+            n = len(cur)
+            if len(axes) <= n or axes[:n] != cur:
+                continue
+            new = self._grow(new, F, f, axes, n, op.rule.sizes)
+        for vid, d, fs in multi:
+            axes = D[vid][d]
+            if axes:
+                for f, ax in self._split(axes, fs, op.rule.sizes, op.rule.blocked):
                     cur = (new or F)[f]
                     n = len(cur)
-                    if len(ax) <= n or ax[:n] != cur:
-                        continue  # already there, or a conflict: the earlier tiling wins
-                    if used is None:
-                        used = {a for fa in F for a in fa}
-                    add = ax[n:]
-                    if any(a in used for a in add):
-                        continue  # the axis already splits another factor of this op
-                    k = 1
-                    for a in ax:
-                        k *= ms[a]
-                    if sizes[f] % k:
-                        continue
-                    if new is None:
-                        new = list(F)
-                    new[f] = ax
-                    used.update(add)
+                    if len(ax) > n and ax[:n] == cur:
+                        new = self._grow(new, F, f, ax, n, op.rule.sizes)
         if new is None:
             return []
-        self._hash ^= self._fcontrib(oid)
-        self._log.append(("f", oid, F))
-        F = self._f[oid] = tuple(new)
-        self._hash ^= self._fcontrib(oid)
-        # 2. Push: grow every value toward the op's factor tiling where compatible.
-        changed = []
+        new = tuple(new)
+        self._hash ^= _fhash(oid, F) ^ _fhash(oid, new)
+        self._log.append((_FAC, oid, F))
+        F = self._f[oid] = new
+        # 2. Push: grow every class toward the op's factor tiling where compatible.
         pinned = self._pinned
-        for vid, spec in op.slots:
-            if pinned[vid]:
-                continue
-            t = T[vid]
-            want = self._project(F, spec, sizes)
-            dims = None
-            for d, w in enumerate(want):
-                cur = (dims or t.dims)[d]
-                n = len(cur)
-                if len(w) <= n or w[:n] != cur:
-                    continue
-                taken = {a for dd in (dims or t.dims) for a in dd}
-                if any(a in taken for a in w[n:]):
-                    continue
-                if dims is None:
-                    dims = list(t.dims)
-                dims[d] = w
-            if dims is not None:
-                self._set(vid, Tiling(tuple(dims)))
-                changed.append(vid)
-        return changed
+        pending: dict[int, list] = {}
+        for vid, d, f in single:
+            w = F[f]
+            if w and not pinned[vid]:
+                self._offer(pending, D, vid, d, w)
+        for vid, d, fs in multi:
+            if not pinned[vid]:
+                w = self._join(F, fs, op.rule.sizes)
+                if w:
+                    self._offer(pending, D, vid, d, w)
+        for vid, dims in pending.items():
+            self._set(vid, tuple(dims))
+        return list(pending)
+
+    def _grow(self, new, F, f, axes, n, sizes):
+        # Extend factor f to `axes` unless an added axis already splits another factor of
+        # this op or the axes do not divide the factor.
+        G = new or F
+        add = axes[n:]
+        for fa in G:
+            for a in add:
+                if a in fa:
+                    return new
+        k = 1
+        ms = self._msize
+        for a in axes:
+            k *= ms[a]
+        if sizes[f] % k:
+            return new
+        if new is None:
+            new = list(F)
+        new[f] = axes
+        return new
+
+    @staticmethod
+    def _offer(pending, D, vid, d, w):
+        dims = pending.get(vid) or D[vid]
+        cur = dims[d]
+        n = len(cur)
+        if len(w) <= n or w[:n] != cur:
+            return
+        add = w[n:]
+        for dd in dims:
+            for a in add:
+                if a in dd:
+                    return
+        if vid not in pending:
+            dims = pending[vid] = list(dims)
+        dims[d] = w
+
+
+_VAL, _FAC, _PIN, _DEC = range(4)
+
+
+def _vhash(v: int, dims: tuple) -> int:
+    return hash((v, dims)) if any(dims) else 0
+
+
+def _fhash(o: int, F: tuple) -> int:
+    return hash((-1 - o, F)) if any(F) else 0
