@@ -14,3 +14,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Each generated program compiles twice on 8 devices: keep the default run short, and
+# let `make test-all` (`--hypothesis-profile=thorough`) run many more.
+settings.register_profile("automap", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("automap")
