@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import gc
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ class Value(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Bytes of the whole (unpartitioned) value."""
-        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+        return math.prod(self.shape) * _itemsize(self.dtype)
 
 
 def _itemsize(dtype) -> int:
@@ -93,7 +94,7 @@ class Program:
     """A lifted program: the graph the partitioner works on. Immutable once built."""
 
     def __init__(self, *, values, ops, regions, inputs, outputs, in_tree, out_tree,
-                 input_names, output_names, closed_jaxpr, fallbacks, value_names):
+                 input_names, input_args, output_names, closed_jaxpr, fallbacks, value_names):
         self.values: tuple[Value, ...] = tuple(values)
         self.ops: tuple[Op, ...] = tuple(ops)
         self.regions: tuple[Region, ...] = tuple(regions)
@@ -102,6 +103,8 @@ class Program:
         self.in_tree = in_tree
         self.out_tree = out_tree
         self.input_names: tuple[str, ...] = tuple(input_names)
+        #: Position of each input's argument among the (non-static) arguments.
+        self.input_args: tuple[int, ...] = tuple(input_args)
         self.output_names: tuple[str, ...] = tuple(output_names)
         self.closed_jaxpr = closed_jaxpr
         self.fallbacks: tuple[str, ...] = tuple(fallbacks)

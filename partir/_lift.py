@@ -34,13 +34,14 @@ def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
     dyn_names = [n for i, n in enumerate(arg_names) if i not in static]
     leaves, in_tree = jax.tree_util.tree_flatten_with_path(dyn)
     input_names = [dyn_names[p[0].idx] + jax.tree_util.keystr(p[1:]) for p, _ in leaves]
+    input_args = [p[0].idx for p, _ in leaves]
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     output_names = ["out" + jax.tree_util.keystr(p) for p, _ in out_leaves]
     with no_gc():
-        return _build(closed, in_tree, out_tree, input_names, output_names)
+        return _build(closed, in_tree, out_tree, input_names, input_args, output_names)
 
 
-def _build(closed, in_tree, out_tree, input_names, output_names) -> Program:
+def _build(closed, in_tree, out_tree, input_names, input_args, output_names) -> Program:
     b = _Builder()
     top = b.region("top", -1, closed.jaxpr, closed.consts)
     env = {}
@@ -55,7 +56,7 @@ def _build(closed, in_tree, out_tree, input_names, output_names) -> Program:
         if o >= 0 and o not in b.names:
             b.names[o] = n
     prog = Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
-                   in_tree=in_tree, out_tree=out_tree, input_names=input_names,
+                   in_tree=in_tree, out_tree=out_tree, input_names=input_names, input_args=input_args,
                    output_names=output_names, closed_jaxpr=closed, fallbacks=sorted(b.fallbacks),
                    value_names=b.names)
     prog.classes  # part of building the IR: every partitioning needs them
@@ -175,8 +176,12 @@ class _Builder:
             region.eqn_ops.append(self.op(prim, ins, outs, rule, rid, False, eqn))
         return [-1 if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
 
-    def sub(self, kind, parent, closed, *, trip_count=1, names=None):
-        """Open a child region for `closed` (Jaxpr or ClosedJaxpr); returns (rid, invars, outvars)."""
+    def sub(self, kind, parent, closed, *, trip_count=1, enter=None):
+        """Lift `closed` (Jaxpr or ClosedJaxpr) as a child region of `parent`.
+
+        `enter(invars)` runs after the region's invars exist and before its body is
+        lifted, to link outer values in: op order then follows execution order (in-links,
+        body, out-links), which liveness relies on. Returns (rid, invars, outvars)."""
         jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, ClosedJaxpr) else (closed, ())
         rid = self.region(kind, parent, jaxpr, consts, trip_count)
         env = {}
@@ -184,6 +189,8 @@ class _Builder:
         ivs = [self.value(v.aval, rid, f"{kind}#{rid}.in[{k}]") for k, v in enumerate(jaxpr.invars)]
         env.update(zip(jaxpr.constvars, cvs))
         env.update(zip(jaxpr.invars, ivs))
+        if enter is not None:
+            enter(ivs)
         ovs = self.body(rid, jaxpr, env)
         r = self.regions[rid]
         r.constvars, r.invars, r.outvars = tuple(cvs), tuple(ivs), tuple(ovs)
@@ -198,31 +205,32 @@ def _sub_jaxprs(eqn):
     return [v for v in eqn.params.values() if isinstance(v, (Jaxpr, ClosedJaxpr))]
 
 
+def _links(b: _Builder, kind, srcs, dsts, region, **kw):
+    for src, dst in zip(srcs, dsts):
+        b.link(kind, src, dst, region, **kw)
+
+
 def _call(b: _Builder, rid, eqn, ins, outs):
     (sub,) = _sub_jaxprs(eqn)
     prim = eqn.primitive.name
-    child, ivs, ovs = b.sub(prim, rid, sub)
-    for k, (src, dst) in enumerate(zip(ins, ivs)):
-        b.link(f"{prim}.in", src, dst, rid)
-    for src, dst in zip(ovs, outs):
-        b.link(f"{prim}.out", src, dst, rid)
+    child, ivs, ovs = b.sub(prim, rid, sub, enter=lambda ivs: _links(b, f"{prim}.in", ins, ivs, rid))
+    _links(b, f"{prim}.out", ovs, outs, rid)
     return (child,)
 
 
 def _scan(b: _Builder, rid, eqn, ins, outs):
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
-    child, ivs, ovs = b.sub("scan", rid, p["jaxpr"], trip_count=int(p["length"]))
-    for src, dst in zip(ins[:nc], ivs[:nc]):
-        b.link("scan.const", src, dst, rid)
-    for k in range(nk):
-        b.link("scan.carry_in", ins[nc + k], ivs[nc + k], rid)
-        b.link("scan.carry_loop", ovs[k], ivs[nc + k], child)
-        b.link("scan.carry_out", ovs[k], outs[k], rid)
-    for src, dst in zip(ins[nc + nk:], ivs[nc + nk:]):
-        b.link("scan.xs", src, dst, rid, blocked_lead=1)
-    for src, dst in zip(ovs[nk:], outs[nk:]):
-        b.link("scan.ys", src, dst, rid, blocked_lead=-1)
+
+    def enter(ivs):
+        _links(b, "scan.const", ins[:nc], ivs[:nc], rid)
+        _links(b, "scan.carry_in", ins[nc:nc + nk], ivs[nc:nc + nk], rid)
+        _links(b, "scan.xs", ins[nc + nk:], ivs[nc + nk:], rid, blocked_lead=1)
+
+    child, ivs, ovs = b.sub("scan", rid, p["jaxpr"], trip_count=int(p["length"]), enter=enter)
+    _links(b, "scan.carry_loop", ovs[:nk], ivs[nc:nc + nk], child)
+    _links(b, "scan.carry_out", ovs[:nk], outs[:nk], rid)
+    _links(b, "scan.ys", ovs[nk:], outs[nk:], rid, blocked_lead=-1)
     return (child,)
 
 
@@ -230,29 +238,28 @@ def _while(b: _Builder, rid, eqn, ins, outs):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     init = ins[cn + bn:]
-    cid, civ, _ = b.sub("while.cond", rid, p["cond_jaxpr"], trip_count=None)
-    bid, biv, bov = b.sub("while.body", rid, p["body_jaxpr"], trip_count=None)
-    for src, dst in zip(ins[:cn], civ[:cn]):
-        b.link("while.const", src, dst, rid)
-    for src, dst in zip(ins[cn:cn + bn], biv[:bn]):
-        b.link("while.const", src, dst, rid)
-    for k, src in enumerate(init):
-        b.link("while.carry_in", src, biv[bn + k], rid)
-        b.link("while.carry_in", src, civ[cn + k], rid)
-        b.link("while.carry_loop", bov[k], biv[bn + k], bid)
-        b.link("while.carry_loop", bov[k], civ[cn + k], bid)
-        b.link("while.carry_out", bov[k], outs[k], rid)
+
+    def enter_cond(civ):
+        _links(b, "while.const", ins[:cn], civ[:cn], rid)
+        _links(b, "while.carry_in", init, civ[cn:], rid)
+
+    def enter_body(biv):
+        _links(b, "while.const", ins[cn:cn + bn], biv[:bn], rid)
+        _links(b, "while.carry_in", init, biv[bn:], rid)
+
+    cid, civ, _ = b.sub("while.cond", rid, p["cond_jaxpr"], trip_count=None, enter=enter_cond)
+    bid, biv, bov = b.sub("while.body", rid, p["body_jaxpr"], trip_count=None, enter=enter_body)
+    _links(b, "while.carry_loop", bov, biv[bn:], bid)
+    _links(b, "while.carry_loop", bov, civ[cn:], bid)
+    _links(b, "while.carry_out", bov, outs, rid)
     return (cid, bid)
 
 
 def _cond(b: _Builder, rid, eqn, ins, outs):
     children = []
     for branch in eqn.params["branches"]:
-        child, ivs, ovs = b.sub("cond.branch", rid, branch)
-        for src, dst in zip(ins[1:], ivs):
-            b.link("cond.in", src, dst, rid)
-        for src, dst in zip(ovs, outs):
-            b.link("cond.out", src, dst, rid)
+        child, ivs, ovs = b.sub("cond.branch", rid, branch, enter=lambda ivs: _links(b, "cond.in", ins[1:], ivs, rid))
+        _links(b, "cond.out", ovs, outs, rid)
         children.append(child)
     return tuple(children)
 
