@@ -49,13 +49,15 @@ def sort(in_shapes, out_shapes, params):
 
 @register("top_k")
 def top_k(in_shapes, out_shapes, params):
-    """Leading dims pass through; the selected dim is blocked: `([i, j]) -> ([i, k], [i, k]) blocked={j, k}`."""
+    """Every dim blocked: `([i, j]) -> ([k, l], [k, l]) blocked={i, j, k, l}`. Mathematically
+    the leading dims could pass through, but XLA's SPMD partitioner replicates the TopK
+    custom call it lowers to (it all-gathers the operand), so a split here would be a
+    promise the lowering does not keep; the plan reshards around it instead."""
     name = Namer()
     rank = len(in_shapes[0])
-    ax = params.get("axis", rank - 1) % rank
-    ins = [name(d) if d != ax else name("in") for d in range(rank)]
-    out = [name(d) if d != ax else name("out") for d in range(rank)]
-    return factor_rule([ins], [out] * len(out_shapes), in_shapes, out_shapes, blocked=[ins[ax], out[ax]])
+    ins = [name(("in", d)) for d in range(rank)]
+    out = [name(("out", d)) for d in range(rank)]
+    return factor_rule([ins], [out] * len(out_shapes), in_shapes, out_shapes, blocked=ins + out)
 
 
 @register("random_bits", "random_split")
