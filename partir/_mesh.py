@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +22,7 @@ class MeshSpec:
     """
 
     axes: tuple[tuple[str, int], ...]
+    _names: tuple = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         names = [n for n, _ in self.axes]
@@ -34,6 +35,7 @@ class MeshSpec:
                 )
             if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
                 raise PartitioningError(f"mesh axis {name!r} has size {size!r}: sizes are positive integers")
+        object.__setattr__(self, "_names", tuple(names))
 
     @classmethod
     def of(cls, **sizes: int) -> "MeshSpec":
@@ -61,7 +63,7 @@ class MeshSpec:
     @property
     def names(self) -> tuple[str, ...]:
         """Axis names in mesh order."""
-        return tuple(n for n, _ in self.axes)
+        return self._names
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -67,10 +67,15 @@ class Partitioning:
         empty: dict[int, tuple] = {}
         self._f: list[tuple] = [empty.setdefault(op.rule.num_factors, ((),) * op.rule.num_factors) for op in program.ops]
         self._pinned = bytearray(len(self._cls))
+        self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
         self._decisions: list[Decision] = []
         self._hash = 0
+        # Classes and ops changed since the last `take_touched`, by actions and rollbacks
+        # alike: what an incremental consumer (the cost model) must look at again.
+        self._touched_classes: set[int] = set()
+        self._touched_ops: set[int] = set()
 
     # -- reading -----------------------------------------------------------------------
     def tiling(self, value) -> Tiling:
@@ -102,7 +107,7 @@ class Partitioning:
     def required(self, op: int, operand: int) -> Tiling:
         """The tiling op `op` computes with for its `operand`-th operand."""
         o = self.program.ops[op]
-        return Tiling(self._project(self.factor_tiling(op), o.rule.operands[operand], o.rule.sizes))
+        return Tiling(self._project(self.factor_tiling(op), o.rule.operands[operand], o.rule.sizes, strict=False))
 
     def produced(self, value) -> Tiling:
         """The tiling a value has as its producer computes it: partial over the axes of
@@ -114,34 +119,52 @@ class Partitioning:
         op = self.program.ops[oid]
         k = op.results.index(v)
         F = self.factor_tiling(oid)
-        dims = self._project(F, op.rule.results[k], op.rule.sizes)
+        dims = self._project(F, op.rule.results[k], op.rule.sizes, strict=False)
         return Tiling(dims, self._partial_axes(op, F), op.rule.reduce_kind)
+
+    def op_layout(self, op: int):
+        """How op `op` computes: `(slots, partial, reduce_kind)` where `slots` lists
+        `(side, index, value, dims)` for each operand ('operand') and result ('result')
+        that is a value (not a literal or dropped), `dims` being the dim tiling the op
+        uses or produces, and
+        `partial` the axes its results are partial over. Reshard points are where a
+        slot's dims (or partial) differ from the value's at-rest tiling."""
+        o = self.program.ops[op]
+        F = self.factor_tiling(op)
+        key = (id(o.rule), F)
+        shape = self._layouts.get(key)
+        if shape is None:  # ops of repeated layers share rules and factor tilings
+            sizes = o.rule.sizes
+            ins = tuple(self._project(F, spec, sizes, strict=False) for spec in o.rule.operands)
+            outs = tuple(self._project(F, spec, sizes, strict=False) for spec in o.rule.results)
+            shape = self._layouts[key] = (ins, outs, self._partial_axes(o, F))
+        ins, outs, partial = shape
+        slots = [("operand", k, v, d) for k, (v, d) in enumerate(zip(o.operands, ins)) if v >= 0]
+        slots += [("result", k, v, d) for k, (v, d) in enumerate(zip(o.results, outs)) if v >= 0]
+        return tuple(slots), partial, o.rule.reduce_kind
 
     def reshards(self, ops=None) -> list[Reshard]:
         """Every reshard and reduction point (of the given ops, or of all), in op order."""
         out = []
-        prog = self.program
-        D = self._d
-        of = self._of
         trivial = self._cls.trivial
-        for oid in range(len(prog.ops)) if ops is None else sorted(ops):
-            if trivial[oid]:
-                continue
-            op = prog.ops[oid]
-            F = self._f[oid]
-            partial = self._partial_axes(op, F)
-            sizes = op.rule.sizes
-            for k, (v, spec) in enumerate(zip(op.operands, op.rule.operands)):
-                if v >= 0 and spec:
-                    want = self._project(F, spec, sizes)
-                    if want != D[of[v]]:
-                        out.append(Reshard(oid, v, "operand", k, Tiling(D[of[v]]), Tiling(want)))
-            for k, (v, spec) in enumerate(zip(op.results, op.rule.results)):
-                if v >= 0 and (spec or partial):
-                    made = self._project(F, spec, sizes)
-                    if made != D[of[v]] or partial:
-                        out.append(Reshard(oid, v, "result", k, Tiling(made, partial, op.rule.reduce_kind),
-                                           Tiling(D[of[v]])))
+        for oid in range(len(self.program.ops)) if ops is None else sorted(ops):
+            if not trivial[oid]:
+                out.extend(self.layout_reshards(oid, self.op_layout(oid)))
+        return out
+
+    def layout_reshards(self, op: int, layout) -> list[Reshard]:
+        """The reshard points of op `op` given its `op_layout` (which callers may cache
+        for as long as the op's factor tiling does not change)."""
+        slots, partial, kind = layout
+        D, of = self._d, self._of
+        out = []
+        for side, k, v, dims in slots:
+            have = D[of[v]]
+            if side == "operand":
+                if dims != have:
+                    out.append(Reshard(op, v, side, k, Tiling(have), Tiling(dims)))
+            elif dims != have or partial:
+                out.append(Reshard(op, v, side, k, Tiling(dims, partial, kind), Tiling(have)))
         return out
 
     # -- actions -----------------------------------------------------------------------
@@ -216,16 +239,39 @@ class Partitioning:
                 _, v, old = entry
                 h ^= _vhash(v, D[v]) ^ _vhash(v, old)
                 D[v] = old
+                self._touched_classes.add(v)
             elif kind == _FAC:
                 _, o, old = entry
                 h ^= _fhash(o, Fs[o]) ^ _fhash(o, old)
                 Fs[o] = old
+                self._touched_ops.add(o)
             elif kind == _PIN:
                 self._pinned[entry[1]] = 0
                 h ^= hash((_PIN, entry[1]))
             else:
                 self._decisions.pop()
         self._hash = h
+
+    def take_touched(self) -> tuple[set[int], set[int]]:
+        """(classes, ops) changed since the previous call, forward or by rollback; clears
+        them. Meant for one incremental consumer of this partitioning."""
+        out = (self._touched_classes, self._touched_ops)
+        self._touched_classes, self._touched_ops = set(), set()
+        return out
+
+    @property
+    def classes(self):
+        """The program's tiling classes (values that share one tiling)."""
+        return self._cls
+
+    def class_dims(self, c: int) -> tuple[tuple[str, ...], ...]:
+        """The dim tiling (axes per dim) of tiling class `c`."""
+        return self._d[c]
+
+    @property
+    def class_tilings(self) -> list:
+        """Dim tilings of all classes, by class id (live and read-only: do not modify)."""
+        return self._d
 
     def changed_since(self, mark: int) -> tuple[set[int], set[int]]:
         """(values, ops) whose tilings changed since `mark`: values of changed classes;
@@ -245,10 +291,11 @@ class Partitioning:
     def copy(self) -> "Partitioning":
         """An independent copy (the undo log is not carried over)."""
         c = Partitioning.__new__(Partitioning)
-        c.program, c.mesh, c._msize = self.program, self.mesh, self._msize
+        c.__dict__.update(self.__dict__)  # immutable or shared-by-design parts
         c._d, c._f = list(self._d), list(self._f)
         c._pinned, c._inq = bytearray(self._pinned), bytearray(len(self._inq))
-        c._log, c._decisions, c._hash = [], list(self._decisions), self._hash
+        c._log, c._decisions = [], list(self._decisions)
+        c._touched_classes, c._touched_ops = set(), set()
         return c
 
     # -- internals ---------------------------------------------------------------------
@@ -257,6 +304,7 @@ class Partitioning:
         self._hash ^= _vhash(v, old) ^ _vhash(v, dims)
         self._log.append((_VAL, v, old))
         self._d[v] = dims
+        self._touched_classes.add(v)
 
     def _decide(self, d: Decision) -> None:
         self._decisions.append(d)
@@ -268,12 +316,22 @@ class Partitioning:
         axes = {a for f in op.rule.reduction for a in F[f]}
         return tuple(a for a in self.mesh.names if a in axes)
 
-    def _project(self, F, spec, sizes) -> tuple[tuple[str, ...], ...]:
+    def _project(self, F, spec, sizes, strict=True) -> tuple[tuple[str, ...], ...]:
         # Factor tilings -> dim tilings. A dim made of several factors can only carry the
-        # minor factors' axes when the major ones are split all the way.
+        # minor factors' axes when the major ones are split all the way (`strict`: what
+        # a value may be tiled as). Not strict: every axis splitting the dim's factors,
+        # expressible or not: what the op computes with, which is what a reshard to or
+        # from it must move (a reshape merging [2, T] with T split must gather T).
         out = []
         for fs in spec:
-            out.append(F[fs[0]] if len(fs) == 1 else self._join(F, fs, sizes) if fs else ())
+            if len(fs) == 1:
+                out.append(F[fs[0]])
+            elif not fs:
+                out.append(())
+            elif strict:
+                out.append(self._join(F, fs, sizes))
+            else:
+                out.append(tuple(a for f in fs for a in F[f]))
         return tuple(out)
 
     def _join(self, F, fs, sizes) -> tuple[str, ...]:
@@ -357,6 +415,7 @@ class Partitioning:
         self._hash ^= _fhash(oid, F) ^ _fhash(oid, new)
         self._log.append((_FAC, oid, F))
         F = self._f[oid] = new
+        self._touched_ops.add(oid)
         # 2. Push: grow every class toward the op's factor tiling where compatible.
         pinned = self._pinned
         pending: dict[int, list] = {}
