@@ -1,0 +1,290 @@
+"""Accelerator descriptions for the cost model, and which link each mesh axis uses.
+
+A `DeviceSpec` holds per-device peak flop/s per dtype, HBM capacity and bandwidth, and
+the bandwidth and per-hop latency of two link levels: intra-node (NVLink, TPU ICI) and
+inter-node (InfiniBand, TPU DCN). `get_device` resolves a spec, a `PRESETS` name, or a
+.json/.toml file holding `DeviceSpec.to_dict()`; `link_levels` maps mesh axes to levels.
+
+Choices shared by the presets:
+- Peaks are dense: NVIDIA datasheets print 2:4-sparse figures, so dense is half of them.
+- 'float32' is the rate of a float32 *dot* under JAX's default matmul precision, as dots
+  carry the flops: TF32 tensor cores on Ampere/Hopper, one bf16 pass on TPU (JAX docs,
+  "Matmul precision": "bfloat16 on TPU, TF32 on recent GPUs"). Elementwise float32 runs
+  slower (CUDA cores, VPU), but it is HBM-bound, so the roofline's HBM term prices it.
+- Bandwidths are per device per direction, as `_comm`'s ring model uses them.
+- Latencies are estimates (orders of magnitude), not published figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+__all__ = ["DeviceError", "DeviceSpec", "PRESETS", "get_device", "link_levels"]
+
+
+class DeviceError(ValueError):
+    """A device name, file, description or link override that cannot be used."""
+
+
+_FLOAT_FIELDS = ("hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
+
+
+def _number(where: str, v) -> float:
+    # bool is an int subclass; `true` in a TOML file is a typo, not a figure.
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise DeviceError(f"{where} must be a positive finite number, got {v!r}")
+    return float(v)
+
+
+def _dtype_name(dtype) -> str:
+    # Arrays (and avals) carry a dtype; JAX deprecates np.dtype(array), so read it off.
+    if not isinstance(dtype, (str, type, np.dtype)) and hasattr(dtype, "dtype"):
+        dtype = dtype.dtype
+    # np.dtype takes numpy/JAX scalar types, dtypes and names like 'f4'; plain numpy does
+    # not know 'bfloat16' or the float8 names as strings, so those are kept as given.
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype).strip().lower()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """Figures of one accelerator and its links, per device.
+
+    `peak_flops` pairs a dtype name with dense flop/s; it must have 'float32'. Bandwidths
+    are bytes/s per device per direction; latencies are seconds per ring hop.
+    `devices_per_node` devices (consecutive ids) share the fast intra-node link.
+    `reduce_scatter` is False for a backend that lowers reduce-scatter to an all-reduce
+    and a slice (XLA:CPU).
+    """
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]
+    hbm_bytes: float
+    hbm_bandwidth: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    devices_per_node: int
+    reduce_scatter: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise DeviceError(f"name must be a non-empty string, got {self.name!r}")
+        pf = self.peak_flops.items() if isinstance(self.peak_flops, Mapping) else self.peak_flops
+        try:
+            pf = tuple((str(k), _number(f"peak_flops[{k!r}]", v)) for k, v in pf)
+        except (TypeError, ValueError) as e:  # not pairs: report it as a bad description
+            raise DeviceError(f"peak_flops must map dtype names to flop/s: {e}") from e
+        if "float32" not in dict(pf) or len(dict(pf)) != len(pf):  # float32: flops_for's fallback
+            raise DeviceError(f"peak_flops needs one entry per dtype, float32 among them: {pf}")
+        object.__setattr__(self, "peak_flops", pf)
+        for f in _FLOAT_FIELDS:
+            object.__setattr__(self, f, _number(f, getattr(self, f)))
+        d = self.devices_per_node
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise DeviceError(f"devices_per_node must be an integer >= 1, got {d!r}")
+        if not isinstance(self.reduce_scatter, bool):
+            raise DeviceError(f"reduce_scatter must be true or false, got {self.reduce_scatter!r}")
+
+    def flops_for(self, dtype) -> float:
+        """Peak flop/s for `dtype` (a numpy/JAX dtype, scalar type, array or name).
+
+        A dtype with no entry (int32, bool, float64, a float8 on a chip without float8...)
+        gets the 'float32' figure: a rough stand-in, as such ops are rarely flop-bound.
+        """
+        table = dict(self.peak_flops)
+        return table.get(_dtype_name(dtype), table["float32"])
+
+    def to_dict(self) -> dict:
+        """Plain dict (peak_flops as a {dtype: flop/s} mapping) for JSON/TOML files."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["peak_flops"] = dict(self.peak_flops)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> DeviceSpec:
+        """Inverse of `to_dict`; `reduce_scatter` may be left out (default True).
+
+        Unknown or missing keys raise `DeviceError` naming them and the allowed keys.
+        """
+        if not isinstance(d, Mapping):
+            raise DeviceError(f"a device description must be a mapping, got {type(d).__name__}")
+        allowed = [f.name for f in fields(cls)]
+        unknown = [k for k in d if k not in allowed]
+        missing = [k for k in allowed if k not in d and k != "reduce_scatter"]
+        if unknown or missing:
+            parts = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
+            raise DeviceError(f"bad device description: {'; '.join(parts)}; allowed keys: {', '.join(allowed)}")
+        if not isinstance(d["peak_flops"], Mapping):
+            raise DeviceError(f"peak_flops must be a {{dtype: flop/s}} mapping, got {d['peak_flops']!r}")
+        return cls(**d)
+
+
+# Interconnect figures shared by the GPU presets (per GPU, per direction).
+_NVLINK4 = 450e9  # NVLink 4 (H100/H200 SXM datasheets): 900 GB/s bidirectional per GPU
+_NVLINK3 = 300e9  # NVLink 3 (A100 datasheet): 600 GB/s bidirectional per GPU
+_NVLINK2 = 150e9  # NVLink 2 (V100 SXM2 datasheet): 300 GB/s bidirectional per GPU
+_NDR = 50e9  # InfiniBand NDR 400 Gb/s, one HCA per GPU (DGX H100: 8x ConnectX-7)
+_HDR = 25e9  # InfiniBand HDR 200 Gb/s, one HCA per GPU (DGX A100: 8x ConnectX-6)
+_EDR = 12.5e9  # InfiniBand EDR 100 Gb/s per GPU; optimistic: DGX-1 has 4 EDR ports for 8 GPUs
+_NVLINK_HOP = 1e-6  # estimate: order of a small-message NVLink/NVSwitch hop
+_IB_HOP = 5e-6  # estimate: order of a small-message RDMA hop through an IB switch
+_ICI_HOP = 1e-6  # estimate: order of a TPU ICI hop
+_DCN_HOP = 10e-6  # estimate: DCN goes through the host NIC and datacenter fabric, slower than IB
+
+
+def _flops(f32, bf16, f16, f8=None):
+    pf = (("float32", f32), ("bfloat16", bf16), ("float16", f16))
+    # Hopper's FP8 tensor cores run E4M3 and E5M2 at one rate.
+    return pf + ((("float8_e4m3fn", f8), ("float8_e5m2", f8)) if f8 else ())
+
+
+def _gpu(name, flops, hbm, hbm_bw, nvlink, ib):
+    # Every GPU preset is an 8-GPU HGX/DGX board: NVLink inside it, InfiniBand across.
+    return DeviceSpec(name, flops, hbm, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP, devices_per_node=8)
+
+
+# Figures per device. GPU sources are the NVIDIA datasheets of the named SKU; dense flops
+# are the printed sparse ones / 2. TPU sources are the Google Cloud TPU docs page of each
+# version, where a "node" is the ICI domain (the largest pod slice) and DCN joins slices.
+PRESETS: dict[str, DeviceSpec] = {
+    # H100 SXM5 80GB: TF32 989/2 (the f32 dot), BF16 = FP16 1,979/2, FP8 3,958/2 TFLOPS;
+    # "80GB" HBM3 taken as decimal GB (leaves room for the runtime's reserve), 3.35 TB/s.
+    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80e9, 3.35e12, _NVLINK4, _NDR),
+    # H200 SXM 141GB: H100 compute (same datasheet figures); 141 GB HBM3e at 4.8 TB/s.
+    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141e9, 4.8e12, _NVLINK4, _NDR),
+    # A100 SXM 80GB: TF32 312/2, BF16 = FP16 624/2 TFLOPS, no FP8; 80 GB HBM2e, 2,039 GB/s.
+    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80e9, 2.039e12, _NVLINK3, _HDR),
+    # V100 SXM2 32GB: FP32 15.7 TFLOPS (no TF32 on Volta), FP16 tensor cores 125 TFLOPS
+    # (no sparsity on Volta). No BF16 tensor cores: a bf16 dot runs on the CUDA cores, at
+    # best at the FP32 rate, so 'bfloat16' gets that. 32 GB HBM2, 900 GB/s. DGX-1 wires its 8 GPUs
+    # as a hybrid cube-mesh, not a switch: the NVLink figure is the per-GPU total.
+    "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32e9, 900e9, _NVLINK2, _EDR),
+    # TPU v4: "275 teraflops (bf16 or int8)" per chip; float32 at the same rate (one bf16
+    # pass, JAX's default), float16 assumed (not documented) to be converted to that path.
+    # "32 GiB, 1200 GBps" HBM2. ICI, derived estimate: "all-reduce bandwidth per Pod
+    # 1.1 PB/s" / 4096 chips ~ 270 GB/s per chip over 6 links ~ 45 GB/s per link per
+    # direction; a ring along one torus dimension uses its 2 links: 90 GB/s. DCN, estimate:
+    # 50 Gb/s per chip, the figure the docs give for v5p (none is given for v4).
+    # "TPU Pod size 4096 chips" is the ICI domain.
+    "tpu-v4": DeviceSpec(
+        "tpu-v4", _flops(275e12, 275e12, 275e12), 32 * 2**30, 1200e9,
+        90e9, _ICI_HOP, 6.25e9, _DCN_HOP, devices_per_node=4096,
+    ),
+    # TPU v5e: "197 TFLOPs" bf16 per chip, float32/float16 as for v4, no float8 (int8
+    # only); "16 GB, 819 GBps" HBM. ICI, derived: "400 GBps bidirectional per chip" over
+    # "4 ICI ports" = 50 GB/s per port per direction, 2 ports per torus dimension: 100 GB/s.
+    # DCN, derived: "2 x 100 Gbps NIC" per host / "8 chips per host" = 25 Gb/s per chip.
+    # "TPU Pod size 256 chips" is the ICI domain.
+    "tpu-v5e": DeviceSpec(
+        "tpu-v5e", _flops(197e12, 197e12, 197e12), 16e9, 819e9,
+        100e9, _ICI_HOP, 3.125e9, _DCN_HOP, devices_per_node=256,
+    ),
+    # The 8 simulated host devices of the tests (--xla_force_host_platform_device_count=8).
+    # NOMINAL figures, not a performance model, enough to rank plans on one host: 30 GFLOP/s
+    # per device for every float dtype (XLA:CPU computes bf16/f16 through f32), 8 GB of host
+    # RAM each, ~20 GB/s DRAM, copies at 10 GB/s (a memcpy reads and writes) with 10 us per
+    # step (a thread rendezvous); one shared memory, so inter = intra. XLA:CPU lowers
+    # reduce-scatter to an all-reduce and a slice.
+    "cpu": DeviceSpec(
+        "cpu", _flops(30e9, 30e9, 30e9), 8e9, 20e9,
+        10e9, 10e-6, 10e9, 10e-6, devices_per_node=8, reduce_scatter=False,
+    ),
+}
+
+_ALIASES = {
+    **dict.fromkeys(("h100-sxm", "h100-sxm5", "h100-80gb", "h100-sxm-80gb", "h100-sxm5-80gb"), "h100"),
+    **dict.fromkeys(("h200-sxm", "h200-141gb", "h200-sxm-141gb"), "h200"),
+    **dict.fromkeys(("a100-sxm", "a100-sxm4", "a100-80gb", "a100-sxm-80gb", "a100-sxm4-80gb"), "a100"),
+    **dict.fromkeys(("v100-sxm2", "v100-32gb", "v100-sxm2-32gb"), "v100"),
+    **dict.fromkeys(("tpuv4", "v4"), "tpu-v4"),
+    **dict.fromkeys(("tpuv5e", "v5e", "tpu-v5-lite", "v5litepod"), "tpu-v5e"),
+    "host": "cpu",
+}
+
+
+def _load(path: str) -> DeviceSpec:
+    try:
+        if path.lower().endswith(".toml"):
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        else:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+    except (OSError, ValueError) as e:  # both decode errors are ValueErrors
+        raise DeviceError(f"cannot read device file {path!r}: {e}") from e
+    try:
+        return DeviceSpec.from_dict(data)
+    except DeviceError as e:
+        raise DeviceError(f"{path}: {e}") from e
+
+
+def get_device(device) -> DeviceSpec:
+    """A `DeviceSpec` from a spec (returned as is), a preset name, or a file path.
+
+    Names are case-insensitive, with '_' and '-' alike, and take aliases such as
+    'h100-sxm', 'a100-80gb' or 'tpu_v4'. A path ending in .json or .toml holds
+    `DeviceSpec.to_dict()`. Anything else raises `DeviceError` listing the presets.
+    """
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, (str, os.PathLike)):
+        s = os.fspath(device)
+        if isinstance(s, str) and s.lower().endswith((".json", ".toml")):
+            return _load(s)
+        if isinstance(device, str):
+            key = "-".join(s.strip().lower().replace("_", "-").split())
+            key = key.removeprefix("nvidia-")
+            key = _ALIASES.get(key, key)
+            if key in PRESETS:
+                return PRESETS[key]
+    raise DeviceError(
+        f"unknown device {device!r}: expected a preset name ({', '.join(PRESETS)}), "
+        "a .json/.toml file path, or a DeviceSpec"
+    )
+
+
+_LEVELS = ("intra", "inter")
+
+
+def link_levels(mesh_axes, device: DeviceSpec | str, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Map each mesh axis to 'intra' or 'inter' (the link its collectives run over).
+
+    `mesh_axes` is ((name, size), ...) in mesh order (a `Mesh.shape` mapping also works).
+    Device ids are laid out row-major over the mesh, last axis fastest (as `jax.make_mesh`
+    does), and consecutive ids fill a node. An axis with stride s (product of the later
+    axes' sizes) and size n is intra when every group of devices differing only along it
+    lies in one node: s*n <= devices_per_node and devices_per_node % (s*n) == 0. Size-1
+    axes are intra. `overrides` ({axis: level}) wins over the rule. `device` is anything
+    `get_device` takes.
+    """
+    items = list(mesh_axes.items() if isinstance(mesh_axes, Mapping) else mesh_axes)
+    names = [a for a, _ in items]
+    if len(set(names)) != len(names):
+        raise DeviceError(f"duplicate mesh axis names in {names}")
+    dpn = get_device(device).devices_per_node
+    levels: dict[str, str] = {}
+    stride = 1
+    for axis, size in reversed(items):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise DeviceError(f"mesh axis {axis!r} has bad size {size!r}")
+        span = stride * int(size)
+        levels[axis] = "intra" if size == 1 or (span <= dpn and dpn % span == 0) else "inter"
+        stride = span
+    for axis, level in (overrides or {}).items():
+        if axis not in levels:
+            raise DeviceError(f"override names unknown mesh axis {axis!r}; mesh axes: {', '.join(names)}")
+        if level not in _LEVELS:
+            raise DeviceError(f"override for axis {axis!r} has unknown level {level!r}; allowed: {', '.join(_LEVELS)}")
+        levels[axis] = level
+    return {a: levels[a] for a in names}
