@@ -1,2 +1,18 @@
-"""search: the cost model of a partitioned program and the Monte Carlo tree search
-that finds good partitionings with it."""
+"""search: the cost model of a partitioned program, and the search that finds good
+partitionings with it.
+
+`CostModel(part, device)` costs a `partir.Partitioning` (per-device compute,
+communication per mesh axis, peak memory; incremental as the partitioning changes);
+`get_device` resolves accelerator presets (`h100`, `h200`, `a100`, `v100`, `tpu-v4`,
+`tpu-v5e`, `cpu`) or a user's JSON/TOML description.
+"""
+
+from ._comm import CollectiveCost, LinkModel
+from ._cost import Cost, CostModel, bytes_str, time_str
+from ._device import PRESETS, DeviceError, DeviceSpec, get_device, link_levels
+
+__all__ = ["PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
+           "bytes_str", "get_device", "link_levels", "time_str"]
+from ._validate import Fidelity, compare_with_xla  # noqa: E402
+
+__all__ += ["Fidelity", "compare_with_xla"]

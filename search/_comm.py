@@ -1,0 +1,100 @@
+"""Collectives of a layout change, with bytes and alpha-beta ring time.
+
+A reshard point `src -> dst` (see `partir.transition`) becomes collectives applied in
+this order, the shard size per device tracked along the way:
+
+    all-reduce        partial over axes dst does not split        buffer B
+    reduce-scatter    partial over axes dst splits a dim over     B -> B/n
+    slice             axes dst splits and src did not             B -> B/n  (free)
+    all-to-all        an axis moves from one dim to another       B
+    all-gather        axes src splits and dst does not            B -> B*n
+
+Time on a ring of `n` devices with per-hop latency `alpha` and per-direction link
+bandwidth `beta` (the slowest link level among the collective's axes):
+
+    all-reduce      2 (n-1) alpha + 2 (n-1)/n * B / beta
+    reduce-scatter    (n-1) alpha +   (n-1)/n * B / beta        (B = operand)
+    all-gather        (n-1) alpha +   (n-1)/n * R / beta        (R = result)
+    all-to-all        (n-1) alpha +   (n-1)/n * B / beta
+
+`bytes` is the buffer XLA's HLO shows per device: the reduced buffer of an all-reduce,
+the result of an all-gather or reduce-scatter, the buffer of an all-to-all. A backend
+without a native reduce-scatter (`DeviceSpec.reduce_scatter=False`: XLA:CPU) all-reduces
+the whole operand and slices instead, and is costed so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from partir import Tiling, transition
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCost:
+    """One modeled collective: kind, mesh axes, bytes per device, seconds, where it is
+    (op, value), how often it runs per step (loop trips), whether it reduces a gradient
+    (it may then overlap the backward pass), and the flops of its reduction (one per
+    element reduced, as XLA counts them)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    time: float
+    op: int
+    value: int
+    count: float = 1.0
+    gradient: bool = False
+    flops: float = 0.0
+
+
+class LinkModel:
+    """Per-axis link figures (size, bandwidth, latency) for one mesh on one device."""
+
+    def __init__(self, mesh, device, levels: dict[str, str]):
+        self.sizes = mesh.sizes()
+        self.device = device
+        self.bw = {a: device.intra_bandwidth if levels[a] == "intra" else device.inter_bandwidth for a in mesh.names}
+        self.alpha = {a: device.intra_latency if levels[a] == "intra" else device.inter_latency for a in mesh.names}
+
+    def time(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
+        """Seconds for one collective of `kind` over `axes` moving a buffer of `nbytes`
+        (the operand of a reduce-scatter, the result of an all-gather, else the buffer)."""
+        n = math.prod(self.sizes[a] for a in axes)
+        if n <= 1:
+            return 0.0
+        bw = min(self.bw[a] for a in axes)
+        alpha = max(self.alpha[a] for a in axes)
+        steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+        traffic = (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
+        return steps * alpha + traffic / bw
+
+    def reshard(self, src: Tiling, dst: Tiling, full_bytes: float, mesh) -> list[tuple[str, tuple, float, float]]:
+        """(kind, axes, bytes, seconds) of each collective turning `src` into `dst` for a
+        value of `full_bytes` (unpartitioned)."""
+        cur = full_bytes / src.num_shards(self.sizes)
+        out = []
+        # Size-1 axes move nothing: leave them out of every collective.
+        steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
+        for kind in ("all-reduce", "reduce-scatter", "slice", "all-to-all", "all-gather"):
+            axes = steps.get(kind)
+            if not axes:
+                continue
+            n = math.prod(self.sizes[a] for a in axes)
+            if kind == "all-reduce":
+                out.append((kind, axes, cur, self.time(kind, axes, cur)))
+            elif kind == "reduce-scatter":
+                if self.device.reduce_scatter:
+                    out.append((kind, axes, cur / n, self.time(kind, axes, cur)))
+                else:
+                    out.append(("all-reduce", axes, cur, self.time("all-reduce", axes, cur)))
+                cur /= n
+            elif kind == "slice":
+                cur /= n
+            elif kind == "all-to-all":
+                out.append((kind, axes, cur, self.time(kind, axes, cur)))
+            else:
+                cur *= n
+                out.append((kind, axes, cur, self.time(kind, axes, cur)))
+        return out

@@ -1,0 +1,369 @@
+"""The cost of a partitioned program: per-device compute, communication and peak memory.
+
+Objective (what the search minimises), per device and per training step:
+
+    compute_time = sum over ops of  trips(op) * max((flops + transcendentals) / k / peak(dtype),
+                                                    bytes_moved / hbm_bandwidth)
+    comm_time    = sum over collectives of  trips * alpha-beta ring time   (see `_comm`)
+    step_time    = compute_time + comm_time                      (no overlap)
+    step_time_overlap = compute_time + comm_time - gradient_comm
+                        + max(0, gradient_comm - backward_compute)  (gradient reductions
+                                                                     hidden behind the
+                                                                     backward pass)
+    memory_peak  = max over program order of live bytes          (see `_memory`)
+
+where `k` is the number of devices an op's factor tiling splits it over, `trips` is the
+product of the trip counts of the loops around the op (a scan body counts `length`
+times; XLA's own analysis counts it once), and a plan is feasible when `memory_peak`
+fits the memory limit (the device's HBM unless given).
+
+Re-costing is incremental: the model consumes what the partitioning reports changed
+(`Partitioning.take_touched`), recomputes only the non-trivial ops involved, and
+re-derives the totals with vectorised sums over per-op arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._comm import CollectiveCost, LinkModel
+from ._device import get_device, link_levels
+from ._flops import op_work
+from ._memory import Liveness
+
+
+#: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
+_MEMO_LIMIT = 200_000
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A readable cost breakdown; `print(cost)` or `rich.print(cost)` shows the tables."""
+
+    device: str
+    mesh: str
+    flops: float
+    flops_loops_once: float
+    transcendentals: float
+    compute_time: float
+    backward_compute_time: float
+    comm_time: float
+    gradient_comm_time: float
+    collectives: tuple[CollectiveCost, ...]
+    memory_peak: float
+    memory_at_peak: tuple[tuple[str, float], ...]
+    argument_bytes: float
+    memory_limit: float
+    top_ops: tuple[tuple[str, float], ...]
+
+    @property
+    def step_time(self) -> float:
+        """Compute plus communication, no overlap assumed (seconds)."""
+        return self.compute_time + self.comm_time
+
+    @property
+    def step_time_overlap(self) -> float:
+        """Step time with gradient reductions overlapping the backward pass (seconds)."""
+        hidden = min(self.gradient_comm_time, self.backward_compute_time)
+        return self.compute_time + self.comm_time - hidden
+
+    @property
+    def fits(self) -> bool:
+        """Whether the peak memory fits the memory limit."""
+        return self.memory_peak <= self.memory_limit
+
+    def by_kind(self) -> dict[str, tuple[float, float]]:
+        """Collective kind -> (count per step, bytes per device per step)."""
+        out: dict[str, list] = {}
+        for c in self.collectives:
+            e = out.setdefault(c.kind, [0.0, 0.0])
+            e[0] += c.count
+            e[1] += c.bytes * c.count
+        return {k: tuple(v) for k, v in sorted(out.items())}
+
+    def by_axis(self) -> dict[tuple[str, ...], tuple[float, float, float]]:
+        """Mesh axes -> (count, bytes, seconds) per step, over all kinds."""
+        out: dict[tuple, list] = {}
+        for c in self.collectives:
+            e = out.setdefault(c.axes, [0.0, 0.0, 0.0])
+            e[0] += c.count
+            e[1] += c.bytes * c.count
+            e[2] += c.time * c.count
+        return {k: tuple(v) for k, v in sorted(out.items())}
+
+    def __rich_console__(self, console, options):
+        from ._report import cost_tables
+
+        yield from cost_tables(self)
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        console = Console(width=120, file=io.StringIO())
+        console.print(self)
+        return console.file.getvalue()
+
+
+class CostModel:
+    """Costs one `Partitioning` on one device, incrementally as it changes.
+
+    `device` is a preset name, a `DeviceSpec` or a JSON/TOML path; `memory_limit`
+    defaults to the device's HBM; `donate_argnums` lists donated (non-static) arguments;
+    `links` overrides the link level ('intra'/'inter') of mesh axes; `while_trips` is
+    the trip count assumed for `while` loops (unknown statically).
+    """
+
+    def __init__(self, part, device="h100", *, memory_limit: float | None = None, donate_argnums=(),
+                 links: dict[str, str] | None = None, while_trips: int = 1):
+        prog = part.program
+        self.part, self.program = part, prog
+        self.device = get_device(device)
+        self.memory_limit = float(memory_limit if memory_limit is not None else self.device.hbm_bytes)
+        self.levels = link_levels(part.mesh.axes, self.device, links)
+        self.links = LinkModel(part.mesh, self.device, self.levels)
+        cls = part.classes
+        self._cls = cls
+        n_ops = len(prog.ops)
+        mult = {}
+        for r in prog.regions:
+            trips = r.trip_count if r.trip_count is not None else while_trips
+            mult[r.id] = trips * (mult[r.parent] if r.parent >= 0 else 1)
+        self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
+        work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
+        self._flops, self._trans = work[:, 0], work[:, 1]
+        self._peak = np.array([self.device.flops_for(_dtype(op, prog)) for op in prog.ops])
+        self._backward = np.array([not op.link and "transpose(" in str(getattr(op.eqn.source_info, "name_stack", ""))
+                                   for op in prog.ops])
+        self._trivial = np.array(cls.trivial)
+        self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
+        vals = prog.values
+        self._nbytes = np.array([v.nbytes for v in vals], dtype=float)
+        self._value_class = np.array(cls.of, dtype=np.int64)
+        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results if v >= 0)
+                                        for op in prog.ops], dtype=float)
+        self._class_div = np.ones(len(cls))
+        self._op_div = np.ones(n_ops)
+        self._op_bytes = self._op_bytes_full.copy()
+        # Values made from scalars alone (a broadcast constant, an iota) can be made in any
+        # layout where they are needed: XLA rematerialises them instead of moving them.
+        self._free = {v for op in prog.ops if _creates(op, vals) for v in op.results if v >= 0}
+        heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops])
+        self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
+        self.liveness = Liveness(prog, donate_argnums)
+        self._buffer_name = {}
+        self._op_cols: dict[int, list] = {}
+        self._memo: dict = {}
+        # Static signature of each op for the memo: its rule, its values' sizes and roles
+        # (rematerialisable, part of an input's class), its loop trips and pass.
+        self._slot_values = [tuple(v for _, _, v, _ in part.op_layout(o)[0]) if not cls.trivial[o] else ()
+                             for o in range(n_ops)]
+        sigs: dict = {}
+        self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
+                                      tuple((self._nbytes[v], v in self._free, bool(self._feeds_backward[v]))
+                                            for v in self._slot_values[o])), len(sigs))
+                     for o in range(n_ops)]
+        self._dedup: dict = {}
+        part.take_touched()
+        self._refresh_classes(range(len(cls)))
+        self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o]])
+
+    # -- incremental bookkeeping ---------------------------------------------------------
+    def _refresh_classes(self, classes) -> None:
+        sizes = self.part.mesh.sizes()
+        for c in classes:
+            k = 1
+            for axes in self.part.class_dims(c):
+                for a in axes:
+                    k *= sizes[a]
+            self._class_div[c] = k
+
+    def _refresh_ops(self, ops) -> None:
+        """Re-cost non-trivial ops: their division of work, bytes moved and reshard
+        collectives. What an op costs depends only on its rule and value sizes (its
+        static signature), its factor tiling and its values' tilings, so results are
+        memoised on those: the ops of repeated layers are costed once."""
+        part = self.part
+        D, of = part.class_tilings, self._cls.of
+        memo = self._memo
+        if len(memo) > _MEMO_LIMIT:
+            memo.clear()
+        for o in ops:
+            slot_values = self._slot_values[o]
+            key = (self._sig[o], part.factor_tiling(o), tuple(D[of[v]] for v in slot_values))
+            entry = memo.get(key)
+            if entry is None:
+                entry = memo[key] = self._price(o)
+            div, moved, reshards = entry
+            self._op_div[o] = div
+            self._op_bytes[o] = moved
+            for dkey in self._op_cols.pop(o, ()):
+                e = self._dedup[dkey]
+                del e[o]
+                if not e:
+                    del self._dedup[dkey]
+            if not reshards:
+                continue
+            keys = []
+            for slot, side, index, dst, cols in reshards:
+                v = slot_values[slot]
+                # One value moved to one layout once, however many ops read it there (XLA
+                # reuses the gathered buffer); it is attributed to the first such op.
+                dkey = (v, dst) if side == "operand" else (o, side, index)
+                keys.append(dkey)
+                self._dedup.setdefault(dkey, {})[o] = (v, cols)
+            self._op_cols[o] = keys
+
+    def _price(self, o: int):
+        """(work division, bytes moved, reshards) of op `o` in the current state; each
+        reshard is (slot, side, index, dst dims, collectives)."""
+        part, sizes = self.part, self.part.mesh.sizes()
+        layout = part.op_layout(o)
+        div = 1
+        for axes in part.factor_tiling(o):
+            for a in axes:
+                div *= sizes[a]
+        moved = 0.0
+        for _, _, v, dims in layout[0]:
+            shards = 1
+            for axes in dims:
+                for a in axes:
+                    shards *= sizes[a]
+            moved += float(self._nbytes[v]) / shards
+        slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
+        out = []
+        for r in part.layout_reshards(o, layout):
+            if r.value in self._free and not r.src.partial:
+                continue
+            cols = tuple(self._collectives(o, r))
+            out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None, cols))
+        return div, moved, tuple(out)
+
+    def _collectives(self, o: int, r) -> list[CollectiveCost]:
+        val = self.program.values[r.value]
+        full = float(self._nbytes[r.value])
+        item = full / max(1, math.prod(val.shape))
+        grad = bool(r.src.partial) and self._backward[o] and not self._feeds_backward[r.value]
+        return [CollectiveCost(kind, axes, nbytes, t, o, r.value, float(self._mult[o]), bool(grad),
+                               nbytes / item if kind == "all-reduce" else 0.0)
+                for kind, axes, nbytes, t in self.links.reshard(r.src, r.dst, full, self.part.mesh)]
+
+    def _sync(self) -> None:
+        classes, ops = self.part.take_touched()
+        if not classes and not ops:
+            return
+        self._refresh_classes(classes)
+        todo = {o for o in ops if not self._cls.trivial[o]}
+        for c in classes:
+            todo.update(self._cls.ops[c])
+        self._refresh_ops(todo)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def _op_times(self):
+        div = np.where(self._trivial, self._class_div[self._op_class], self._op_div)
+        moved = np.where(self._trivial, self._op_bytes_full / div, self._op_bytes)
+        work = (self._flops + self._trans) / div
+        return np.maximum(work / self._peak, moved / self.device.hbm_bandwidth) * self._mult, div
+
+    def evaluate(self) -> tuple[float, float]:
+        """(step time without overlap, peak memory): the search's fast path."""
+        self._sync()
+        times, _ = self._op_times()
+        comm = sum(c.time * c.count for e in self._dedup.values() for c in e[min(e)][1])
+        peak, _, _ = self.liveness.peak(self._nbytes / self._class_div[self._value_class])
+        return float(times.sum()) + comm, peak
+
+    def cost(self, *, top: int = 10) -> Cost:
+        """The full breakdown of the current partitioning."""
+        self._sync()
+        prog = self.program
+        times, div = self._op_times()
+        firsts = sorted(((min(e), e[min(e)]) for e in self._dedup.values()), key=lambda t: (t[0], t[1][0]))
+        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs) in firsts for c in cs)
+        value_bytes = self._nbytes / self._class_div[self._value_class]
+        peak, t, buf = self.liveness.peak(value_bytes)
+        live = self.liveness.live_at(t)
+        live = live[np.argsort(-buf[live], kind="stable")][:top]
+        order = np.argsort(-times, kind="stable")[:top]
+        return Cost(
+            device=self.device.name,
+            mesh=str(self.part.mesh),
+            flops=float((self._flops / div * self._mult).sum()) + sum(c.flops * c.count for c in cols),
+            flops_loops_once=float((self._flops / div).sum()) + sum(c.flops for c in cols),
+            transcendentals=float((self._trans / div * self._mult).sum()),
+            compute_time=float(times.sum()),
+            backward_compute_time=float(times[self._backward].sum()),
+            comm_time=sum(c.time * c.count for c in cols),
+            gradient_comm_time=sum(c.time * c.count for c in cols if c.gradient),
+            collectives=cols,
+            memory_peak=peak,
+            memory_at_peak=tuple((self._name_of_buffer(b), float(buf[b])) for b in live if buf[b] > 0),
+            argument_bytes=float(sum(value_bytes[v] for v in prog.inputs)),
+            memory_limit=self.memory_limit,
+            top_ops=tuple((_op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
+        )
+
+    def _name_of_buffer(self, b: int) -> str:
+        name = self._buffer_name.get(b)
+        if name is None:
+            members = np.nonzero(self.liveness.buffer == b)[0]
+            is_input = set(self.program.inputs)
+            inputs = [v for v in members if v in is_input]
+            name = self._buffer_name[b] = self.program.name(int(inputs[0] if inputs else members[0]))
+        return name
+
+
+def _feeds_backward(prog, backward) -> np.ndarray:
+    """Per value: does any of the `backward` ops (the backward pass's contractions)
+    depend on it? Activation gradients do; a weight gradient feeds only reshapes and the
+    optimizer, so its reduction can overlap the rest of the backward pass. Ops are in
+    execution order except loop-carry links, hence a second sweep."""
+    feeds = np.zeros(len(prog.values), dtype=bool)
+    for _ in range(2):
+        for op in reversed(prog.ops):
+            out = bool(backward[op.id]) or any(feeds[v] for v in op.results if v >= 0)
+            if out:
+                for v in op.operands:
+                    if v >= 0:
+                        feeds[v] = True
+    return feeds
+
+
+def _creates(op, vals) -> bool:
+    """Does `op` make its result from scalars only (no array data to move)?"""
+    if op.primitive in ("iota", "empty", "empty2"):
+        return True
+    return op.primitive == "broadcast_in_dim" and all(v < 0 or not vals[v].shape for v in op.operands)
+
+
+def _dtype(op, prog):
+    for v in op.operands + op.results:
+        if v >= 0:
+            return prog.values[v].dtype
+    return np.float32
+
+
+def _op_label(prog, o: int) -> str:
+    op = prog.ops[o]
+    res = next((v for v in op.results if v >= 0), None)
+    return prog.name(res) if res is not None else op.primitive
+
+
+def bytes_str(n: float) -> str:
+    """Human-readable bytes (KiB/MiB/GiB)."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def time_str(s: float) -> str:
+    """Human-readable seconds."""
+    return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.2f} us"
+
+

@@ -1,0 +1,60 @@
+"""Rich tables of a `Cost`: headline, top ops by time, collectives by axis, memory at peak."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def _fmt_bytes(n):
+    from ._cost import bytes_str
+
+    return bytes_str(n)
+
+
+def _fmt_time(s):
+    from ._cost import time_str
+
+    return time_str(s)
+
+
+def cost_tables(cost):
+    """Yield the renderables that show a `Cost`."""
+    head = Table(title=f"modeled step on {cost.device}, mesh {cost.mesh} (per device)", show_header=False)
+    head.add_column("what")
+    head.add_column("value", justify="right")
+    head.add_row("step time, no overlap", _fmt_time(cost.step_time))
+    head.add_row("step time, gradient reductions overlapped", _fmt_time(cost.step_time_overlap))
+    head.add_row("compute (roofline)", _fmt_time(cost.compute_time))
+    head.add_row("communication", _fmt_time(cost.comm_time))
+    head.add_row("flops", f"{cost.flops:.4g}")
+    head.add_row("peak memory", f"{_fmt_bytes(cost.memory_peak)} of {_fmt_bytes(cost.memory_limit)}"
+                 + ("" if cost.fits else "  [red]does not fit[/]"))
+    head.add_row("arguments", _fmt_bytes(cost.argument_bytes))
+    yield head
+
+    ops = Table(title="top ops by time")
+    ops.add_column("op", no_wrap=True)
+    ops.add_column("time", justify="right")
+    for name, t in cost.top_ops:
+        ops.add_row(name, _fmt_time(t))
+    yield ops
+
+    comm = Table(title="collectives by mesh axis (per step)")
+    for col in ("axes", "kind", "count", "bytes", "time"):
+        comm.add_column(col, justify="left" if col in ("axes", "kind") else "right")
+    rows: dict = {}
+    for c in cost.collectives:
+        e = rows.setdefault((c.axes, c.kind), [0.0, 0.0, 0.0])
+        e[0] += c.count
+        e[1] += c.bytes * c.count
+        e[2] += c.time * c.count
+    for (axes, kind), (n, b, t) in sorted(rows.items()):
+        comm.add_row(", ".join(axes), kind, f"{n:g}", _fmt_bytes(b), _fmt_time(t))
+    yield comm
+
+    mem = Table(title=f"live at the memory peak ({_fmt_bytes(cost.memory_peak)})")
+    mem.add_column("buffer", no_wrap=True)
+    mem.add_column("bytes", justify="right")
+    for name, b in cost.memory_at_peak:
+        mem.add_row(name, _fmt_bytes(b))
+    yield mem

@@ -1,0 +1,65 @@
+"""Check the cost model against what XLA really compiles for a plan.
+
+`compare_with_xla(part, args)` lowers the partitioning, compiles it, and sets side by
+side per collective kind the count and bytes per device that the model predicts and
+that the compiled HLO contains, plus per-device flops and argument bytes. Collectives
+are compared per occurrence in the program text (a loop body counted once on both
+sides, as the HLO shows it once), and per kind in total, because XLA combines several
+all-reduces into one tuple-shaped all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import partir
+
+from ._cost import CostModel
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """Model vs XLA for one plan. `kinds` maps a collective kind to
+    `(model count, model bytes, xla count, xla bytes)`; flops and argument bytes are per
+    device (flops with loop bodies counted once, as XLA's analysis does)."""
+
+    kinds: dict
+    flops_model: float
+    flops_xla: float
+    args_model: float
+    args_xla: float
+
+    def bytes_error(self, kind: str) -> float:
+        """Relative error of the model's total bytes for `kind` (0 when both are 0)."""
+        _, mb, _, xb = self.kinds[kind]
+        return abs(mb - xb) / max(xb, mb, 1.0) if (mb or xb) else 0.0
+
+    def rows(self):
+        """(kind, model count, model bytes, xla count, xla bytes, relative error) rows."""
+        return [(k, *v, self.bytes_error(k)) for k, v in sorted(self.kinds.items())]
+
+
+def compare_with_xla(part, args, *, device="cpu", mesh=None) -> Fidelity:
+    """Compile `part`'s plan for `args` (arrays or ShapeDtypeStructs) and compare."""
+    mesh = mesh if mesh is not None else part.mesh.jax_mesh()
+    compiled = partir.lower(part, mesh).lower(*args).compile()
+    cols = partir.collectives(compiled.as_text(), mesh)
+    cost = CostModel(part, device).cost()
+    kinds: dict[str, list] = {}
+    for c in cost.collectives:
+        e = kinds.setdefault(c.kind, [0, 0.0, 0, 0.0])
+        e[0] += 1
+        e[1] += c.bytes
+    for c in cols:
+        e = kinds.setdefault(c.kind, [0, 0.0, 0, 0.0])
+        e[2] += 1
+        e[3] += c.result_bytes
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return Fidelity(
+        kinds={k: tuple(v) for k, v in kinds.items()},
+        flops_model=cost.flops_loops_once,
+        flops_xla=float(analysis.get("flops", 0.0)),
+        args_model=cost.argument_bytes,
+        args_xla=float(compiled.memory_analysis().argument_size_in_bytes),
+    )

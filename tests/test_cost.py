@@ -1,0 +1,191 @@
+"""The cost model: fidelity against XLA's compiled HLO, memory by liveness, ordering
+sanity, loops, and incremental re-costing equal to a fresh one."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partir
+import search
+from examples import REGISTRY, gpt, mlp
+from examples.plans import STRATEGIES, data_parallel, fsdp, megatron
+from partir import MeshSpec
+
+# A GPT big enough that its dots dominate, as in real models: on the smallest one, XLA's
+# fusion duplicates cheap elementwise ops into several fusions and counts them each time.
+GPT_FIDELITY = gpt.GPTConfig(d_model=128, d_ff=512, n_heads=8, seq_len=32, vocab=512, batch=8)
+
+
+def _example(name):
+    if name == "gpt":
+        return gpt.make_train_step(GPT_FIDELITY, abstract=True)
+    return REGISTRY[name](abstract=True)
+
+
+MESHES = [(1, 8), (2, 4), (4, 2)]
+FIDELITY = [(m, s, d) for m in ("mlp", "gpt", "convnet", "moe") for s in STRATEGIES for d in MESHES]
+# The default suite checks every model and every strategy, on a 2x4 mesh, plus every mesh
+# for the GPT under DP + Megatron; `make test-all` runs the whole matrix.
+QUICK = {(m, s, (2, 4)) for m in ("mlp", "gpt", "convnet", "moe") for s in STRATEGIES} | {
+    ("gpt", "dp+megatron", d) for d in MESHES}
+
+
+@pytest.mark.parametrize("model,strategy,shape", [
+    pytest.param(*c, marks=() if c in QUICK else pytest.mark.slow) for c in FIDELITY],
+    ids=[f"{m}-{s}-{d[0]}x{d[1]}" for m, s, d in FIDELITY])
+def test_collectives_and_flops_match_xla(model, strategy, shape):
+    step, args = _example(model)
+    part = partir.Partitioning(partir.lift(step, *args), MeshSpec.of(data=shape[0], model=shape[1]))
+    STRATEGIES[strategy](part, model, "data", "model")
+    f = search.compare_with_xla(part, args)
+    # Same kinds. XLA combines the gradient all-reduces into one tuple all-reduce, so
+    # counts differ; the bytes they move are compared per kind in total.
+    assert {k for k, (mc, mb, xc, xb) in f.kinds.items() if mb} == {k for k, (mc, mb, xc, xb) in f.kinds.items() if xb}
+    for kind in f.kinds:
+        assert f.bytes_error(kind) <= 0.10, (kind, f.kinds[kind])
+    assert f.flops_model == pytest.approx(f.flops_xla, rel=0.10)
+    assert f.args_model == f.args_xla
+
+
+def test_loops_cost_their_trip_count():
+    cfg = dict(d_model=128, d_ff=512, n_heads=8, seq_len=32, vocab=512, batch=8, n_layers=4)
+    mesh = MeshSpec.of(data=2, model=4)
+    costs = {}
+    for scan in (False, True):
+        step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=scan, **cfg), abstract=True)
+        part = partir.Partitioning(partir.lift(step, *args), mesh)
+        STRATEGIES["dp+megatron"](part, "gpt", "data", "model")
+        costs[scan] = search.CostModel(part, "h100").cost()
+        if scan:
+            f = search.compare_with_xla(part, args)
+            # XLA's analysis counts the scan body once; so does flops_loops_once.
+            assert f.flops_model == pytest.approx(f.flops_xla, rel=0.10)
+    unrolled, scanned = costs[False], costs[True]
+    assert scanned.flops == pytest.approx(unrolled.flops, rel=0.01)
+    assert scanned.flops > 2 * scanned.flops_loops_once
+    assert scanned.by_kind()["all-reduce"][1] == pytest.approx(unrolled.by_kind()["all-reduce"][1], rel=0.01)
+
+
+def _mlp_forward(w1, w2, x):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def test_peak_memory_of_a_known_live_set():
+    B, D, H, O = 64, 16, 256, 8
+    args = (jax.ShapeDtypeStruct((D, H), jnp.float32), jax.ShapeDtypeStruct((H, O), jnp.float32),
+            jax.ShapeDtypeStruct((B, D), jnp.float32))
+    prog = partir.lift(_mlp_forward, *args)
+    part = partir.Partitioning(prog, MeshSpec.of(data=8))
+    cost = search.CostModel(part, "cpu").cost()
+    # Inputs stay live; `a = x @ w1` lives until `h = tanh(a)` is made; the peak is there.
+    inputs = 4 * (D * H + H * O + B * D)
+    assert cost.argument_bytes == inputs
+    assert cost.memory_peak == inputs + 2 * 4 * B * H
+    assert [b for _, b in cost.memory_at_peak[:2]] == [4 * B * H, 4 * B * H]
+    # Split the batch 8 ways: activations shrink 8x, the weights do not.
+    part.tile("x", 0, "data")
+    split = search.CostModel(part, "cpu").cost()
+    assert split.memory_peak == 4 * (D * H + H * O + B * D // 8) + 2 * 4 * B * H // 8
+    # Donating x frees it after its last use (the first matmul), before the peak at tanh.
+    donated = search.CostModel(part, "cpu", donate_argnums=(2,)).cost()
+    assert donated.memory_peak == split.memory_peak - 4 * B * D // 8
+
+
+def test_megatron_beats_replication_on_gpt():
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=4, d_model=2048, n_heads=16, d_ff=8192, vocab=32768,
+                                                   seq_len=1024, batch=2), abstract=True)
+    prog = partir.lift(step, *args)
+    replicated = search.CostModel(partir.Partitioning(prog, MeshSpec.of(model=8)), "h100").cost()
+    part = partir.Partitioning(prog, MeshSpec.of(model=8))
+    megatron(part, "gpt", "model")
+    tp = search.CostModel(part, "h100").cost()
+    assert tp.step_time < replicated.step_time / 3
+    assert tp.comm_time > 0 and replicated.comm_time == 0
+
+
+def test_fsdp_fits_where_data_parallel_does_not():
+    cfg = mlp.MLPConfig(d_in=8192, d_hidden=8192, d_out=8192, batch=8)
+    step, args = mlp.make_train_step(cfg, abstract=True)
+    prog = partir.lift(step, *args)
+    limit = 2 * 2**30
+    dp = partir.Partitioning(prog, MeshSpec.of(data=8))
+    data_parallel(dp, "data")
+    zero3 = partir.Partitioning(prog, MeshSpec.of(data=8))
+    fsdp(zero3, "data")
+    dp_cost = search.CostModel(dp, "h100", memory_limit=limit).cost()
+    fsdp_cost = search.CostModel(zero3, "h100", memory_limit=limit).cost()
+    assert not dp_cost.fits and fsdp_cost.fits
+    assert fsdp_cost.memory_peak < dp_cost.memory_peak / 4
+
+
+def test_axis_across_nodes_is_slower_than_nvlink():
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2, d_model=1024, n_heads=16, d_ff=4096, vocab=8192,
+                                                   seq_len=512, batch=16), abstract=True)
+    part = partir.Partitioning(partir.lift(step, *args), MeshSpec.of(data=2, model=4))
+    STRATEGIES["dp+megatron"](part, "gpt", "data", "model")
+    fast = search.CostModel(part.copy(), "h100").cost()
+    slow = search.CostModel(part.copy(), "h100", links={"data": "inter"}).cost()
+    assert slow.comm_time > 2 * fast.comm_time and slow.step_time > fast.step_time
+    assert slow.compute_time == fast.compute_time
+
+
+def test_gradient_reductions_overlap_backward():
+    step, args = gpt.make_train_step(gpt.GPTConfig(d_model=1024, n_heads=16, d_ff=4096, vocab=8192, seq_len=512,
+                                                   batch=16), abstract=True)
+    part = partir.Partitioning(partir.lift(step, *args), MeshSpec.of(data=8))
+    data_parallel(part, "data")
+    cost = search.CostModel(part, "h100").cost()
+    grads = [c for c in cost.collectives if c.gradient]
+    assert grads and all(c.kind == "all-reduce" and c.axes == ("data",) for c in grads)
+    assert cost.gradient_comm_time == pytest.approx(cost.comm_time, rel=0.05)  # DP: nearly all comm is gradients
+    assert cost.step_time_overlap < cost.step_time
+    text = str(cost)
+    for section in ("step time, no overlap", "top ops by time", "collectives by mesh axis", "live at the memory peak"):
+        assert section in text
+
+
+def _summary(c):
+    return (round(c.step_time, 12), round(c.flops, 3), c.memory_peak, c.argument_bytes,
+            sorted((x.kind, x.axes, round(x.bytes, 3), x.op, x.value) for x in c.collectives))
+
+
+def test_incremental_recost_equals_a_fresh_model():
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=2, model=4)
+    part = partir.Partitioning(prog, mesh)
+    model = search.CostModel(part, "h100")
+    rng = random.Random(0)
+    actions = [(v, d, a) for v in prog.inputs for d, n in enumerate(prog.values[v].shape) for a in mesh.names
+               if n % mesh.size(a) == 0]
+    marks = []
+    for step_no in range(14):
+        if marks and rng.random() < 0.3:
+            part.rollback(marks.pop())
+        else:
+            marks.append(part.mark())
+            v, d, a = rng.choice(actions)
+            try:
+                part.tile(v, d, a)
+            except partir.PartitioningError:
+                pass
+        fresh = search.CostModel(part.copy(), "h100").cost()
+        assert _summary(model.cost()) == _summary(fresh), f"after step {step_no}"
+        assert model.evaluate() == pytest.approx((fresh.step_time, fresh.memory_peak))
+
+
+def test_memo_does_not_mix_ops_of_different_dtypes():
+    def f(a, b):
+        return (a @ a.T).sum() + (b @ b.T).astype(jnp.float32).sum()
+
+    args = (jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.bfloat16))
+    part = partir.Partitioning(partir.lift(f, *args), MeshSpec.of(model=8))
+    part.tile("a", 1, "model")
+    part.tile("b", 1, "model")
+    cost = search.CostModel(part, "h100").cost()
+    reduced = sorted(c.bytes for c in cost.collectives if c.kind == "all-reduce" and c.bytes > 4)
+    assert reduced == [64 * 64 * 2, 64 * 64 * 4]
+    assert np.isfinite(cost.step_time)
