@@ -25,6 +25,8 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/propagation.py
+	$(PY) benchmarks/cost.py
+	$(PY) benchmarks/cost_fidelity.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         table.add_row(str(r["layers"]), str(r["ops"]), f"{r['trace_s'] + r['build_s']:.3f}", f"{r['trace_s']:.3f}",
                       f"{r['build_s']:.3f}", f"{r['median_ms']:.2f}",
                       f"{r['p90_ms']:.2f}", f"{r['max_ms']:.1f}", f"{r['touched']:.0f}")
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":

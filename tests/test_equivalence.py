@@ -7,7 +7,7 @@ import partir
 from examples import REGISTRY, gpt
 from partir import MeshSpec
 
-from _plans import data_parallel, fsdp, megatron
+from examples.plans import data_parallel, fsdp, megatron
 
 EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
 
