@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from ._compat import scan_counts
 from ._errors import UnknownPrimitiveWarning
 from ._ir import Op, Program, Region, Value, no_gc
 from ._rule import FactorRule, factor_rule
@@ -220,7 +221,7 @@ def _call(b: _Builder, rid, eqn, ins, outs):
 
 def _scan(b: _Builder, rid, eqn, ins, outs):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
 
     def enter(ivs):
         _links(b, "scan.const", ins[:nc], ivs[:nc], rid)

@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._compat import scan_counts
 from ._errors import PartitioningError
 from ._partitioning import Partitioning
 
@@ -137,12 +138,15 @@ def _eval_region(prog, rid: int, args, constrain):
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(x) for x in eqn.invars]
         children = region.children.get(i)
-        if children is not None:
-            outs = _NESTED[_kind(eqn)](prog, eqn, children, invals, constrain)
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+        # Keep the equation's name stack (`transpose(jvp(...))` marks the backward pass)
+        # in the HLO metadata, so compiled collectives can be traced back to their pass.
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            if children is not None:
+                outs = _NESTED[_kind(eqn)](prog, eqn, children, invals, constrain)
+            else:
+                outs = eqn.primitive.bind(*invals, **eqn.params)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
         for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
             if v >= 0:
                 env[var] = constrain(o, v)
@@ -172,7 +176,7 @@ def _remat(prog, eqn, children, invals, constrain):
 def _scan(prog, eqn, children, invals, constrain):
     (child,) = children
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
     def body(carry, x):
