@@ -79,6 +79,7 @@ class Collective:
     computation: str
     in_loop: bool
     name: str
+    op_name: str = ""  # the JAX op name from the metadata (its name stack shows the pass)
 
 
 # --- shapes -----------------------------------------------------------------
@@ -319,8 +320,16 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
         found.append(Collective(
             kind=kind, axes=axes, shapes=tuple(leaves), result_bytes=_nbytes(leaves),
             operand_bytes=_nbytes(_operand_leaves(operands, instrs)), group_size=size,
-            computation=comp, in_loop=comp in in_loop, name=name))
+            computation=comp, in_loop=comp in in_loop, name=name, op_name=_op_name(attrs)))
     return found
+
+
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def _op_name(attrs: str) -> str:
+    m = _OP_NAME_RE.search(attrs)
+    return m.group(1) if m else ""
 
 
 def collectives_of(jitted, *args, mesh: jax.sharding.Mesh) -> list[Collective]:
