@@ -8,6 +8,12 @@ over those pairs) and never propagates through an op whose values are all one cl
 with one spec (a *trivial* op). Propagation then only visits the ops where tilings can
 really change shape (contractions, reshapes, broadcasts, reductions, gathers, ...), and
 tiling a class updates all its values at once.
+
+Values can be *detached*: kept out of every class, so their at-rest layout is a
+decision of its own (a parameter may stay replicated while the optimizer update that
+reads it is sharded, as ZeRO-1 does); the ops touching them then reshard if needed.
+Detaching costs propagation speed, so it is done only where a schedule asks for it
+(`Partitioning.detach`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ class TilingClasses:
     `(class, dim, factors)` for dims of several; `trivial[o]` marks ops needing no
     propagation (they also never reshard)."""
 
-    def __init__(self, program):
+    def __init__(self, program, detached: frozenset = frozenset()):
         n = len(program.values)
         parent = list(range(n))
 
@@ -30,6 +36,7 @@ class TilingClasses:
                 x = parent[x]
             return x
 
+        boundary = detached
         shapes = {}  # rule id -> its slot structure (rules are shared by equal ops)
         op_slots = []
         for op in program.ops:
@@ -39,7 +46,7 @@ class TilingClasses:
             vids = [v for v in op.operands] + [v for v in op.results]
             op_slots.append(vids)
             for group in sh.groups:
-                present = [vids[k] for k in group if vids[k] >= 0]
+                present = [vids[k] for k in group if vids[k] >= 0 and vids[k] not in boundary]
                 if len(present) > 1:
                     r = find(present[0])
                     for v in present[1:]:
@@ -59,7 +66,7 @@ class TilingClasses:
         ops_of: list[list[int]] = [[] for _ in ids]
         for op, vids in zip(program.ops, op_slots):
             sh = shapes[id(op.rule)]
-            if sh.trivial:
+            if sh.trivial and len({of[vids[k]] for k in sh.slots if vids[k] >= 0}) <= 1:
                 # One class, one spec: the first slot's dims say everything.
                 k0 = next((k for k in sh.slots if vids[k] >= 0), None)
                 c = of[vids[k0]] if k0 is not None else -1

@@ -30,8 +30,9 @@ def dump(part, *, ops=None, show_replicated_ops: bool = True) -> str:
              f"{len(prog.values)} values, {len(prog.ops)} ops"]
     deciders = {}
     for d in part.decisions:
-        deciders.setdefault(d.value, []).append(
-            f"{d.action} dim {d.dim} over {d.axis} by {d.source}" if d.action == "tile" else f"{d.action} by {d.source}")
+        what = (f"tile dim {d.dim} over {d.axis}" if d.action == "tile"
+                else f"pin whole over {', '.join(d.axes)}" if d.action == "pin" and d.axes else d.action)
+        deciders.setdefault(d.value, []).append(f"{what} by {d.source}")
     lines.append("inputs:")
     for v, n in zip(prog.inputs, prog.input_names):
         why = f"  <- {'; '.join(deciders[v])}" if v in deciders else ""

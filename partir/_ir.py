@@ -105,6 +105,7 @@ class Program:
         self.input_names: tuple[str, ...] = tuple(input_names)
         #: Position of each input's argument among the (non-static) arguments.
         self.input_args: tuple[int, ...] = tuple(input_args)
+        self.input_set: frozenset[int] = frozenset(self.inputs)
         self.output_names: tuple[str, ...] = tuple(output_names)
         self.closed_jaxpr = closed_jaxpr
         self.fallbacks: tuple[str, ...] = tuple(fallbacks)
@@ -128,16 +129,22 @@ class Program:
             tuple(u) if p < 0 else (p, *u) for u, p in zip(users, producer))
         self._by_name: dict[str, int] | None = None
         self._multiplicity: dict[int, float] = {}
-        self._classes = None
+        self._classes: dict = {}
+        self._backward = None
 
     @property
     def classes(self):
         """The tiling classes of the program's values (see `partir._classes`)."""
-        if self._classes is None:
+        return self.classes_for(frozenset())
+
+    def classes_for(self, detached: frozenset):
+        """The tiling classes with the `detached` values kept out of every class."""
+        c = self._classes.get(detached)
+        if c is None:
             from ._classes import TilingClasses
 
-            self._classes = TilingClasses(self)
-        return self._classes
+            c = self._classes[detached] = TilingClasses(self, detached)
+        return c
 
     # -- names ---------------------------------------------------------------------
     def name(self, v: int) -> str:
@@ -203,6 +210,26 @@ class Program:
                         g.add_edge(p, op.id, values=[v])
         return g
 
+    def rematerializable(self, v: int) -> bool:
+        """Is `v` made from scalars alone (a broadcast constant, an iota)? Such a value can
+        be made in any layout where it is needed instead of being moved (XLA does so)."""
+        p = self.producer[v]
+        if p < 0:
+            return False
+        op = self.ops[p]
+        if op.primitive in ("iota", "empty", "empty2"):
+            return True
+        return op.primitive == "broadcast_in_dim" and all(u < 0 or not self.values[u].shape for u in op.operands)
+
+    @property
+    def backward(self) -> tuple[bool, ...]:
+        """Per op: is it part of a backward pass (JAX names transposed equations
+        `transpose(...)` in their name stack)?"""
+        if self._backward is None:
+            self._backward = tuple(
+                not op.link and "transpose(" in str(getattr(op.eqn.source_info, "name_stack", "")) for op in self.ops)
+        return self._backward
+
     def primitives(self) -> dict[str, int]:
         """Primitive name -> number of (non-link) ops, sorted by name."""
         counts: dict[str, int] = {}
@@ -263,5 +290,6 @@ def close_names(ref: str, names, n: int = 3) -> list[str]:
     import difflib
 
     keyed = {_keys(x): x for x in names}
-    hits = difflib.get_close_matches(_keys(ref) if not ref.startswith("re:") else ref[3:], list(keyed), n=n, cutoff=0.5)
+    probe = ref[3:] if ref.startswith("re:") else ref if "/" in ref else _keys(ref)
+    hits = difflib.get_close_matches(probe, list(keyed), n=n, cutoff=0.5)
     return [keyed[h] for h in hits]

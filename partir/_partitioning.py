@@ -37,6 +37,8 @@ class Decision:
     dim: int | None
     axis: str | None
     source: str
+    axes: tuple[str, ...] | None = None  # for "pin": the axes the value may not be split over
+    tiling: Tiling | None = None  # for "constrain": the layout fixed
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +58,23 @@ class Partitioning:
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
-    def __init__(self, program: Program, mesh: MeshSpec):
+    def __init__(self, program: Program, mesh: MeshSpec, *, detached=()):
         self.program = program
         self.mesh = mesh
         self._msize = mesh.sizes()
-        self._cls = program.classes
+        self.detached = frozenset(program.resolve(v) for v in detached)
+        self._all_axes = frozenset(mesh.names)
+        self._cls = program.classes_for(self.detached)
         self._of = self._cls.of
         # Dim tilings of each class as plain tuples (axes per dim): the propagator's hot data.
         self._d: list[tuple] = [((),) * program.values[m[0]].rank for m in self._cls.members]
         empty: dict[int, tuple] = {}
         self._f: list[tuple] = [empty.setdefault(op.rule.num_factors, ((),) * op.rule.num_factors) for op in program.ops]
-        self._pinned = bytearray(len(self._cls))
+        # Per class, the mesh axes it may not be split over (None: any); `replicate`
+        # forbids all of them.
+        self._forbid: list = [None] * len(self._cls)
+        # Classes fixed by `constrain`: layout boundaries that ops do not read tilings from.
+        self._boundary: set[int] = set()
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -92,8 +100,8 @@ class Partitioning:
         return tuple(F)
 
     def is_pinned(self, value) -> bool:
-        """True when `replicate` fixed the value's tiling (and its class's)."""
-        return bool(self._pinned[self._of[self.program.resolve(value)]])
+        """True when `replicate` or `pin` restricted the value's tiling (and its class's)."""
+        return self._forbid[self._of[self.program.resolve(value)]] is not None
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -183,8 +191,10 @@ class Partitioning:
         dims = self._d[c]
         if axis in dims[dim]:
             return
-        if self._pinned[c]:
-            raise PartitioningError(f"cannot tile {prog.name(v)}: it was pinned replicated by an earlier decision")
+        forbid = self._forbid[c]
+        if forbid is not None and axis in forbid:
+            raise PartitioningError(f"cannot tile {prog.name(v)} over {axis!r}: an earlier decision pinned it "
+                                    f"({'replicated' if forbid == self._all_axes else 'whole over ' + ', '.join(sorted(forbid))})")
         if any(axis in d for d in dims):
             raise PartitioningError(
                 f"cannot tile {prog.name(v)} dim {dim} over {axis!r}: its tiling {Tiling(dims)} already uses that axis")
@@ -218,11 +228,83 @@ class Partitioning:
                 f"cannot replicate {self.program.name(v)}: it is already tiled {Tiling(self._d[c])}; "
                 "replicate it before the decisions that split it"
             )
-        if not self._pinned[c]:
-            self._log.append((_PIN, c))
-            self._pinned[c] = 1
-            self._hash ^= hash((_PIN, c))
+        self._restrict(c, self._all_axes)
         self._decide(Decision("replicate", v, None, None, source))
+
+    def detach(self, values) -> "Partitioning":
+        """A new partitioning in which `values` (and those already detached) keep a tiling
+        of their own instead of sharing their class's, with this one's decisions
+        replayed in order. Needed before giving a value a layout that differs from the
+        values an elementwise op ties it to (see `partir._classes`)."""
+        new = Partitioning(self.program, self.mesh, detached=self.detached | {self.program.resolve(v) for v in values})
+        for d in self._decisions:
+            if d.action == "tile":
+                new.tile(d.value, d.dim, d.axis, source=d.source)
+            elif d.action == "replicate":
+                new.replicate(d.value, source=d.source)
+            elif d.action == "constrain":
+                new.constrain(d.value, d.tiling, source=d.source)
+            else:
+                new.pin(d.value, axes=d.axes, source=d.source)
+        return new
+
+    def constrain(self, value, tiling, *, source: str = "user") -> None:
+        """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)
+        as a boundary, like `with_sharding_constraint`: it does not propagate, ops next
+        to it compute as their other values decide and reshard to or from it, and it is
+        not split any further over the axes it uses. The constraint may only extend the
+        value's current tiling (tilings never shrink)."""
+        from jax.sharding import PartitionSpec
+
+        prog = self.program
+        v = prog.resolve(value)
+        val = prog.values[v]
+        if isinstance(tiling, PartitionSpec):
+            tiling = Tiling.from_spec(tiling, val.rank)
+        elif not isinstance(tiling, Tiling):
+            tiling = Tiling(tuple(tuple(d) for d in tiling))
+        if tiling.rank != val.rank:
+            raise PartitioningError(f"cannot constrain {prog.name(v)} (rank {val.rank}) to {tiling} (rank {tiling.rank})")
+        axes = tiling.axes()
+        if len(set(axes)) != len(axes):
+            raise PartitioningError(f"cannot constrain {prog.name(v)} to {tiling}: an axis splits two dims")
+        for d, dim_axes in enumerate(tiling.dims):
+            k = 1
+            for a in dim_axes:
+                k *= self.mesh.size(a)
+            if val.shape[d] % k:
+                raise PartitioningError(f"cannot constrain {prog.name(v)}: dim {d} (size {val.shape[d]}) is not "
+                                        f"divisible by the {k} devices of {dim_axes}")
+        c = self._of[v]
+        if any(tuple(new[:len(old)]) != old for old, new in zip(self._d[c], tiling.dims)):
+            raise PartitioningError(f"cannot constrain {prog.name(v)} to {tiling}: it is already tiled "
+                                    f"{Tiling(self._d[c])}, which {tiling} does not extend")
+        self._set(c, tiling.dims)
+        if c not in self._boundary:
+            self._boundary.add(c)
+            self._log.append((_BND, c))
+            self._hash ^= hash((_BND, c))
+        self._restrict(c, frozenset(axes))
+        self._decide(Decision("constrain", v, None, None, source, tiling=tiling))
+
+    def pin(self, value, axes=None, *, source: str = "user") -> None:
+        """Keep `value` from being split any further over `axes` (all mesh axes when
+        None: its tiling stays as it is): propagation leaves it be, and ops that want it
+        otherwise reshard it."""
+        v = self.program.resolve(value)
+        axes = self._all_axes if axes is None else frozenset(axes)
+        for a in axes:
+            self.mesh.size(a)  # a clear error for an unknown axis
+        self._restrict(self._of[v], axes)
+        self._decide(Decision("pin", v, None, None, source, tuple(sorted(axes))))
+
+    def _restrict(self, c: int, axes: frozenset) -> None:
+        old = self._forbid[c]
+        new = axes if old is None else old | axes
+        if new != old:
+            self._log.append((_PIN, c, old))
+            self._hash ^= hash((_PIN, c, old)) ^ hash((_PIN, c, new))
+            self._forbid[c] = new
 
     def mark(self) -> int:
         """A point to `rollback` to."""
@@ -245,9 +327,13 @@ class Partitioning:
                 h ^= _fhash(o, Fs[o]) ^ _fhash(o, old)
                 Fs[o] = old
                 self._touched_ops.add(o)
+            elif kind == _BND:
+                self._boundary.discard(entry[1])
+                h ^= hash((_BND, entry[1]))
             elif kind == _PIN:
-                self._pinned[entry[1]] = 0
-                h ^= hash((_PIN, entry[1]))
+                _, c, old = entry
+                h ^= hash((_PIN, c, self._forbid[c])) ^ hash((_PIN, c, old))
+                self._forbid[c] = old
             else:
                 self._decisions.pop()
         self._hash = h
@@ -275,7 +361,8 @@ class Partitioning:
 
     def changed_since(self, mark: int) -> tuple[set[int], set[int]]:
         """(values, ops) whose tilings changed since `mark`: values of changed classes;
-        ops whose factor tiling changed, including trivial ops of changed classes."""
+        ops whose factor tiling changed or that touch a changed class (their reshard
+        points may have changed)."""
         classes, ops = set(), set()
         for entry in self._log[mark:]:
             if entry[0] in (_VAL, _PIN):
@@ -286,6 +373,7 @@ class Partitioning:
         trivial = self._cls.trivial
         value_ops = self.program.value_ops
         ops.update(o for v in vals for o in value_ops[v] if trivial[o])
+        ops.update(o for c in classes for o in self._cls.ops[c])
         return vals, ops
 
     def copy(self) -> "Partitioning":
@@ -293,7 +381,8 @@ class Partitioning:
         c = Partitioning.__new__(Partitioning)
         c.__dict__.update(self.__dict__)  # immutable or shared-by-design parts
         c._d, c._f = list(self._d), list(self._f)
-        c._pinned, c._inq = bytearray(self._pinned), bytearray(len(self._inq))
+        c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
+        c._boundary = set(self._boundary)
         c._log, c._decisions = [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c
@@ -389,10 +478,12 @@ class Partitioning:
         F = self._f[oid]
         new = None
         # 1. Pull: merge every class's dim tilings into the op's factor tiling; a proposal
-        # that disagrees with what is there loses (the earlier tiling wins).
+        # that disagrees with what is there loses (the earlier tiling wins). Constrained
+        # classes are boundaries: nothing is read from them.
+        boundary = self._boundary
         for vid, d, f in single:
             axes = D[vid][d]
-            if not axes:
+            if not axes or vid in boundary:
                 continue
             cur = (new or F)[f]
             if cur == axes:
@@ -403,7 +494,7 @@ class Partitioning:
             new = self._grow(new, F, f, axes, n, op.rule.sizes)
         for vid, d, fs in multi:
             axes = D[vid][d]
-            if axes:
+            if axes and vid not in boundary:
                 for f, ax in self._split(axes, fs, op.rule.sizes, op.rule.blocked):
                     cur = (new or F)[f]
                     n = len(cur)
@@ -417,17 +508,16 @@ class Partitioning:
         F = self._f[oid] = new
         self._touched_ops.add(oid)
         # 2. Push: grow every class toward the op's factor tiling where compatible.
-        pinned = self._pinned
+        forbid = self._forbid
         pending: dict[int, list] = {}
         for vid, d, f in single:
             w = F[f]
-            if w and not pinned[vid]:
-                self._offer(pending, D, vid, d, w)
+            if w:
+                self._offer(pending, D, vid, d, w, forbid[vid])
         for vid, d, fs in multi:
-            if not pinned[vid]:
-                w = self._join(F, fs, op.rule.sizes)
-                if w:
-                    self._offer(pending, D, vid, d, w)
+            w = self._join(F, fs, op.rule.sizes)
+            if w:
+                self._offer(pending, D, vid, d, w, forbid[vid])
         for vid, dims in pending.items():
             self._set(vid, tuple(dims))
         return list(pending)
@@ -453,13 +543,17 @@ class Partitioning:
         return new
 
     @staticmethod
-    def _offer(pending, D, vid, d, w):
+    def _offer(pending, D, vid, d, w, forbid):
         dims = pending.get(vid) or D[vid]
         cur = dims[d]
         n = len(cur)
         if len(w) <= n or w[:n] != cur:
             return
         add = w[n:]
+        if forbid is not None:
+            for a in add:
+                if a in forbid:
+                    return
         for dd in dims:
             for a in add:
                 if a in dd:
@@ -469,7 +563,7 @@ class Partitioning:
         dims[d] = w
 
 
-_VAL, _FAC, _PIN, _DEC = range(4)
+_VAL, _FAC, _PIN, _DEC, _BND = range(5)
 
 
 def _vhash(v: int, dims: tuple) -> int:
