@@ -138,8 +138,7 @@ class CostModel:
         work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(_dtype(op, prog)) for op in prog.ops])
-        self._backward = np.array([not op.link and "transpose(" in str(getattr(op.eqn.source_info, "name_stack", ""))
-                                   for op in prog.ops])
+        self._backward = np.array(prog.backward, dtype=bool)
         self._trivial = np.array(cls.trivial)
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
@@ -152,7 +151,7 @@ class CostModel:
         self._op_bytes = self._op_bytes_full.copy()
         # Values made from scalars alone (a broadcast constant, an iota) can be made in any
         # layout where they are needed: XLA rematerialises them instead of moving them.
-        self._free = {v for op in prog.ops if _creates(op, vals) for v in op.results if v >= 0}
+        self._free = {v for v in range(len(vals)) if prog.rematerializable(v)}
         heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops])
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
         self.liveness = Liveness(prog, donate_argnums)
@@ -332,13 +331,6 @@ def _feeds_backward(prog, backward) -> np.ndarray:
                     if v >= 0:
                         feeds[v] = True
     return feeds
-
-
-def _creates(op, vals) -> bool:
-    """Does `op` make its result from scalars only (no array data to move)?"""
-    if op.primitive in ("iota", "empty", "empty2"):
-        return True
-    return op.primitive == "broadcast_in_dim" and all(v < 0 or not vals[v].shape for v in op.operands)
 
 
 def _dtype(op, prog):
