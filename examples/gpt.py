@@ -4,7 +4,7 @@ Parameters (D = d_model, F = d_ff, V = vocab, S = seq_len, L = n_layers)::
 
     embed:  tokens [V, D], positions [S, D]
     layers[i]:  ln1 {scale [D], bias [D]}
-                attn {wq, wk, wv, wo: [D, D]}   (fused_qkv: {wqkv [D, 3D], wo [D, D]})
+                attn {wq, wk, wv, wo: [D, D]}   (fused_qkv: {wqkv [D, 3D] head-major, wo [D, D]})
                 ln2 {scale [D], bias [D]}
                 mlp {w1 [D, F], b1 [F], w2 [F, D], b2 [D]}
     ln_f:   {scale [D], bias [D]}
@@ -63,9 +63,11 @@ def init_layer(config: GPTConfig, key: jax.Array) -> dict:
     d, f = config.d_model, config.d_ff
     kq, kk, kv, ko, k1, k2 = jax.random.split(key, 6)
     if config.fused_qkv:
-        # Same values as the split form, so fused and unfused models agree.
-        wqkv = jnp.concatenate([dense_init(k, d, (d, d)) for k in (kq, kk, kv)], axis=1)
-        attn = {"wqkv": wqkv}
+        # Same values as the split form, so fused and unfused models agree, with the
+        # columns grouped by head as Megatron-LM lays them out: [H, (q, k, v), Dh].
+        h, dh = config.n_heads, config.d_head
+        parts = [dense_init(k, d, (d, d)).reshape(d, h, 1, dh) for k in (kq, kk, kv)]
+        attn = {"wqkv": jnp.concatenate(parts, axis=2).reshape(d, 3 * d)}
     else:
         attn = {"wq": dense_init(kq, d, (d, d)), "wk": dense_init(kk, d, (d, d)),
                 "wv": dense_init(kv, d, (d, d))}
@@ -121,10 +123,10 @@ def attention(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     b, s, d = x.shape
     h, dh = config.n_heads, config.d_head
     if config.fused_qkv:
-        q, k, v = jnp.split(x @ p["wqkv"], 3, axis=-1)
+        # Head-major columns: splitting them into contiguous blocks keeps whole heads.
+        q, k, v = jnp.split((x @ p["wqkv"]).reshape(b, s, h, 3 * dh), 3, axis=-1)
     else:
-        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
-    q, k, v = (t.reshape(b, s, h, dh) for t in (q, k, v))
+        q, k, v = ((x @ w).reshape(b, s, h, dh) for w in (p["wq"], p["wk"], p["wv"]))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
     causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
     # A finite fill keeps softmax free of NaNs and its gradient exact zeros.

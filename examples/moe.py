@@ -1,8 +1,13 @@
 """A transformer-free mixture-of-experts regressor with GShard/Switch-style dispatch.
 
-tokens x [T, d_in] -> tanh input projection -> n_moe_layers residual MoE feed-forward
-layers (top-k routing, fixed expert capacity) -> linear head -> MSE (+ a small
-Switch load-balancing term).
+tokens x [G, S, d_in] (G groups of S tokens) -> tanh input projection -> n_moe_layers
+residual MoE feed-forward layers (top-k routing with a fixed expert capacity per group)
+-> linear head -> MSE (+ a small Switch load-balancing term).
+
+As in GShard, tokens are routed within their group: groups are independent, so a mesh
+axis can split them (data parallelism) while the same axis splits the experts; the
+dispatched tokens then move from group-split to expert-split by an all-to-all, and
+back for the combine.
 
 Parameters (D = d_model, F = d_ff, E = n_experts)::
 
@@ -10,7 +15,7 @@ Parameters (D = d_model, F = d_ff, E = n_experts)::
     moe[i]:  {router [D, E], experts: {w1 [E, D, F], w2 [E, F, D]}}
     head:    {w [D, d_out], b [d_out]}
 
-Batch: ``{'x': f32[T, d_in], 'y': f32[T, d_out]}``.
+Batch: ``{'x': f32[G, S, d_in], 'y': f32[G, S, d_out]}``.
 """
 
 from __future__ import annotations
@@ -28,27 +33,29 @@ from examples._common import build_train_step, dense_init, normal
 class MoEConfig:
     """Sizes, routing settings and optimiser settings of the MoE example."""
 
-    tokens: int = 64
+    groups: int = 8
+    group_size: int = 8
     d_in: int = 16
     d_model: int = 32
     d_ff: int = 64
     d_out: int = 8
     n_experts: int = 8
     top_k: int = 2
-    capacity_factor: float = 1.0
+    capacity_factor: float = 2.0
     n_moe_layers: int = 1
     aux_loss_coef: float = 1e-2
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
 
     @property
-    def capacity(self) -> int:
-        """Slots per expert: ``capacity_factor * k * T / E``, rounded up to a multiple of 8.
+    def tokens(self) -> int:
+        """Tokens per batch: ``groups * group_size``."""
+        return self.groups * self.group_size
 
-        Rounding keeps the capacity axis evenly shardable over 8 devices.
-        """
-        raw = math.ceil(self.capacity_factor * self.top_k * self.tokens / self.n_experts)
-        return max(8, -(-raw // 8) * 8)
+    @property
+    def capacity(self) -> int:
+        """Slots per expert and group: ``capacity_factor * k * S / E``, rounded up."""
+        return math.ceil(self.capacity_factor * self.top_k * self.group_size / self.n_experts)
 
 
 def init_params(config: MoEConfig, key: jax.Array) -> dict:
@@ -74,13 +81,13 @@ def init_params(config: MoEConfig, key: jax.Array) -> dict:
 def make_batch(config: MoEConfig, key: jax.Array) -> dict:
     """Random inputs with targets from a fixed smooth teacher."""
     kx, kt = jax.random.split(key)
-    x = normal(kx, (config.tokens, config.d_in))
+    x = normal(kx, (config.groups, config.group_size, config.d_in))
     teacher = dense_init(kt, config.d_in, (config.d_in, config.d_out))
     return {"x": x, "y": jnp.sin(x @ teacher)}
 
 
 def route(router_probs: jax.Array, config: MoEConfig):
-    """Top-k capacity routing.
+    """Top-k capacity routing of one group's ``router_probs [T, E]``.
 
     Returns ``(dispatch [T, E, C], combine [T, E, C])``: ``dispatch`` is a 0/1 mask
     placing each kept (token, choice) in a slot of its expert, ``combine`` is that mask
@@ -107,23 +114,23 @@ def route(router_probs: jax.Array, config: MoEConfig):
 
 
 def moe_layer(p: dict, x: jax.Array, config: MoEConfig):
-    """One MoE feed-forward layer on ``x [T, D]``; returns ``(y [T, D], aux_loss)``."""
-    probs = jax.nn.softmax(x @ p["router"], axis=-1)  # [T, E]
-    dispatch, combine = route(probs, config)
-    expert_in = jnp.einsum("tec,td->ecd", dispatch, x)
-    h = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", expert_in, p["experts"]["w1"]), approximate=True)
-    expert_out = jnp.einsum("ecf,efd->ecd", h, p["experts"]["w2"])
-    y = jnp.einsum("tec,ecd->td", combine, expert_out)
+    """One MoE feed-forward layer on ``x [G, S, D]``; returns ``(y [G, S, D], aux_loss)``."""
+    probs = jax.nn.softmax(x @ p["router"], axis=-1)  # [G, S, E]
+    dispatch, combine = jax.vmap(lambda pr: route(pr, config))(probs)  # [G, S, E, C]
+    expert_in = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+    h = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", expert_in, p["experts"]["w1"]), approximate=True)
+    expert_out = jnp.einsum("egcf,efd->egcd", h, p["experts"]["w2"])
+    y = jnp.einsum("gsec,egcd->gsd", combine, expert_out)
     # Switch-style load-balancing loss: E * sum_e (share of assignments kept by e) *
     # (mean router prob of e). The share comes from the dispatch mask (no gradient),
     # which avoids a second, argmax-based routing decision.
-    share = jnp.sum(dispatch, axis=(0, 2)) / (config.top_k * x.shape[0])
-    aux = config.n_experts * jnp.sum(share * jnp.mean(probs, axis=0))
+    share = jnp.sum(dispatch, axis=(0, 1, 3)) / (config.top_k * config.tokens)
+    aux = config.n_experts * jnp.sum(share * jnp.mean(probs, axis=(0, 1)))
     return y, aux
 
 
 def forward(params: dict, x: jax.Array, config: MoEConfig):
-    """Predictions ``[T, d_out]`` and the summed auxiliary loss."""
+    """Predictions ``[G, S, d_out]`` and the summed auxiliary loss."""
     h = jnp.tanh(x @ params["input"]["w"] + params["input"]["b"])
     aux_total = jnp.zeros((), h.dtype)
     for p in params["moe"]:

@@ -11,8 +11,9 @@ from partir import PartitioningError
 #: Megatron-style tensor parallelism once propagated (everything else follows).
 MEGATRON_SEEDS = {
     "mlp": [("params/w1", 1)],
-    "gpt": [("params/layers/*/attn/wq", -1), ("params/layers/*/mlp/w1", -1),
-            ("params/layers/attn/wq", -1), ("params/layers/mlp/w1", -1), ("params/head/w", 1)],
+    "gpt": [("params/embed/tokens", 0), ("params/layers/*/attn/wq", -1), ("params/layers/*/mlp/w1", -1),
+            ("params/layers/attn/wq", -1), ("params/layers/attn/wqkv", -1), ("params/layers/*/attn/wqkv", -1),
+            ("params/layers/mlp/w1", -1), ("params/head/w", 1)],
     "convnet": [("params/conv1/w", 3)],
     "moe": [("params/moe/*/experts/w1", -1)],
     "nnx_mlp": [("params/linear1/kernel", 1)],
