@@ -1,2 +1,23 @@
-"""tactics: schedules of partitioning tactics (manual, data parallel, Megatron,
-FSDP/ZeRO, sequence and expert parallel) that rewrite a `partir.Partitioning`."""
+"""tactics: schedules of partitioning tactics that rewrite a `partir.Partitioning`.
+
+A schedule is a list of tactics applied in order by `apply_schedule`, each propagated
+before the next (earlier tactics win conflicts), with a history of every step:
+
+    apply_schedule(program, mesh, [DataParallel("data"), Megatron("model")])
+
+Manual: `Shard`, `Replicate`, `Specs`. Strategies: `DataParallel`, `Megatron`,
+`ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`.
+"""
+
+from ._base import Context, Partitioned, Step, Tactic, TacticError, apply_schedule
+from ._data import DataParallel, batch_inputs
+from ._expert import ExpertParallel, expert_activations, expert_weights
+from ._manual import Replicate, Shard, Specs
+from ._megatron import Block, Megatron, weight_uses
+from ._roles import Roles, roles, weight_root
+from ._sequence import SequenceParallel
+from ._zero import FSDP, ZeRO
+
+__all__ = ["FSDP", "Block", "Context", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Replicate",
+           "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "apply_schedule",
+           "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_root", "weight_uses"]

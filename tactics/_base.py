@@ -1,0 +1,113 @@
+"""Schedules: lists of tactics applied in order, each propagated before the next.
+
+`apply_schedule(program, mesh, [DataParallel("data"), Megatron("model")])` returns a
+`Partitioned`: the final partitioning and its history, one `Step` per tactic with a
+snapshot of the partitioning after it, the decisions it took and what it recognised.
+Earlier tactics win conflicts, because their decisions are already in place when the
+later ones propagate (PartIR's schedule semantics). A tactic that cannot apply raises
+a `TacticError` naming why, and changes nothing; with `best_effort=True` it is recorded
+as skipped instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import partir
+from partir import Decision, MeshSpec, Partitioning, PartitioningError, Program
+
+
+class TacticError(PartitioningError):
+    """A tactic that cannot apply to this program and partitioning."""
+
+
+@dataclass
+class Context:
+    """What tactics learn and leave for later ones in the same schedule: the Megatron
+    blocks found per axis (for sequence parallelism)."""
+
+    blocks: dict = field(default_factory=dict)
+
+
+class Tactic:
+    """Base class: a tactic rewrites a partitioning through `tile`/`replicate`/`pin`
+    actions. `apply` returns the partitioning to continue with (it may be a new one,
+    e.g. after `Partitioning.detach`) and notes for the history."""
+
+    def apply(self, part: Partitioning, ctx: Context) -> tuple[Partitioning, list[str]]:
+        """Apply to `part`; raise `TacticError` if it cannot."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        args = ", ".join(repr(getattr(self, f)) for f in self.__dataclass_fields__ if getattr(self, f) is not None)
+        return f"{type(self).__name__}({args})"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One tactic's effect: the partitioning after it (a snapshot), the decisions it
+    took, what it recognised (`notes`), or why it was skipped."""
+
+    tactic: Tactic
+    partitioning: Partitioning
+    decisions: tuple[Decision, ...]
+    notes: tuple[str, ...]
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class Partitioned:
+    """The result of a schedule: the final partitioning and the history of steps."""
+
+    program: Program
+    partitioning: Partitioning
+    history: tuple[Step, ...]
+
+    @property
+    def mesh(self) -> MeshSpec:
+        """The mesh the program is partitioned over."""
+        return self.partitioning.mesh
+
+    def lower(self, mesh=None, **options):
+        """Lower the final partitioning (see `partir.lower`)."""
+        return partir.lower(self.partitioning, mesh, **options)
+
+    def describe(self, decisions: bool = True) -> str:
+        """One block per step: the tactic, its notes and (optionally) its decisions."""
+        lines = []
+        for i, s in enumerate(self.history):
+            head = f"{i + 1}. {s.tactic}" + (f"  [skipped: {s.skipped}]" if s.skipped else "")
+            lines.append(head)
+            lines += [f"     {n}" for n in s.notes]
+            prog = self.program
+            for d in s.decisions if decisions else ():
+                what = f"tile dim {d.dim} over {d.axis}" if d.action == "tile" else d.action
+                lines.append(f"     - {prog.name(d.value)}: {what}")
+        return "\n".join(lines)
+
+
+def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: bool = False,
+                   start: Partitioning | None = None) -> Partitioned:
+    """Apply `schedule` (tactics, in order) to a fresh partitioning of `program` on `mesh`
+    (or to a copy of `start`). Raises the first `TacticError` unless `best_effort`."""
+    part = start.copy() if start is not None else Partitioning(program, mesh)
+    for t in schedule:
+        if not isinstance(t, Tactic):
+            raise TacticError(f"schedule entries must be tactics (Shard, DataParallel, Megatron, ...), got {t!r}")
+    ctx = Context()
+    history = []
+    for tactic in schedule:
+        before = len(part.decisions)
+        mark = part.mark()
+        try:
+            new, notes = tactic.apply(part, ctx)
+        except PartitioningError as e:
+            part.rollback(mark)
+            if not best_effort:
+                raise TacticError(f"{tactic}: {e}") from e
+            history.append(Step(tactic, part.copy(), (), (), skipped=str(e)))
+            continue
+        part = new
+        decisions = tuple(d for d in part.decisions[before:] if d.source == str(tactic)) if new is not None else ()
+        history.append(Step(tactic, part.copy(), decisions, tuple(notes)))
+    return Partitioned(program, part, tuple(history))

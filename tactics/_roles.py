@@ -1,0 +1,89 @@
+"""What the values of a train step are, read from its dataflow (never from names).
+
+- *state* inputs are carried to an output by elementwise updates (they share a tiling
+  class with an output): parameters and optimizer state;
+- *parameters* are state inputs that the forward pass reads; *optimizer state* the rest;
+- *batch* inputs are the other inputs of rank >= 1.
+
+The forward pass is the ops before the first backward (transposed) op; a program with
+no backward pass is all forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+#: Ops a weight may pass through on its way to a matmul without changing its layout.
+TRANSPARENT = ("convert_element_type", "copy", "copy_p")
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Input roles and the forward/backward split of a program."""
+
+    params: tuple[int, ...]
+    opt_state: tuple[int, ...]
+    batch: tuple[int, ...]
+    forward_end: int  # op index where the backward pass starts (len(ops) if none)
+
+    @property
+    def state(self) -> tuple[int, ...]:
+        """Parameters and optimizer state."""
+        return tuple(sorted(self.params + self.opt_state))
+
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def roles(program) -> Roles:
+    """Infer the roles of `program`'s inputs (computed once per program)."""
+    cached = _CACHE.get(program)
+    if cached is not None:
+        return cached
+    cls = program.classes
+    backward = program.backward
+    forward_end = next((i for i, b in enumerate(backward) if b), len(program.ops))
+    out_classes = {cls.of[v] for v in program.outputs if v >= 0}
+    read_forward = set()
+    for op in program.ops[:forward_end]:
+        if op.link or op.primitive in TRANSPARENT:
+            continue
+        for v in op.operands:
+            if v >= 0:
+                root = weight_root(program, v)
+                if root is not None:
+                    read_forward.add(root[0])
+    params, opt, batch = [], [], []
+    for v in program.inputs:
+        if cls.of[v] in out_classes:
+            (params if v in read_forward else opt).append(v)
+        elif program.values[v].rank >= 1:
+            batch.append(v)
+    r = _CACHE[program] = Roles(tuple(params), tuple(opt), tuple(batch), forward_end)
+    return r
+
+
+def weight_root(program, v: int):
+    """The program input that `v` is, through links (a scan slices stacked weights: the
+    input's dims are then offset by one) and dtype casts: `(input, dim offset)` or None."""
+    offset = 0
+    inputs = program.input_set
+    for _ in range(64):
+        if v in inputs:
+            return v, offset
+        p = program.producer[v]
+        if p < 0:
+            return None
+        op = program.ops[p]
+        if op.link:
+            if op.primitive == "scan.xs":
+                offset += 1
+            elif op.primitive == "scan.ys":
+                return None
+        elif op.primitive not in TRANSPARENT:
+            return None
+        v = op.operands[0]
+        if v < 0:
+            return None
+    return None

@@ -1,0 +1,159 @@
+"""ZeRO / FSDP: shard optimizer state, gradients and parameters over the data axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partir import PartitioningError
+
+from ._base import Context, Tactic, TacticError
+from ._roles import roles
+
+
+def _pick_dim(part, v: int, axis: str, avoid=frozenset()) -> int | None:
+    """The dim of input `v` to split over `axis`: one the axis divides together with the
+    axes already on it, preferring dims nothing splits yet, then dims tensor
+    parallelism would not want (`avoid`: (input, dim) pairs), then the largest."""
+    val = part.program.values[v]
+    t = part.tiling(v)
+    sizes = part.mesh.sizes()
+    if axis in t.axes():
+        return None
+    best = None
+    for d in range(val.rank):
+        k = sizes[axis]
+        for a in t.dims[d]:
+            k *= sizes[a]
+        if val.shape[d] % k:
+            continue
+        key = (not t.dims[d], (v, d) not in avoid, val.shape[d] // k)
+        if best is None or key > best[0]:
+            best = (key, d)
+    return None if best is None else best[1]
+
+
+@dataclass(frozen=True)
+class ZeRO(Tactic):
+    """ZeRO over `axis` (which data parallelism must already split the batch over).
+
+    stage 1: optimizer state sharded; parameters and gradients stay whole. Pattern: the
+      gradient all-reduce, each device updates its shard, then an all-gather of the
+      updated parameters.
+    stage 2: gradients sharded too: the gradient reduction becomes a reduce-scatter,
+      then the sharded update and the all-gather of the parameters.
+    stage 3 (FSDP): parameters sharded too: an all-gather of each parameter before it
+      is used (forward and backward), a reduce-scatter of its gradient, a local update.
+
+    Each tensor is split on a dim that `axis` divides, preferring dims that earlier
+    tactics left unsplit, so it composes with tensor parallelism on another axis.
+    """
+
+    axis: str
+    stage: int = 3
+
+    def apply(self, part, ctx: Context):
+        if self.stage not in (1, 2, 3):
+            raise TacticError(f"ZeRO stage must be 1, 2 or 3, got {self.stage}")
+        prog = part.program
+        r = roles(prog)
+        if not any(self.axis in part.tiling(v).axes() for v in r.batch):
+            raise TacticError(f"ZeRO over {self.axis!r} needs the batch split over it first: "
+                              f"put DataParallel({self.axis!r}) earlier in the schedule")
+        avoid = self._tensor_parallel_dims(part)
+        if self.stage < 3:
+            part = self._keep_whole(part, r)
+        sharded, skipped = [], []
+        targets = r.params if self.stage == 3 else r.opt_state
+        for v in targets:
+            if prog.values[v].rank == 0:
+                continue
+            d = _pick_dim(part, v, self.axis, avoid)
+            if d is None:
+                if self.axis not in part.tiling(v).axes():
+                    skipped.append(prog.name(v))
+                continue
+            mark = part.mark()
+            try:
+                part.tile(v, d, self.axis, source=str(self))
+                sharded.append(prog.name(v))
+            except PartitioningError:
+                part.rollback(mark)
+                skipped.append(prog.name(v))
+        what = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer state"}
+        notes = [f"stage {self.stage}: {what[self.stage]} sharded over {self.axis!r} ({len(sharded)} tensors split)"]
+        if skipped:
+            notes.append(f"left whole (no dim divisible by {self.axis!r}): {', '.join(skipped[:5])}"
+                         + (" ..." if len(skipped) > 5 else ""))
+        return part, notes
+
+    def _tensor_parallel_dims(self, part) -> frozenset:
+        """(input, dim) pairs that Megatron would split over another mesh axis: sharding
+        them over this one first would leave tensor parallelism no room, so ZeRO leaves
+        them to it (found by a trial Megatron on a copy, discarded)."""
+        from ._megatron import Megatron
+
+        prog = part.program
+        for other in part.mesh.names:
+            if other == self.axis or part.mesh.size(other) == 1:
+                continue
+            trial = part.copy()
+            try:
+                trial, _ = Megatron(other).apply(trial, Context())
+            except PartitioningError:
+                continue
+            return frozenset((v, d) for v in prog.inputs for d, axes in enumerate(trial.tiling(v).dims)
+                             if other in axes)
+        return frozenset()
+
+    def _keep_whole(self, part, r):
+        """Detach the parameters, their updated outputs and (stage 1) their gradients from
+        the update they share a tiling class with, and pin them as they are."""
+        prog = part.program
+        cls = prog.classes
+        by_class = {}
+        for v in prog.outputs:
+            if v >= 0:
+                by_class.setdefault(cls.of[v], []).append(v)
+        keep = set(r.params)
+        for p in r.params:
+            keep.update(o for o in by_class.get(cls.of[p], ()) if prog.values[o].shape == prog.values[p].shape
+                        and o not in prog.input_set and _updates(prog, o, p))
+        if self.stage == 1:
+            keep.update(_gradients(prog, r))
+        part = part.detach(keep)
+        for v in sorted(keep):
+            part.pin(v, axes=(self.axis,), source=str(self))
+        return part
+
+
+def _updates(prog, out: int, param: int) -> bool:
+    """Is output `out` computed by an op that reads `param` directly (p - lr * u)?"""
+    p = prog.producer[out]
+    return p >= 0 and param in prog.ops[p].operands
+
+
+def _gradients(prog, r) -> set[int]:
+    """The weight gradients: results of backward contractions (dots, reductions) in the
+    tiling class of a parameter, or transposed into it."""
+    cls = prog.classes
+    param_classes = {cls.of[p] for p in r.params}
+    grads = set()
+    for op in prog.ops[r.forward_end:]:
+        if not prog.backward[op.id] or not op.rule.reduction:
+            continue
+        for v in op.results:
+            if v < 0:
+                continue
+            if cls.of[v] in param_classes:
+                grads.add(v)
+            else:
+                for u in prog.users[v]:
+                    nxt = prog.ops[u]
+                    if nxt.primitive in ("transpose", "reshape") and cls.of[nxt.results[0]] in param_classes:
+                        grads.add(v)
+    return grads
+
+
+def FSDP(axis: str) -> ZeRO:
+    """Fully sharded data parallelism over `axis`: `ZeRO(axis, stage=3)`."""
+    return ZeRO(axis, stage=3)
