@@ -1,10 +1,9 @@
 """`automap demo`: partition the built-in GPT train step on 8 simulated CPU devices.
 
-For now the plan is placed by hand through `tile` actions (data parallel on `data`,
-Megatron on `model`: split the attention projections, the first MLP matmul and the
-LM head; propagation does the rest). The demo lowers it, runs a training step, checks
-the loss against the unpartitioned run, and prints the per-parameter sharding and the
-collectives XLA inserted.
+The plan comes from a schedule: data parallel on `data`, then Megatron on `model`
+(tensor-parallel blocks found from the dataflow). The demo lowers it, runs a training
+step, checks the loss against the unpartitioned run, and prints the per-parameter
+sharding and the collectives XLA inserted.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ def run(console=None) -> int:
     from rich.table import Table
 
     import partir
+    import tactics
     from examples import gpt
 
     if console is None:
@@ -41,14 +41,10 @@ def run(console=None) -> int:
                   f"on mesh {mesh} of simulated CPU devices")
     t0 = time.perf_counter()
     prog = partir.lift(step, *args)
-    part = partir.Partitioning(prog, mesh)
-    for v, name in zip(prog.inputs, prog.input_names):
-        if name.startswith("batch"):
-            part.tile(v, 0, "data", source="data parallel")
-    for pattern, dim in (("params/layers/*/attn/wq", 1), ("params/layers/*/mlp/w1", 1), ("params/head/w", 1)):
-        for v in prog.match_inputs(pattern):
-            part.tile(v, dim, "model", source="megatron (by hand)")
+    planned = tactics.apply_schedule(prog, mesh, [tactics.DataParallel("data"), tactics.Megatron("model")])
+    part = planned.partitioning
     console.print(f"lifted {prog} and planned in {time.perf_counter() - t0:.2f} s")
+    console.print(planned.describe(decisions=False), markup=False, highlight=False)
 
     sizes = mesh.sizes()
     table = Table(title="parameters: sharding and bytes per device")

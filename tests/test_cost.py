@@ -128,8 +128,10 @@ def test_axis_across_nodes_is_slower_than_nvlink():
     STRATEGIES["dp+megatron"](part, "gpt", "data", "model")
     fast = search.CostModel(part.copy(), "h100").cost()
     slow = search.CostModel(part.copy(), "h100", links={"data": "inter"}).cost()
-    assert slow.comm_time > 2 * fast.comm_time and slow.step_time > fast.step_time
-    assert slow.compute_time == fast.compute_time
+    # Only the collectives over 'data' cross nodes: InfiniBand is 9x slower than NVLink.
+    assert slow.by_axis()[("data",)][2] > 5 * fast.by_axis()[("data",)][2]
+    assert slow.by_axis()[("model",)][2] == fast.by_axis()[("model",)][2]
+    assert slow.step_time > fast.step_time and slow.compute_time == fast.compute_time
 
 
 def test_gradient_reductions_overlap_backward():
