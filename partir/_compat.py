@@ -7,13 +7,15 @@ from __future__ import annotations
 def scan_counts(params) -> tuple[int, int]:
     """(number of constants, number of carries) of a `scan` equation. JAX 0.10 records
     them as `num_consts`/`num_carry`; later versions describe the operand groups in
-    `ft_in` (constants, carries, scanned inputs): a tuple of three tuples with one entry
-    per flat value, or a flat-tree object whose tree has those three groups."""
+    `ft_in` (constants, carries, scanned inputs): a flat tree of three groups, either a
+    tuple of groups (whose len() counts their flat values) or a pytree of them."""
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
     ft = params["ft_in"]
-    tree = getattr(ft, "tree", None)  # a flat-tree object: groups are its top children
-    if tree is not None:
-        consts, carry = tree.children()[:2]
-        return consts.num_leaves, carry.num_leaves
-    return len(ft[0]), len(ft[1])
+    groups = getattr(ft, "elts", None)  # a tuple of flat trees; len() counts flat values
+    if groups is not None:
+        return len(groups[0]), len(groups[1])
+    if isinstance(ft, tuple):
+        return len(ft[0]), len(ft[1])
+    consts, carry = ft.tree.children()[:2]  # a pytree-shaped flat tree
+    return consts.num_leaves, carry.num_leaves
