@@ -24,9 +24,10 @@ class TacticError(PartitioningError):
 @dataclass
 class Context:
     """What tactics learn and leave for later ones in the same schedule: the Megatron
-    blocks found per axis (for sequence parallelism)."""
+    blocks found per axis (for sequence parallelism), search results by tactic."""
 
     blocks: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
 
 
 class Tactic:
@@ -57,11 +58,13 @@ class Step:
 
 @dataclass(frozen=True)
 class Partitioned:
-    """The result of a schedule: the final partitioning and the history of steps."""
+    """The result of a schedule: the final partitioning, the history of steps, and the
+    context the tactics shared (e.g. `context.search` holds search results)."""
 
     program: Program
     partitioning: Partitioning
     history: tuple[Step, ...]
+    context: Context = field(default_factory=Context)
 
     @property
     def mesh(self) -> MeshSpec:
@@ -110,4 +113,4 @@ def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: b
         part = new
         decisions = tuple(d for d in part.decisions[before:] if d.source == str(tactic)) if new is not None else ()
         history.append(Step(tactic, part.copy(), decisions, tuple(notes)))
-    return Partitioned(program, part, tuple(history))
+    return Partitioned(program, part, tuple(history), ctx)

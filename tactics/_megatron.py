@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from partir import PartitioningError, transition
 
 from ._base import Context, Tactic, TacticError
+from ._groups import input_groups
 from ._roles import roles, weight_root
 
 
@@ -76,6 +77,9 @@ class Megatron(Tactic):
         size = part.mesh.size(self.axis)
         blocks, rejected = [], []
         uses = weight_uses(prog, set(r.params), r.forward_end)
+        # Layers built alike behave alike: a block found in one layer is taken for every
+        # weight of its group (see `input_groups`) without trying each again.
+        group_of = {v: g for g in input_groups(prog, r.params) for v in g.members}
         tried = set()
         for w, oid, k, free, _ in uses:
             if len(free) != 1 or (w, free[0]) in tried:
@@ -95,8 +99,17 @@ class Megatron(Tactic):
             if problem:
                 part.rollback(mark)
                 rejected.append(f"{prog.name(w)} dim {dim}: {problem}")
-            else:
-                blocks.append(Block(w, dim, oid, reductions))
+                continue
+            blocks.append(Block(w, dim, oid, reductions))
+            for other in group_of[w].members:
+                tried.add((other, dim))
+                if other == w or self.axis in part.tiling(other).axes():
+                    continue
+                try:
+                    part.tile(other, dim, self.axis, source=str(self))
+                    blocks.append(Block(other, dim, -1, ()))
+                except PartitioningError as e:
+                    rejected.append(f"{prog.name(other)}: {e}")
         if not blocks:
             detail = "; ".join(rejected[:4]) or "no parameter is read by a matmul"
             raise TacticError(f"found no tensor-parallel block over {self.axis!r} (size {size}): {detail}")

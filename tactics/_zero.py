@@ -45,11 +45,13 @@ class ZeRO(Tactic):
       is used (forward and backward), a reduce-scatter of its gradient, a local update.
 
     Each tensor is split on a dim that `axis` divides, preferring dims that earlier
-    tactics left unsplit, so it composes with tensor parallelism on another axis.
+    tactics left unsplit and (`leave_room`) dims a Megatron on another mesh axis would
+    not want, so it composes with tensor parallelism before or after it.
     """
 
     axis: str
     stage: int = 3
+    leave_room: bool = True  # keep dims a later Megatron on another axis would split
 
     def apply(self, part, ctx: Context):
         if self.stage not in (1, 2, 3):
@@ -59,7 +61,7 @@ class ZeRO(Tactic):
         if not any(self.axis in part.tiling(v).axes() for v in r.batch):
             raise TacticError(f"ZeRO over {self.axis!r} needs the batch split over it first: "
                               f"put DataParallel({self.axis!r}) earlier in the schedule")
-        avoid = self._tensor_parallel_dims(part)
+        avoid = self._tensor_parallel_dims(part) if self.leave_room else frozenset()
         if self.stage < 3:
             part = self._keep_whole(part, r)
         sharded, skipped = [], []
@@ -154,6 +156,23 @@ def _gradients(prog, r) -> set[int]:
     return grads
 
 
-def FSDP(axis: str) -> ZeRO:
-    """Fully sharded data parallelism over `axis`: `ZeRO(axis, stage=3)`."""
-    return ZeRO(axis, stage=3)
+@dataclass(frozen=True)
+class FSDP(Tactic):
+    """Fully sharded data parallelism over `axis`: `DataParallel(axis)` (unless the batch
+    is split over it already) then `ZeRO(axis, stage=3)`.
+
+    Textbook pattern: every device runs the whole model on its slice of the batch, with
+    each parameter all-gathered before it is used and its gradient reduce-scattered.
+    """
+
+    axis: str
+    leave_room: bool = True
+
+    def apply(self, part, ctx: Context):
+        from ._data import DataParallel
+
+        notes = []
+        if not any(self.axis in part.tiling(v).axes() for v in roles(part.program).batch):
+            part, notes = DataParallel(self.axis).apply(part, ctx)
+        part, more = ZeRO(self.axis, 3, self.leave_room).apply(part, ctx)
+        return part, notes + more
