@@ -19,11 +19,12 @@ cheaply; `key()` is an incrementally maintained hash of the whole state.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
-from ._ir import Program, no_gc
+from ._ir import Program
 from ._mesh import MeshSpec
 from ._tiling import Tiling
 
@@ -212,8 +213,13 @@ class Partitioning:
             new[dim] = dims[dim] + (axis,)
             self._set(c, tuple(new))
             self._decide(Decision("tile", v, dim, axis, source))
-            with no_gc():
+            gc_was = gc.isenabled()  # see partir._ir.no_gc (inlined: this is a hot path)
+            gc.disable()
+            try:
                 self._propagate(c)
+            finally:
+                if gc_was:
+                    gc.enable()
         except BaseException:
             self.rollback(mark)
             raise
