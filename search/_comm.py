@@ -17,6 +17,9 @@ bandwidth `beta` (the slowest link level among the collective's axes):
     all-gather        (n-1) alpha +   (n-1)/n * R / beta        (R = result)
     all-to-all        (n-1) alpha +   (n-1)/n * B / beta
 
+Gradient reductions over the same axes are combined into one collective per step
+(their latency paid once), as XLA's combiner and DDP's buckets do.
+
 `bytes` is the buffer XLA's HLO shows per device: the reduced buffer of an all-reduce,
 the result of an all-gather or reduce-scatter, the buffer of an all-to-all. A backend
 without a native reduce-scatter (`DeviceSpec.reduce_scatter=False`: XLA:CPU) all-reduces
@@ -69,6 +72,28 @@ class LinkModel:
         steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
         traffic = (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
         return steps * alpha + traffic / bw
+
+    def latency(self, kind: str, axes: tuple[str, ...]) -> float:
+        """The latency part of one collective: `steps * alpha`."""
+        n = math.prod(self.sizes[a] for a in axes)
+        if n <= 1:
+            return 0.0
+        return (2 * (n - 1) if kind == "all-reduce" else n - 1) * max(self.alpha[a] for a in axes)
+
+    def total_time(self, cols) -> float:
+        """Seconds for collectives `cols` in a step. Gradient reductions over the same
+        axes are combined into one collective (XLA's all-reduce combiner, PyTorch's
+        gradient buckets): their latency is paid once, their bytes in full."""
+        total = 0.0
+        combined: dict[tuple, float] = {}
+        for c in cols:
+            total += c.time * c.count
+            if c.gradient:
+                key = (c.kind, c.axes)
+                combined[key] = combined.get(key, 0.0) + c.count
+        for (kind, axes), n in combined.items():
+            total -= (n - 1) * self.latency(kind, axes)
+        return total
 
     def reshard(self, src: Tiling, dst: Tiling, full_bytes: float, mesh) -> list[tuple[str, tuple, float, float]]:
         """(kind, axes, bytes, seconds) of each collective turning `src` into `dst` for a

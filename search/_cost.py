@@ -273,7 +273,7 @@ class CostModel:
         """(step time without overlap, peak memory): the search's fast path."""
         self._sync()
         times, _ = self._op_times()
-        comm = sum(c.time * c.count for e in self._dedup.values() for c in e[min(e)][1])
+        comm = self.links.total_time(c for e in self._dedup.values() for c in e[min(e)][1])
         peak, _, _ = self.liveness.peak(self._nbytes / self._class_div[self._value_class])
         return float(times.sum()) + comm, peak
 
@@ -297,8 +297,8 @@ class CostModel:
             transcendentals=float((self._trans / div * self._mult).sum()),
             compute_time=float(times.sum()),
             backward_compute_time=float(times[self._backward].sum()),
-            comm_time=sum(c.time * c.count for c in cols),
-            gradient_comm_time=sum(c.time * c.count for c in cols if c.gradient),
+            comm_time=self.links.total_time(cols),
+            gradient_comm_time=self.links.total_time(c for c in cols if c.gradient),
             collectives=cols,
             memory_peak=peak,
             memory_at_peak=tuple((self._name_of_buffer(b), float(buf[b])) for b in live if buf[b] > 0),
