@@ -14,5 +14,10 @@ from ._device import PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 __all__ = ["PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
            "bytes_str", "get_device", "link_levels", "time_str"]
 from ._validate import Fidelity, compare_with_xla  # noqa: E402
+from ._actions import STOP, Action, Group, input_groups, valid_actions  # noqa: E402
+from ._mcts import SearchResult, SearchStats, mcts  # noqa: E402
+from ._auto import AutomaticPartition  # noqa: E402
+from ._exact import ExactResult, exhaustive  # noqa: E402
 
-__all__ += ["Fidelity", "compare_with_xla"]
+__all__ += ["Fidelity", "compare_with_xla", "STOP", "Action", "Group", "input_groups", "valid_actions",
+            "SearchResult", "SearchStats", "mcts", "AutomaticPartition", "ExactResult", "exhaustive"]

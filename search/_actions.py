@@ -1,0 +1,85 @@
+"""The search's action space: `tile(group, dim, axis)` on groups of program inputs.
+
+Inputs that play the same role in structurally identical layers form one group
+(`tactics.input_groups`), decided by one action, so the search scales with the number
+of distinct layer kinds, not of layers. Optimizer state is not offered: it shares its
+parameter's tiling class, so it follows the parameter (sharding it apart is what the
+`FSDP`/`ZeRO` macro actions do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partir import PartitioningError
+from tactics import Group, input_groups  # noqa: F401  (re-exported for the search API)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """`tile(group, dim, axis)`; `group == -1` is STOP; `macro` names a tactic instead."""
+
+    group: int
+    dim: int
+    axis: str
+    macro: object = None
+
+    def describe(self, groups) -> str:
+        """Readable form, e.g. `tile params['layers'][*]['mlp']['w1'] dim 1 over model`."""
+        if self.macro is not None:
+            return str(self.macro)
+        if self.group < 0:
+            return "stop"
+        return f"tile {groups[self.group].label} dim {self.dim} over {self.axis}"
+
+
+STOP = Action(-1, -1, "")
+
+
+def valid_actions(part, groups, axes) -> list[Action]:
+    """The tile actions that would change the state: the group's first member does not
+    use the axis yet, the dim stays divisible and the axis is not pinned away."""
+    prog = part.program
+    sizes = part.mesh.sizes()
+    out = []
+    for gi, g in enumerate(groups):
+        v = g.members[0]
+        val = prog.values[v]
+        t = part.tiling(v)
+        used = t.axes()
+        for axis in axes:
+            if axis in used or sizes[axis] == 1:
+                continue
+            for d in range(val.rank):
+                k = sizes[axis]
+                for a in t.dims[d]:
+                    k *= sizes[a]
+                if val.shape[d] % k == 0:
+                    out.append(Action(gi, d, axis))
+    return out
+
+
+def apply_action(part, groups, action: Action, source: str) -> bool:
+    """Apply `action` to `part` (every member of its group); False, and nothing changed,
+    if it cannot apply."""
+    mark = part.mark()
+    try:
+        if action.macro is not None:
+            from tactics import Context
+
+            action.macro.apply(part, Context())
+            return part.mark() != mark
+        done = False
+        for v in groups[action.group].members:
+            if action.axis in part.tiling(v).dims[action.dim]:
+                continue
+            try:
+                part.tile(v, action.dim, action.axis, source=source)
+                done = True
+            except PartitioningError:
+                if not done:
+                    raise
+        return done
+    except PartitioningError:
+        part.rollback(mark)
+        return False

@@ -1,0 +1,175 @@
+"""The search recovers expert strategies by itself, and behaves: budget, determinism,
+progress, distance to the exact optimum, schedules with manual tactics."""
+
+import time
+
+import pytest
+
+import partir
+import search
+import tactics as T
+from examples import gpt, mlp
+from partir import MeshSpec, Tiling
+
+EPS = 1e-3
+COL, ROW = Tiling(((), ("model",))), Tiling((("model",), ()))
+
+
+def _search(step, args, mesh, schedule, **kw):
+    t0 = time.perf_counter()
+    res = T.apply_schedule(partir.lift(step, *args), mesh, schedule, **kw)
+    result, groups = next(iter(res.context.search.values()))
+    return res, result, time.perf_counter() - t0
+
+
+def _equivalent(res, step, args):
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
+
+
+def test_mlp_megatron_from_single_tiles():
+    cfg = mlp.MLPConfig(d_in=256, d_hidden=1024, d_out=256, batch=8, adam_eps=EPS)
+    step, args = mlp.make_train_step(cfg)
+    budget = 5.0
+    res, result, wall = _search(step, args, MeshSpec.of(model=8),
+                                [search.AutomaticPartition(budget_s=budget, device="cpu", macros=False)])
+    part = res.partitioning
+    assert part.tiling("params['w1']") == COL and part.tiling("params['w2']") == ROW
+    assert all(a.macro is None for a in result.actions)  # found from single tiles alone
+    assert result.stats.elapsed <= budget + 1 and wall < budget + 10
+    _equivalent(res, step, args)
+
+
+GPT_SMALL = dict(n_layers=4, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, adam_eps=EPS)
+
+
+def _on(part, name, axis="model"):
+    """Which dims of input `name` are split over `axis` (other axes ignored)."""
+    return tuple(axis in d for d in part.tiling(name).dims)
+
+
+def _assert_megatron(part, prog, n_layers):
+    col, row = (False, True), (True, False)
+    for i in range(n_layers):
+        p = f"params['layers'][{i}]"
+        for w in ("wq", "wk", "wv"):
+            assert _on(part, f"{p}['attn']['{w}']") == col, (i, w)
+        assert _on(part, f"{p}['attn']['wo']") == row
+        assert _on(part, f"{p}['mlp']['w1']") == col and _on(part, f"{p}['mlp']['w2']") == row
+
+
+def test_gpt_megatron_on_a_model_axis():
+    step, args = gpt.make_train_step(gpt.GPTConfig(batch=2, **GPT_SMALL))
+    res, result, _ = _search(step, args, MeshSpec.of(model=8),
+                             [search.AutomaticPartition(budget_s=10, device="cpu")])
+    _assert_megatron(res.partitioning, res.program, 4)
+    assert result.stats.elapsed <= 11
+    _equivalent(res, step, args)
+
+
+def test_gpt_data_parallel_plus_megatron_on_2x4():
+    step, args = gpt.make_train_step(gpt.GPTConfig(batch=4, **GPT_SMALL))
+    res, result, _ = _search(step, args, MeshSpec.of(data=2, model=4),
+                             [search.AutomaticPartition(budget_s=10, device="cpu")])
+    part = res.partitioning
+    _assert_megatron(part, res.program, 4)  # Megatron on 'model' (ZeRO may shard over 'data' too)
+    assert part.tiling("batch['tokens']").dims[0] == ("data",)
+    assert result.stats.elapsed <= 11
+    _equivalent(res, step, args)
+
+
+def test_memory_limit_makes_it_shard_parameters():
+    cfg = mlp.MLPConfig(d_in=2048, d_hidden=8192, d_out=2048, n_layers=4, batch=64)
+    step, args = mlp.make_train_step(cfg, abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=8)
+    dp = T.apply_schedule(prog, mesh, [T.DataParallel("data")]).partitioning
+    dp_cost = search.CostModel(dp, "h100").cost()
+    limit = dp_cost.argument_bytes * 0.6  # replicated parameters and Adam state do not fit
+    assert dp_cost.memory_peak > limit
+    res = T.apply_schedule(prog, mesh, [T.DataParallel("data"),
+                                        search.AutomaticPartition(budget_s=5, memory_limit=limit)])
+    cost = search.CostModel(res.partitioning, "h100", memory_limit=limit).cost()
+    assert cost.fits
+    sharded = [n for v, n in zip(prog.inputs, prog.input_names) if n.startswith("params['w")
+               and "data" in res.partitioning.tiling(v).axes()]
+    assert len(sharded) >= 3  # FSDP-style: the big weights split over the data axis
+
+
+def test_pure_data_parallel_wins_for_a_wide_batch():
+    cfg = mlp.MLPConfig(d_in=64, d_hidden=128, d_out=64, batch=8192, adam_eps=EPS)
+    step, args = mlp.make_train_step(cfg)
+    res, result, _ = _search(step, args, MeshSpec.of(data=2, model=4),
+                             [search.AutomaticPartition(budget_s=5, device="cpu")])
+    part, prog = res.partitioning, res.program
+    # Data parallelism over all 8 devices; no matmul is split on a feature dim (no tensor
+    # parallelism). ZeRO-style sharding of the small weights over a data axis is allowed.
+    assert set(part.tiling("batch['x']").dims[0]) == {"data", "model"}
+    forward = T.roles(prog).forward_end
+    for op in prog.ops[:forward]:
+        if op.primitive == "dot_general":
+            assert not any(part.tiling(op.results[0]).dims[1:]), prog.name(op.results[0])
+    _equivalent(res, step, args)
+
+
+def test_same_seed_same_plan():
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=2, model=4)
+
+    def plan(seed):
+        res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, seed=seed, max_episodes=150,
+                                                                        device="cpu")])
+        return partir.dump(res.partitioning), res.partitioning.decisions
+
+    a, b = plan(0), plan(0)
+    assert a == b
+    assert a[0].encode() == b[0].encode()
+
+
+def test_within_two_percent_of_the_exact_optimum():
+    cfg = mlp.MLPConfig(d_in=512, d_hidden=2048, d_out=512, n_layers=3, batch=32)
+    step, args = mlp.make_train_step(cfg, abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(model=8)
+    part = partir.Partitioning(prog, mesh)
+    roles = T.roles(prog)
+    groups = search.input_groups(prog, roles.params + roles.batch)
+    exact = search.exhaustive(part, search.CostModel(part, "cpu"), groups, mesh.names)
+    res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=5, device="cpu")])
+    found = search.CostModel(res.partitioning, "cpu").cost().step_time
+    assert found <= exact.step_time * 1.02, (found, exact.step_time, exact.states)
+
+
+def test_progress_reports_and_budget():
+    calls = []
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
+    res = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=4),
+                           [search.AutomaticPartition(budget_s=2.0, progress=lambda *a: calls.append(a))])
+    result, _ = next(iter(res.context.search.values()))
+    assert calls and all(len(c) == 3 for c in calls)
+    episodes, best, elapsed = calls[-1]
+    assert episodes == result.stats.episodes and best == result.step_time
+    assert result.stats.elapsed < 3.5
+    times = [t for t, _, _ in result.stats.trace]
+    steps = [s for _, _, s in result.stats.trace]
+    assert times == sorted(times) and steps == sorted(steps, reverse=True)
+
+
+def test_search_decides_only_what_earlier_tactics_left_open():
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=2, model=4)
+    res = T.apply_schedule(prog, mesh, [T.Megatron("model"), search.AutomaticPartition(axes=("data",), budget_s=3)])
+    meg = res.history[0].partitioning
+    for v in prog.inputs:  # the model axis stays exactly as Megatron left it
+        assert [("model" in d) for d in res.partitioning.tiling(v).dims] == [("model" in d) for d in meg.tiling(v).dims]
+    assert all(d.axis in (None, "data") for d in res.history[1].decisions)
+
+
+def test_bad_axes_and_budget():
+    step, args = mlp.make_train_step(mlp.MLPConfig(), abstract=True)
+    prog = partir.lift(step, *args)
+    with pytest.raises(T.TacticError, match="'modle' is not in the mesh"):
+        T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(axes=("modle",))])
+    with pytest.raises(T.TacticError, match="budget_s must be positive"):
+        T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(budget_s=0)])
