@@ -1,18 +1,8 @@
-"""`python -m automap demo`."""
+"""`python -m automap ...`: the same as the `automap` command."""
 
 import sys
 
-
-def main(argv=None) -> int:
-    """Entry point: `demo` runs the built-in example."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:
-        from ._demo import run
-
-        return run()
-    print("usage: automap demo", file=sys.stderr)
-    return 2
-
+from ._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

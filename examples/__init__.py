@@ -10,6 +10,8 @@ Examples:
 - ``moe``: mixture-of-experts feed-forward layers with top-k, capacity-based
   GShard/Switch dispatch.
 - ``nnx_mlp``: an ``flax.nnx`` MLP trained through ``nnx.split``/``nnx.merge``.
+- ``linen_mlp``: a ``flax.linen`` MLP (its ``params`` collection is the pytree).
+- ``equinox_mlp``: an ``equinox`` module MLP (the module is the pytree).
 
 Contract shared by every example module:
 
@@ -40,6 +42,20 @@ def _nnx_mlp_make_train_step(*args, **kwargs):
     return nnx_mlp.make_train_step(*args, **kwargs)
 
 
+def _linen_mlp_make_train_step(*args, **kwargs):
+    """``examples.linen_mlp.make_train_step``, imported on first use (flax)."""
+    from examples import linen_mlp
+
+    return linen_mlp.make_train_step(*args, **kwargs)
+
+
+def _equinox_mlp_make_train_step(*args, **kwargs):
+    """``examples.equinox_mlp.make_train_step``, imported on first use (equinox)."""
+    from examples import equinox_mlp
+
+    return equinox_mlp.make_train_step(*args, **kwargs)
+
+
 #: Example name -> its ``make_train_step``.
 REGISTRY = {
     "mlp": mlp.make_train_step,
@@ -47,6 +63,8 @@ REGISTRY = {
     "convnet": convnet.make_train_step,
     "moe": moe.make_train_step,
     "nnx_mlp": _nnx_mlp_make_train_step,
+    "linen_mlp": _linen_mlp_make_train_step,
+    "equinox_mlp": _equinox_mlp_make_train_step,
 }
 
 __all__ = ["REGISTRY", "convnet", "gpt", "mlp", "moe"]

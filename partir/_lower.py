@@ -26,6 +26,11 @@ from ._partitioning import Partitioning
 #: and outputs ('boundary', leaving the interior to XLA's propagation).
 CONSTRAIN_MODES = ("all", "boundary")
 
+#: Primitives that only ask for a layout (a user's sharding constraint, a reshard the
+#: arguments' shardings made JAX trace): they compute the identity, and the plan's own
+#: constraints replace them.
+LAYOUT_ONLY = ("sharding_constraint", "reshard", "mesh_cast")
+
 _BACKENDS: dict[str, Callable] = {}
 
 
@@ -143,6 +148,8 @@ def _eval_region(prog, rid: int, args, constrain):
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
             if children is not None:
                 outs = _NESTED[_kind(eqn)](prog, eqn, children, invals, constrain)
+            elif eqn.primitive.name in LAYOUT_ONLY:
+                outs = invals  # the plan decides layouts; the program's own requests give way
             else:
                 outs = eqn.primitive.bind(*invals, **eqn.params)
                 if not eqn.primitive.multiple_results:

@@ -44,6 +44,10 @@ C_UCT = 0.1
 #: Sharpness of the reward around the ideal step time: a plan 10% above the ideal
 #: scores 0.5 + 0.5 * exp(-0.2), one 20% above 0.5 + 0.5 * exp(-0.4).
 K_REWARD = 2.0
+#: How many runner-up plans the result keeps (for explanations), chosen among the
+#: TOP_KEPT best distinct plans seen.
+TOP_PLANS = 3
+TOP_KEPT = 32
 #: Episodes without a better plan before the best plan is polished by hill climbing.
 POLISH_AFTER = 60
 #: Longest random rollout after an expansion, in actions.
@@ -72,7 +76,7 @@ class SearchStats:
 @dataclass
 class SearchResult:
     """The best plan found: its actions (in order), modeled step time and peak memory,
-    whether it fits, and the search statistics."""
+    whether it fits, the search statistics, and the runners-up it rejected."""
 
     actions: tuple[Action, ...]
     step_time: float
@@ -80,6 +84,7 @@ class SearchResult:
     fits: bool
     root_step_time: float
     stats: SearchStats
+    alternatives: tuple = ()  # the next best distinct plans seen: (actions, step time, peak)
 
 
 class _Node:
@@ -135,6 +140,16 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
     stats.trace.append((0.0, 0, t0))
     patience = patience if patience is not None else max(1000, 30 * len(actions_here()))
     since_best = 0
+    top: dict[int, tuple] = {}  # the best distinct plans by state: (reward, actions, time, peak)
+
+    def remember(r, actions, t, peak) -> None:
+        key = part.key()
+        if key not in top or top[key][0] < r:
+            top[key] = (r, tuple(actions), t, peak)
+            if len(top) > 2 * TOP_KEPT:
+                for k in sorted(top, key=lambda k: top[k][0])[:len(top) - TOP_KEPT]:
+                    del top[k]
+
     held: list[tuple[Action, int]] = []  # the tree path currently applied, with undo marks
     polished: set = set()  # best plans (action tuples) already hill-climbed from
 
@@ -161,6 +176,7 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
             path.append(node)
         t, peak = evaluate()
         r = reward(t, peak)
+        remember(r, applied, t, peak)
         for n in path:
             n.visits += 1
             n.value = max(n.value, r)
@@ -266,6 +282,7 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
                     rollout.append(a)
         t, peak = evaluate()
         r = reward(t, peak)
+        remember(r, applied + rollout, t, peak)
         for n in path:
             n.visits += 1
             if r > n.value:
@@ -296,7 +313,16 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
     stats.elapsed = time.perf_counter() - start
     if progress is not None:
         progress(stats.episodes, best[2], stats.elapsed)
-    return SearchResult(best[1], best[2], best[3], best[3] <= limit, t_root, stats)
+    # Runners-up: the best plans built from other tactics than the best one's (a
+    # different set of macro actions), else any other plans, best first.
+    def macro_set(actions):
+        return frozenset(a for a in actions if a.macro is not None)
+
+    others = [v for v in top.values() if v[1] != best[1] and v[2] > best[2] * (1 + 1e-9)]
+    distinct = [v for v in others if macro_set(v[1]) != macro_set(best[1])]
+    runners = sorted(distinct or others, key=lambda v: -v[0])[:TOP_PLANS]
+    return SearchResult(best[1], best[2], best[3], best[3] <= limit, t_root, stats,
+                        tuple((a, t, p) for _, a, t, p in runners))
 
 
 def _polish(part, groups, axes, macros, best, reward, evaluate, source, *, deadline: float):

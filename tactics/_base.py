@@ -40,8 +40,17 @@ class Tactic:
         raise NotImplementedError
 
     def __str__(self) -> str:
-        args = ", ".join(repr(getattr(self, f)) for f in self.__dataclass_fields__ if getattr(self, f) is not None)
-        return f"{type(self).__name__}({args})"
+        # Required fields by position; others only where they differ from the default.
+        import dataclasses
+
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                parts.append(repr(value))
+            elif f.repr and value != f.default:
+                parts.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
 
 @dataclass(frozen=True)

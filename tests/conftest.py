@@ -5,7 +5,10 @@ device query, so it is set here, at import time of the test session.
 """
 
 import os
+import tempfile
 
+# Plans cached by automap.jit go to a fresh folder, never to the user's cache.
+os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()

@@ -63,9 +63,13 @@ def test_abstract_args_match_concrete(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_params_have_readable_paths(name):
     _, (params, _, _) = REGISTRY[name](abstract=True)
+    # An equinox module is a pytree of attributes (params.layers[0].weight) by design;
+    # elsewhere only dict keys and list indices, no attribute keys such as nnx's '.value'.
+    allowed = (jax.tree_util.DictKey, jax.tree_util.SequenceKey)
+    if name == "equinox_mlp":
+        allowed += (jax.tree_util.GetAttrKey,)
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        # Only dict keys and list indices: no attribute keys such as nnx's '.value'.
-        assert all(isinstance(k, (jax.tree_util.DictKey, jax.tree_util.SequenceKey)) for k in path)
+        assert all(isinstance(k, allowed) for k in path)
         assert all(isinstance(k.key, str) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 

@@ -8,7 +8,7 @@ from ._registry import Namer, register
 UNARY = """abs acos acosh asin asinh atan atanh bessel_i0e bessel_i1e cbrt ceil clz conj cos cosh
 digamma erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite lgamma log log1p logistic
 neg not population_count real reduce_precision round rsqrt sign sin sinh sqrt square tan tanh
-convert_element_type copy copy_p stop_gradient sharding_constraint one_minus_square""".split()
+convert_element_type copy copy_p stop_gradient sharding_constraint one_minus_square reshard mesh_cast""".split()
 
 NARY = """add add_any sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
 shift_left shift_right_arithmetic shift_right_logical complex igamma igammac igamma_grad_a

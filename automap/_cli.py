@@ -1,0 +1,263 @@
+"""The `automap` command: `search`, `show`, `demo`.
+
+    automap search TARGET --mesh data=2,model=4 [--schedule dp:data,megatron:model,auto]
+                   [--device h100] [--memory 80GB] [--budget 30] [--seed 0] --out plan.json
+                   [--quiet] [--json] [--png plan.png]
+    automap show plan.json [--png plan.png]
+    automap demo
+
+TARGET is `path/to/file.py:factory` or `package.module:factory`; the factory returns
+`(fn, example_args)` (abstract `jax.ShapeDtypeStruct`s allowed). Bad arguments get a
+one-line error naming the fix and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+#: --schedule words -> what they build (AXIS is a mesh axis name).
+SCHEDULE_WORDS = ("dp:AXIS", "megatron:AXIS", "fsdp:AXIS", "zero1:AXIS", "zero2:AXIS", "zero3:AXIS", "sp:AXIS",
+                  "ep:AXIS", "auto", "auto:AXIS+AXIS")
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class CliError(Exception):
+    """A bad command line: printed as one line, exit status 2."""
+
+
+def parse_memory(text: str) -> float:
+    """'80GB', '16GiB', '512MB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise CliError(f"--memory {text!r}: write a positive size like 80GB, 16GiB or 512MB")
+    return float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
+
+
+def parse_budget(text: str) -> float:
+    """Seconds, positive."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise CliError(f"--budget {text!r}: give the search time in seconds, a positive number like 30")
+    return value
+
+
+def parse_mesh(text: str):
+    """'data=2,model=4' -> MeshSpec."""
+    from partir import MeshSpec, PartitioningError
+
+    try:
+        return MeshSpec.parse(text)
+    except PartitioningError as e:
+        raise CliError(f"--mesh: {e}") from None
+
+
+def parse_schedule(text: str, mesh, *, budget, seed, device, memory):
+    """'dp:data,megatron:model,auto' -> tactics."""
+    import search
+    import tactics as T
+
+    makers = {"dp": T.DataParallel, "megatron": T.Megatron, "fsdp": T.FSDP, "sp": T.SequenceParallel,
+              "ep": T.ExpertParallel, "zero1": lambda a: T.ZeRO(a, 1), "zero2": lambda a: T.ZeRO(a, 2),
+              "zero3": lambda a: T.ZeRO(a, 3)}
+    out = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        name, _, arg = word.partition(":")
+        if name == "auto":
+            axes = tuple(a for a in arg.split("+") if a) or None
+            for a in axes or ():
+                if a not in mesh.names:
+                    raise CliError(f"--schedule {word!r}: {a!r} is not a mesh axis; the axes are {list(mesh.names)}")
+            out.append(search.AutomaticPartition(axes=axes, budget_s=budget, seed=seed, device=device,
+                                                 memory_limit=memory))
+        elif name in makers:
+            if arg not in mesh.names:
+                raise CliError(f"--schedule {word!r}: name a mesh axis after ':' (one of {list(mesh.names)})")
+            out.append(makers[name](arg))
+        else:
+            raise CliError(f"--schedule: unknown tactic {word!r}; use comma-separated {', '.join(SCHEDULE_WORDS)}")
+    if not out:
+        raise CliError("--schedule is empty; e.g. --schedule dp:data,megatron:model or --schedule auto")
+    return out
+
+
+def load_target(target: str):
+    """Import `file.py:factory` or `package.module:factory` and call the factory."""
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise CliError(f"TARGET {target!r}: write path/to/file.py:factory or package.module:factory")
+    sys.path.insert(0, str(Path.cwd()))
+    if module_part.endswith(".py"):
+        path = Path(module_part).resolve()
+        if not path.is_file():
+            raise CliError(f"TARGET {target!r}: no file {module_part}")
+        try:
+            module = _import_file(path)
+        except Exception as e:
+            raise CliError(f"TARGET {target!r}: importing {module_part} failed ({type(e).__name__}: {e})") from None
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as e:
+            raise CliError(f"TARGET {target!r}: cannot import {module_part} ({e})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CliError(f"TARGET {target!r}: {module_part} has no function {attr!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise CliError(f"TARGET {target!r}: {attr}() must return (fn, example_args)")
+    fn, args = made
+    return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def _import_file(path: Path):
+    """Import a .py file: as `package.module` when it sits in packages (so its own
+    imports work), else as a stand-alone module."""
+    parts, folder = [path.stem], path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if len(parts) > 1:
+        sys.path.insert(0, str(folder))
+        return importlib.import_module(".".join(parts))
+    name = f"automap_target_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="automap", description="SPMD auto-partitioning for JAX train steps.")
+    sub = p.add_subparsers(dest="command")
+    s = sub.add_parser("search", help="find a plan for a train step and save it")
+    s.add_argument("target", help="path/to/file.py:factory or package.module:factory returning (fn, args)")
+    s.add_argument("--mesh", required=True, help="axis sizes, e.g. data=2,model=4")
+    s.add_argument("--schedule", default="auto", help="comma-separated tactics, e.g. dp:data,megatron:model,auto")
+    s.add_argument("--device", default="h100", help="h100, h200, a100, v100, tpu-v4, tpu-v5e, cpu or a .json/.toml")
+    s.add_argument("--memory", default=None, help="memory limit per device, e.g. 80GB (default: the device's)")
+    s.add_argument("--budget", default="30", help="search time in seconds")
+    s.add_argument("--seed", default="0", help="search seed")
+    s.add_argument("--out", required=True, help="where to write the plan (JSON)")
+    s.add_argument("--png", default=None, help="also draw the plan to this PNG")
+    s.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    s.add_argument("--json", action="store_true", help="print a JSON summary instead of tables")
+    w = sub.add_parser("show", help="explain a saved plan")
+    w.add_argument("plan")
+    w.add_argument("--png", default=None, help="also draw the plan to this PNG")
+    sub.add_parser("demo", help="search, show and run a plan for the built-in GPT on 8 simulated CPU devices")
+    return p
+
+
+def _search(ns) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import search
+    from partir import PartitioningError
+
+    from ._api import partition
+
+    mesh = parse_mesh(ns.mesh)
+    budget = parse_budget(ns.budget)
+    try:
+        seed = int(ns.seed)
+    except ValueError:
+        raise CliError(f"--seed {ns.seed!r}: give an integer") from None
+    try:
+        device = search.get_device(ns.device)
+    except search.DeviceError as e:
+        raise CliError(f"--device: {e}") from None
+    memory = parse_memory(ns.memory) if ns.memory is not None else None
+    out = Path(ns.out)
+    if not out.parent.exists():
+        raise CliError(f"--out {ns.out}: folder {out.parent} does not exist")
+    schedule_text = ns.schedule
+    device_name = ns.device if not ns.device.endswith((".json", ".toml")) else device
+    fn, args = load_target(ns.target)
+    quiet = ns.quiet or ns.json
+    console = Console(stderr=True, quiet=quiet)
+    with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                  console=console, transient=True, disable=quiet) as bar:
+        task = bar.add_task("search", total=budget, info="")
+
+        def progress(episodes, best, elapsed):
+            bar.update(task, completed=min(elapsed, budget), info=f"{episodes} episodes, best {best * 1e3:.3f} ms")
+
+        schedule = parse_schedule(schedule_text, mesh, budget=budget, seed=seed, device=device_name, memory=memory)
+        schedule = [_with_progress(t, progress) for t in schedule]
+        try:
+            plan = partition(fn, mesh=mesh, schedule=schedule, device=device_name, memory_limit=memory)(*args)
+        except PartitioningError as e:
+            raise CliError(str(e).splitlines()[0]) from None
+    plan.save(out)
+    if ns.png:
+        plan.plot(ns.png)
+    if ns.json:
+        c = plan.cost
+        print(json.dumps({"plan": str(out), "mesh": str(mesh), "step_time_s": c.step_time,
+                          "memory_peak_bytes": c.memory_peak, "fits": c.fits,
+                          "schedule": [str(t) for t in schedule]}))
+    elif not ns.quiet:
+        plan.explain(Console() if Console().is_terminal else Console(width=150))
+        print(f"plan written to {out}")
+    return 0
+
+
+def _with_progress(tactic, progress):
+    import dataclasses
+
+    import search
+
+    if isinstance(tactic, search.AutomaticPartition):
+        return dataclasses.replace(tactic, progress=progress)
+    return tactic
+
+
+def _show(ns) -> int:
+    from ._explain import explain_saved
+    from ._plan import PlanError, load_plan
+
+    try:
+        saved = load_plan(ns.plan)
+    except PlanError as e:
+        raise CliError(str(e)) from None
+    explain_saved(saved.data)
+    if ns.png:
+        from ._plot import plot
+
+        plot(saved.data, ns.png)
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point of the `automap` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed a one-line usage error
+        return int(e.code or 0)
+    try:
+        if ns.command == "search":
+            return _search(ns)
+        if ns.command == "show":
+            return _show(ns)
+        if ns.command == "demo":
+            from ._demo import run
+
+            return run()
+        parser.print_help()
+        return 2
+    except CliError as e:
+        print(f"automap: error: {e}", file=sys.stderr)
+        return 2

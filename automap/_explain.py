@@ -1,0 +1,175 @@
+"""`Plan.explain()` / `automap show`: the plan as tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+import tactics
+from search import bytes_str, time_str
+
+
+def _console(console):
+    if console is not None:
+        return console
+    c = Console()
+    return c if c.is_terminal else Console(width=150)
+
+
+def attribution(plan) -> dict:
+    """Input -> {mesh axis: the tactic whose decision put that axis on it}, found by
+    replaying the plan's decisions and noting what each one (with its propagation)
+    changed on the inputs."""
+    import partir
+
+    prog, part = plan.program, plan.partitioning
+    replay = partir.Partitioning(prog, plan.mesh, detached=part.detached)
+    before = {v: set() for v in prog.inputs}
+    out: dict = {v: {} for v in prog.inputs}
+    for d in part.decisions:
+        if d.action == "tile":
+            replay.tile(d.value, d.dim, d.axis, source=d.source)
+        elif d.action == "constrain":
+            replay.constrain(d.value, d.tiling, source=d.source)
+        elif d.action == "replicate":
+            replay.replicate(d.value, source=d.source)
+        else:
+            replay.pin(d.value, axes=d.axes, source=d.source)
+        for v in prog.inputs:
+            now = set(replay.tiling(v).axes())
+            for a in now - before[v]:
+                out[v].setdefault(a, d.source)
+            before[v] = now
+    return out
+
+
+def parameter_rows(plan):
+    """One row per group of parameters alike (the same weight of every layer): label,
+    count, spec of the first, bytes per device in total, and which tactic put each mesh
+    axis on it (directly or by propagation)."""
+    prog, part = plan.program, plan.partitioning
+    r = tactics.roles(prog)
+    credit = attribution(plan)
+    sizes = plan.mesh.sizes()
+    rows = []
+    for g in tactics.input_groups(prog, r.params):
+        v0 = g.members[0]
+        t = part.tiling(v0)
+        per_device = sum(prog.values[v].nbytes // part.tiling(v).num_shards(sizes) for v in g.members)
+        source = "; ".join(f"{a}: {credit[v0][a]}" for a in t.axes() if a in credit[v0]) or "-"
+        rows.append((g.label, len(g.members), str(t), per_device, source))
+    return rows
+
+
+def alternatives(plan):
+    """(name, modeled step time) of the reference plans beside this one: everything
+    replicated, pure data parallelism over all axes, and the best plan the search
+    rejected (when a search ran)."""
+    import partir
+    import search
+
+    prog = plan.program
+    out = []
+    rep = partir.Partitioning(prog, plan.mesh)
+    out.append(("replicated", search.CostModel(rep, plan.device, memory_limit=plan.memory_limit).cost()))
+    dp = partir.Partitioning(prog, plan.mesh)
+    try:
+        for axis in plan.mesh.names:
+            tactics.DataParallel(axis).apply(dp, tactics.Context())
+        out.append(("data parallel (all axes)", search.CostModel(dp, plan.device,
+                                                                 memory_limit=plan.memory_limit).cost()))
+    except partir.PartitioningError:
+        pass
+    if plan.search is not None and plan.search[0].alternatives:
+        result, groups = plan.search
+        actions, t, _ = result.alternatives[0]
+        out.append(("best rejected by the search: " + "; ".join(a.describe(groups) for a in actions) or "stop", t))
+    return out
+
+
+def explain(plan, console=None) -> None:
+    """Print the plan's explanation."""
+    console = _console(console)
+    cost = plan.cost
+    console.print(f"[bold]plan[/] for {plan.program} on mesh {plan.mesh} ({plan.device})", highlight=False)
+    if plan.history:
+        for i, step in enumerate(plan.history):
+            console.print(f"  {i + 1}. {step.tactic}" + (f" [skipped: {step.skipped}]" if step.skipped else ""),
+                          markup=False, highlight=False)
+            for note in step.notes:
+                console.print(f"       {note}", markup=False, highlight=False)
+
+    params = Table(title="parameters (groups of layers alike)")
+    for col in ("parameter", "count", "spec", "bytes/device", "split by"):
+        params.add_column(col, justify="right" if col in ("count", "bytes/device") else "left",
+                          no_wrap=col in ("parameter", "spec"))
+    for label, n, spec, per_device, source in parameter_rows(plan):
+        params.add_row(label, str(n), spec, bytes_str(per_device), source)
+    console.print(params)
+
+    comm = Table(title="collectives per step, by mesh axis (modeled)")
+    for col in ("axes", "kind", "count", "bytes/device", "time"):
+        comm.add_column(col, justify="left" if col in ("axes", "kind") else "right")
+    rows: dict = {}
+    for c in cost.collectives:
+        e = rows.setdefault((c.axes, c.kind), [0.0, 0.0, 0.0])
+        e[0] += c.count
+        e[1] += c.bytes * c.count
+        e[2] += c.time * c.count
+    for (axes, kind), (n, b, t) in sorted(rows.items()):
+        comm.add_row(", ".join(axes), kind, f"{n:g}", bytes_str(b), time_str(t))
+    console.print(comm)
+
+    mem = Table(title=f"memory: peak {bytes_str(cost.memory_peak)} of {bytes_str(cost.memory_limit)} per device"
+                      + ("" if cost.fits else " (does not fit)"))
+    mem.add_column("live at the peak", no_wrap=True)
+    mem.add_column("bytes", justify="right")
+    for name, b in cost.memory_at_peak[:8]:
+        mem.add_row(name, bytes_str(b))
+    console.print(mem)
+
+    steps = Table(title="modeled step time")
+    steps.add_column("plan")
+    steps.add_column("step time", justify="right")
+    steps.add_column("vs this plan", justify="right")
+    steps.add_row("this plan", time_str(cost.step_time), "1.00x")
+    steps.add_row("this plan, gradient reductions overlapped", time_str(cost.step_time_overlap),
+                  f"{cost.step_time_overlap / cost.step_time:.2f}x")
+    for name, other in alternatives(plan):
+        t = other if isinstance(other, float) else other.step_time
+        fits = "" if isinstance(other, float) or other.fits else " (does not fit)"
+        steps.add_row(name + fits, time_str(t), f"{t / cost.step_time:.2f}x")
+    console.print(steps)
+
+
+def explain_saved(data: dict, console=None) -> None:
+    """Print a plan file's content (for `automap show` without the program)."""
+    console = _console(console)
+    mesh = ",".join(f"{k}={v}" for k, v in data["mesh"].items())
+    console.print(f"[bold]plan[/] on mesh {mesh} ({data.get('device')}), automap {data.get('automap_version')}",
+                  highlight=False)
+    for i, s in enumerate(data.get("schedule", [])):
+        console.print(f"  {i + 1}. {s}", markup=False, highlight=False)
+    for a in data.get("search", {}).get("actions", []):
+        console.print(f"       search: {a}", markup=False, highlight=False)
+    params = Table(title="inputs and their layouts")
+    params.add_column("input", no_wrap=True)
+    params.add_column("shape", justify="right")
+    params.add_column("spec", no_wrap=True)
+    decided = {d["name"]: d.get("source", "") for d in data["decisions"]}
+    params.add_column("decided by")
+    for item in data["inputs"]:
+        spec = "P(" + ", ".join("None" if e is None else repr(e) if isinstance(e, str) else repr(tuple(e))
+                                for e in item["spec"]) + ")"
+        params.add_row(item["name"], str(tuple(item["shape"])), spec, decided.get(item["name"], "propagation"))
+    console.print(params)
+    c = data["cost"]
+    comm = Table(title="collectives per step, by mesh axis (modeled)")
+    for col in ("axes", "count", "bytes/device", "time"):
+        comm.add_column(col, justify="left" if col == "axes" else "right")
+    for axes, e in c["collectives_by_axis"].items():
+        comm.add_row(axes, f"{e['count']:g}", bytes_str(e["bytes"]), time_str(e["time_s"]))
+    console.print(comm)
+    console.print(f"modeled step time {time_str(c['step_time_s'])} (compute {time_str(c['compute_time_s'])}, "
+                  f"communication {time_str(c['comm_time_s'])}); peak memory {bytes_str(c['memory_peak_bytes'])}"
+                  + ("" if c["fits"] else " (does not fit)"), highlight=False)

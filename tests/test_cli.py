@@ -1,0 +1,70 @@
+"""The `automap` command, through a subprocess as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+AUTOMAP = [sys.executable, "-m", "automap"]
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([*AUTOMAP, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_search_then_show(tmp_path):
+    plan = tmp_path / "p.json"
+    out = _run("search", "examples/gpt.py:factory", "--mesh", "model=8", "--budget", "3", "--device", "cpu",
+               "--out", str(plan), "--png", str(tmp_path / "p.png"))
+    assert out.returncode == 0, out.stderr
+    assert f"plan written to {plan}" in out.stdout and "modeled step time" in out.stdout
+    data = json.loads(plan.read_text())
+    assert data["mesh"] == {"model": 8} and data["search"]["episodes"] > 0
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    shown = _run("show", str(plan))
+    assert shown.returncode == 0, shown.stderr
+    assert "params['layers'][0]['mlp']['w1']" in shown.stdout and "modeled step time" in shown.stdout
+
+
+def test_search_with_a_schedule_json_and_module_target(tmp_path):
+    plan = tmp_path / "p.json"
+    out = _run("search", "examples.mlp:factory", "--mesh", "data=2,model=4", "--schedule", "dp:data,megatron:model",
+               "--json", "--out", str(plan))
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["schedule"] == ["DataParallel('data')", "Megatron('model')"] and summary["fits"]
+    quiet = _run("search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "dp:data", "--quiet",
+                 "--out", str(plan))
+    assert quiet.returncode == 0 and quiet.stdout == ""
+
+
+BAD = [
+    (["search", "examples.mlp:factory", "--mesh", "data=two", "--out", "p.json"], "--mesh"),
+    (["search", "examples.mlp:factory", "--mesh", "data=2,data=4", "--out", "p.json"], "unique"),
+    (["search", "examples/nope.py:factory", "--mesh", "data=8", "--out", "p.json"], "no file examples/nope.py"),
+    (["search", "examples.mlp", "--mesh", "data=8", "--out", "p.json"], "path/to/file.py:factory"),
+    (["search", "examples.mlp:nope", "--mesh", "data=8", "--out", "p.json"], "has no function 'nope'"),
+    (["search", "no_such_pkg.mod:f", "--mesh", "data=8", "--out", "p.json"], "cannot import no_such_pkg.mod"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--device", "h900", "--out", "p.json"], "--device"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--budget", "-3", "--out", "p.json"], "--budget"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--budget", "soon", "--out", "p.json"], "--budget"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--memory", "lots", "--out", "p.json"], "--memory"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pipeline:data", "--out", "p.json"],
+     "unknown tactic"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "dp:model", "--out", "p.json"],
+     "name a mesh axis"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--out", "/no/such/dir/p.json"], "does not exist"),
+    (["show", "/no/such/plan.json"], "no plan file"),
+    (["search", "examples.mlp:factory"], "required"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD, ids=[" ".join(a[:3]) + f"-{i}" for i, (a, _) in enumerate(BAD)])
+def test_bad_arguments_get_one_line_and_status_2(args, expected, tmp_path):
+    out = _run(*args, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert expected in lines[-1], out.stderr
+    assert lines[-1].startswith(("automap: error:", "usage:")) or "error:" in lines[-1]
