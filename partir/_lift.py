@@ -6,7 +6,6 @@ import inspect
 import warnings
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ._compat import scan_counts

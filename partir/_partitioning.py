@@ -20,12 +20,12 @@ cheaply; `key()` is an incrementally maintained hash of the whole state.
 from __future__ import annotations
 
 import gc
-from collections import deque
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
+from ._propagate import _BND, _FAC, _PIN, _VAL, Propagation, _fhash, _vhash
 from ._tiling import Tiling
 
 
@@ -55,7 +55,7 @@ class Reshard:
     dst: Tiling
 
 
-class Partitioning:
+class Partitioning(Propagation):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
@@ -392,189 +392,3 @@ class Partitioning:
         c._log, c._decisions = [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c
-
-    # -- internals ---------------------------------------------------------------------
-    def _set(self, v: int, dims: tuple) -> None:
-        old = self._d[v]
-        self._hash ^= _vhash(v, old) ^ _vhash(v, dims)
-        self._log.append((_VAL, v, old))
-        self._d[v] = dims
-        self._touched_classes.add(v)
-
-    def _decide(self, d: Decision) -> None:
-        self._decisions.append(d)
-        self._log.append((_DEC,))
-
-    def _partial_axes(self, op, F) -> tuple[str, ...]:
-        if not op.rule.reduction:
-            return ()
-        axes = {a for f in op.rule.reduction for a in F[f]}
-        return tuple(a for a in self.mesh.names if a in axes)
-
-    def _project(self, F, spec, sizes, strict=True) -> tuple[tuple[str, ...], ...]:
-        # Factor tilings -> dim tilings. A dim made of several factors can only carry the
-        # minor factors' axes when the major ones are split all the way (`strict`: what
-        # a value may be tiled as). Not strict: every axis splitting the dim's factors,
-        # expressible or not: what the op computes with, which is what a reshard to or
-        # from it must move (a reshape merging [2, T] with T split must gather T).
-        out = []
-        for fs in spec:
-            if len(fs) == 1:
-                out.append(F[fs[0]])
-            elif not fs:
-                out.append(())
-            elif strict:
-                out.append(self._join(F, fs, sizes))
-            else:
-                out.append(tuple(a for f in fs for a in F[f]))
-        return tuple(out)
-
-    def _join(self, F, fs, sizes) -> tuple[str, ...]:
-        ms = self._msize
-        axes = ()
-        for f in fs:
-            ax = F[f]
-            axes += ax
-            k = 1
-            for a in ax:
-                k *= ms[a]
-            if k != sizes[f]:
-                break
-        return axes
-
-    def _split(self, axes, fs, sizes, blocked):
-        # Dim tiling -> proposals per factor, major factor first; stops where an axis does
-        # not divide what is left of a factor (that layout has no factor form).
-        ms = self._msize
-        out = []
-        i = 0
-        for f in fs:
-            size, prod, start = sizes[f], 1, i
-            while i < len(axes) and size % (prod * ms[axes[i]]) == 0:
-                prod *= ms[axes[i]]
-                i += 1
-            if i > start:
-                if f in blocked:
-                    break
-                out.append((f, axes[start:i]))
-            if prod != size or i == len(axes):
-                break
-        return out
-
-    def _propagate(self, c: int) -> None:
-        value_ops = self._cls.ops
-        inq = self._inq
-        queue = deque(value_ops[c])
-        for o in queue:
-            inq[o] = 1
-        process = self._process
-        while queue:
-            o = queue.popleft()
-            inq[o] = 0
-            for w in process(o):
-                for o2 in value_ops[w]:
-                    if not inq[o2] and o2 != o:
-                        inq[o2] = 1
-                        queue.append(o2)
-
-    def _process(self, oid: int) -> list[int]:
-        op = self.program.ops[oid]
-        single, multi = self._cls.single[oid], self._cls.multi[oid]
-        D = self._d
-        F = self._f[oid]
-        new = None
-        # 1. Pull: merge every class's dim tilings into the op's factor tiling; a proposal
-        # that disagrees with what is there loses (the earlier tiling wins). Constrained
-        # classes are boundaries: nothing is read from them.
-        boundary = self._boundary
-        for vid, d, f in single:
-            axes = D[vid][d]
-            if not axes or vid in boundary:
-                continue
-            cur = (new or F)[f]
-            if cur == axes:
-                continue
-            n = len(cur)
-            if len(axes) <= n or axes[:n] != cur:
-                continue
-            new = self._grow(new, F, f, axes, n, op.rule.sizes)
-        for vid, d, fs in multi:
-            axes = D[vid][d]
-            if axes and vid not in boundary:
-                for f, ax in self._split(axes, fs, op.rule.sizes, op.rule.blocked):
-                    cur = (new or F)[f]
-                    n = len(cur)
-                    if len(ax) > n and ax[:n] == cur:
-                        new = self._grow(new, F, f, ax, n, op.rule.sizes)
-        if new is None:
-            return []
-        new = tuple(new)
-        self._hash ^= _fhash(oid, F) ^ _fhash(oid, new)
-        self._log.append((_FAC, oid, F))
-        F = self._f[oid] = new
-        self._touched_ops.add(oid)
-        # 2. Push: grow every class toward the op's factor tiling where compatible.
-        forbid = self._forbid
-        pending: dict[int, list] = {}
-        for vid, d, f in single:
-            w = F[f]
-            if w:
-                self._offer(pending, D, vid, d, w, forbid[vid])
-        for vid, d, fs in multi:
-            w = self._join(F, fs, op.rule.sizes)
-            if w:
-                self._offer(pending, D, vid, d, w, forbid[vid])
-        for vid, dims in pending.items():
-            self._set(vid, tuple(dims))
-        return list(pending)
-
-    def _grow(self, new, F, f, axes, n, sizes):
-        # Extend factor f to `axes` unless an added axis already splits another factor of
-        # this op or the axes do not divide the factor.
-        G = new or F
-        add = axes[n:]
-        for fa in G:
-            for a in add:
-                if a in fa:
-                    return new
-        k = 1
-        ms = self._msize
-        for a in axes:
-            k *= ms[a]
-        if sizes[f] % k:
-            return new
-        if new is None:
-            new = list(F)
-        new[f] = axes
-        return new
-
-    @staticmethod
-    def _offer(pending, D, vid, d, w, forbid):
-        dims = pending.get(vid) or D[vid]
-        cur = dims[d]
-        n = len(cur)
-        if len(w) <= n or w[:n] != cur:
-            return
-        add = w[n:]
-        if forbid is not None:
-            for a in add:
-                if a in forbid:
-                    return
-        for dd in dims:
-            for a in add:
-                if a in dd:
-                    return
-        if vid not in pending:
-            dims = pending[vid] = list(dims)
-        dims[d] = w
-
-
-_VAL, _FAC, _PIN, _DEC, _BND = range(5)
-
-
-def _vhash(v: int, dims: tuple) -> int:
-    return hash((v, dims)) if any(dims) else 0
-
-
-def _fhash(o: int, F: tuple) -> int:
-    return hash((-1 - o, F)) if any(F) else 0

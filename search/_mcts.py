@@ -156,7 +156,7 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
     def seed_path(seq) -> None:
         """Walk `seq` from the root as the tree would (creating its nodes), score where
         it ends and back the reward up: the macro pairs are seeded so, in order."""
-        nonlocal best, since_best
+        nonlocal best
         mark = part.mark()
         key, node, path, applied = root_key, tree[root_key], [tree[root_key]], []
         for a in seq:

@@ -4,7 +4,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.extend.core import Primitive
 from jax.sharding import AxisType, PartitionSpec

@@ -5,7 +5,6 @@ The default suite runs a few examples; `make test-all` (profile `thorough`) runs
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 

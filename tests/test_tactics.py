@@ -140,7 +140,7 @@ def test_data_parallel_infers_the_batch_and_all_reduces_gradients():
 def test_zero_stages(stage):
     step, args = gpt.make_train_step(gpt.GPTConfig(adam_eps=EPS))
     res = _plan(step, args, MeshSpec.of(data=8), [T.DataParallel("data"), T.ZeRO("data", stage)])
-    part, prog = res.partitioning, res.program
+    part = res.partitioning
     w1 = "params['layers'][0]['mlp']['w1']"
     mu = "opt_state[0].mu['layers'][0]['mlp']['w1']"
     assert ("data" in part.tiling(w1).axes()) == (stage == 3)
