@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tactics
-from search import bytes_str, time_str
+from search import bytes_str, collectives_table, time_str
 
 
 def _console(console):
@@ -107,18 +107,7 @@ def explain(plan, console=None) -> None:
         params.add_row(label, str(n), spec, bytes_str(per_device), source)
     console.print(params)
 
-    comm = Table(title="collectives per step, by mesh axis (modeled)")
-    for col in ("axes", "kind", "count", "bytes/device", "time"):
-        comm.add_column(col, justify="left" if col in ("axes", "kind") else "right")
-    rows: dict = {}
-    for c in cost.collectives:
-        e = rows.setdefault((c.axes, c.kind), [0.0, 0.0, 0.0])
-        e[0] += c.count
-        e[1] += c.bytes * c.count
-        e[2] += c.time * c.count
-    for (axes, kind), (n, b, t) in sorted(rows.items()):
-        comm.add_row(", ".join(axes), kind, f"{n:g}", bytes_str(b), time_str(t))
-    console.print(comm)
+    console.print(collectives_table(cost, "collectives per step, by mesh axis (modeled)"))
 
     mem = Table(title=f"memory: peak {bytes_str(cost.memory_peak)} of {bytes_str(cost.memory_limit)} per device"
                       + ("" if cost.fits else " (does not fit)"))

@@ -17,6 +17,22 @@ def _fmt_time(s):
     return time_str(s)
 
 
+def collectives_table(cost, title: str) -> Table:
+    """The collectives of a step by (mesh axes, kind): count, bytes per device, time."""
+    comm = Table(title=title)
+    for col in ("axes", "kind", "count", "bytes/device", "time"):
+        comm.add_column(col, justify="left" if col in ("axes", "kind") else "right")
+    rows: dict = {}
+    for c in cost.collectives:
+        e = rows.setdefault((c.axes, c.kind), [0.0, 0.0, 0.0])
+        e[0] += c.count
+        e[1] += c.bytes * c.count
+        e[2] += c.time * c.count
+    for (axes, kind), (n, b, t) in sorted(rows.items()):
+        comm.add_row(", ".join(axes), kind, f"{n:g}", _fmt_bytes(b), _fmt_time(t))
+    return comm
+
+
 def cost_tables(cost):
     """Yield the renderables that show a `Cost`."""
     head = Table(title=f"modeled step on {cost.device}, mesh {cost.mesh} (per device)", show_header=False)
@@ -39,18 +55,7 @@ def cost_tables(cost):
         ops.add_row(name, _fmt_time(t))
     yield ops
 
-    comm = Table(title="collectives by mesh axis (per step)")
-    for col in ("axes", "kind", "count", "bytes", "time"):
-        comm.add_column(col, justify="left" if col in ("axes", "kind") else "right")
-    rows: dict = {}
-    for c in cost.collectives:
-        e = rows.setdefault((c.axes, c.kind), [0.0, 0.0, 0.0])
-        e[0] += c.count
-        e[1] += c.bytes * c.count
-        e[2] += c.time * c.count
-    for (axes, kind), (n, b, t) in sorted(rows.items()):
-        comm.add_row(", ".join(axes), kind, f"{n:g}", _fmt_bytes(b), _fmt_time(t))
-    yield comm
+    yield collectives_table(cost, "collectives by mesh axis (per step)")
 
     mem = Table(title=f"live at the memory peak ({_fmt_bytes(cost.memory_peak)})")
     mem.add_column("buffer", no_wrap=True)
