@@ -10,8 +10,14 @@ Run: `make bench` or `python benchmarks/cost_fidelity.py [--models gpt mlp] [--m
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+
+# Run as a script, this file's folder comes first on sys.path, where benchmarks/search.py
+# would shadow the `search` package.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 

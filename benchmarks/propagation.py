@@ -13,16 +13,23 @@ Run: `make bench` or `python benchmarks/propagation.py [--layers 6 12 24 48]`.
 
 from __future__ import annotations
 
-import argparse
-import random
-import statistics
-import time
+import os
+import sys
 
-from rich.console import Console
-from rich.table import Table
+# Run as a script, this file's folder comes first on sys.path, where benchmarks/search.py
+# would shadow the `search` package.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import partir
-from examples import gpt
+import argparse  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import partir  # noqa: E402
+from examples import gpt  # noqa: E402
 
 MESH = partir.MeshSpec.of(data=2, model=4)
 SAMPLE = 200
