@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/propagation.py
 	$(PY) benchmarks/cost.py
 	$(PY) benchmarks/cost_fidelity.py
+	$(PY) benchmarks/search.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
