@@ -20,8 +20,9 @@ best plan, not its average one, so Q(s, a) is the best reward seen below the act
 (max backup).
 
 When the tree search stalls (`POLISH_AFTER` episodes without a better plan), its best
-plan is polished by hill climbing: the single action (or macro) that improves it most
-is applied, again and again until none does; then the tree search goes on. States are nodes of a transposition table keyed by the partitioning's hash, so
+plan is polished by hill climbing: the single action (or macro) appended to it, or the
+single tile put before it, that improves it most is taken, again and again until none
+does; then the tree search goes on. States are nodes of a transposition table keyed by the partitioning's hash, so
 action orders that reach the same plan share statistics. The search stops at its time
 budget, at `max_episodes`, or when the best plan has not improved for `patience`
 episodes; it returns the best plan seen. All randomness comes from `seed`: with the same
@@ -327,31 +328,41 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
 
 def _polish(part, groups, axes, macros, best, reward, evaluate, source, *, deadline: float):
     """Hill-climb from the best plan; a better `(reward, actions, time, peak)` or None.
-    `part` must be at the root; it is left there."""
+    `part` must be at the root; it is left there.
+
+    Each round tries every single action appended to the plan, then every single tile
+    put *before* it (decisions are ordered: an early tile can change what a later
+    tactic does, e.g. a vocabulary-split embedding that FSDP would otherwise gather),
+    and keeps the best improvement; it stops when a round improves nothing."""
     root = part.mark()
-    actions = list(best[1])
-    for a in actions:
-        apply_action(part, groups, a, source)
-    current = best
-    improved = False
+    current, improved = best, False
+
+    def score(seq):
+        mark = part.mark()
+        ok = all(apply_action(part, groups, a, source) for a in seq)
+        t, peak = evaluate() if ok else (math.inf, math.inf)
+        part.rollback(mark)
+        return (reward(t, peak), tuple(seq), t, peak) if ok else None
+
     while time.perf_counter() < deadline:
-        top = None
+        seq = list(current[1])
+        candidates = []
+        for a in seq:
+            apply_action(part, groups, a, source)
         for a in valid_actions(part, groups, axes) + [Action(-2, -1, "", m) for m in macros]:
+            candidates.append(seq + [a])
+        part.rollback(root)
+        candidates += [[a] + seq for a in valid_actions(part, groups, axes) if a not in seq]
+        top = None
+        for cand in candidates:
             if time.perf_counter() >= deadline:
                 break
-            mark = part.mark()
-            if apply_action(part, groups, a, source):
-                t, peak = evaluate()
-                r = reward(t, peak)
-                if r > current[0] + 1e-12 and (top is None or r > top[0]):
-                    top = (r, a, t, peak)
-            part.rollback(mark)
+            scored = score(cand)
+            if scored is not None and scored[0] > current[0] + 1e-12 and (top is None or scored[0] > top[0]):
+                top = scored
         if top is None:
             break
-        apply_action(part, groups, top[1], source)
-        actions.append(top[1])
-        current = (top[0], tuple(actions), top[2], top[3])
-        improved = True
+        current, improved = top, True
     part.rollback(root)
     return current if improved else None
 
