@@ -131,6 +131,8 @@ class Program:
         self._multiplicity: dict[int, float] = {}
         self._classes: dict = {}
         self._backward = None
+        #: What `lift` traced (`partir._lift.Origin`), or None for a program built otherwise.
+        self.origin = None
 
     @property
     def classes(self):

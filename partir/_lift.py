@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import NamedTuple
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
@@ -38,7 +39,28 @@ def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     output_names = ["out" + jax.tree_util.keystr(p) for p, _ in out_leaves]
     with no_gc():
-        return _build(closed, in_tree, out_tree, input_names, input_args, output_names)
+        prog = _build(closed, in_tree, out_tree, input_names, input_args, output_names)
+    prog.origin = Origin(fn, tuple(a if i in static else _abstract(a) for i, a in enumerate(args)), static)
+    return prog
+
+
+class Origin(NamedTuple):
+    """What a program was lifted from: the function, its arguments (abstract, so no
+    array is kept alive) and the static argument positions. The search traces shallow
+    twins of deep models from it (`search._twins`)."""
+
+    fn: object
+    args: tuple
+    static_argnums: tuple[int, ...]
+
+
+def _abstract(tree):
+    def leaf(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(leaf, tree)
 
 
 def _build(closed, in_tree, out_tree, input_names, input_args, output_names) -> Program:
