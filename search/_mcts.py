@@ -36,7 +36,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from ._actions import STOP, Action, apply_action, valid_actions
+from ._actions import STOP, Action
 
 #: Exploration constant of UCT. Rewards lie in [0, 1] and good plans differ by a few
 #: hundredths, so exploration is kept small beside the usual sqrt(2)/2: the search
@@ -98,32 +98,32 @@ class _Node:
         self.children: dict[Action, tuple] = {}
 
 
-def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_limit: float | None = None,
+def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = None,
          max_episodes: int | None = None, patience: int | None = None, macros=(), progress=None,
-         source: str = "search", start: float | None = None) -> SearchResult:
-    """Search for the best sequence of actions from `part`'s current state; `part` is
-    left as it was. `model` is a `CostModel` on `part`. Times (the budget, the trace)
-    count from `start` (a `time.perf_counter()` reading; now by default), so a caller
-    can include its own set-up."""
+         start: float | None = None) -> SearchResult:
+    """Search for the best sequence of actions from `state`'s current point (a
+    `SearchState`, or a `TwinState`); `state` is left as it was. Times (the budget, the
+    trace) count from `start` (a `time.perf_counter()` reading; now by default), so a
+    caller can include its own set-up."""
     rng = random.Random(seed)
-    limit = model.memory_limit if memory_limit is None else memory_limit
+    limit = state.memory_limit if memory_limit is None else memory_limit
     start = time.perf_counter() if start is None else start
     stats = SearchStats()
     cache: dict[int, tuple[float, float]] = {}
 
     def evaluate() -> tuple[float, float]:
-        key = part.key()
+        key = state.key()
         hit = cache.get(key)
         if hit is not None:
             stats.cache_hits += 1
             return hit
         stats.evaluations += 1
-        cache[key] = hit = model.evaluate()
+        cache[key] = hit = state.evaluate()
         return hit
 
     t_root, _ = evaluate()
 
-    t_ideal = model.cost().compute_time / math.prod(part.mesh.size(a) for a in axes)
+    t_ideal = state.compute_time() / math.prod(state.mesh.size(a) for a in state.axes)
 
     def reward(t, peak):
         if peak > limit:
@@ -132,9 +132,9 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
 
     def actions_here():
         # Macros last in the list: they are popped first, in reverse order.
-        return [STOP] + valid_actions(part, groups, axes) + [Action(-2, -1, "", m) for m in reversed(macros)]
+        return [STOP] + state.actions() + [Action(-2, -1, "", m) for m in reversed(macros)]
 
-    root_key = part.key()
+    root_key = state.key()
     tree: dict[int, _Node] = {root_key: _Node()}
     t0, m0 = evaluate()
     best = (reward(t0, m0), (), t0, m0)
@@ -144,7 +144,7 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
     top: dict[int, tuple] = {}  # the best distinct plans by state: (reward, actions, time, peak)
 
     def remember(r, actions, t, peak) -> None:
-        key = part.key()
+        key = state.key()
         if key not in top or top[key][0] < r:
             top[key] = (r, tuple(actions), t, peak)
             if len(top) > 2 * TOP_KEPT:
@@ -158,20 +158,20 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
         """Walk `seq` from the root as the tree would (creating its nodes), score where
         it ends and back the reward up: the macro pairs are seeded so, in order."""
         nonlocal best
-        mark = part.mark()
+        mark = state.mark()
         key, node, path, applied = root_key, tree[root_key], [tree[root_key]], []
         for a in seq:
             if node.untried is None:
                 node.untried = actions_here()
             if a in node.children:
-                if not apply_action(part, groups, a, source):
+                if not state.apply(a):
                     break
             else:
-                if a not in node.untried or not apply_action(part, groups, a, source):
+                if a not in node.untried or not state.apply(a):
                     break
                 node.untried.remove(a)
             applied.append(a)
-            key = part.key()
+            key = state.key()
             node.children[a] = key
             node = tree.setdefault(key, _Node())
             path.append(node)
@@ -185,7 +185,7 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
         if r > best[0] + 1e-12:
             best = (r, tuple(applied), t, peak)
             stats.trace.append((time.perf_counter() - start, stats.episodes, t))
-        part.rollback(mark)
+        state.rollback(mark)
 
     # Every pair of macro actions first: two tactics on two axes are the textbook plans
     # (data parallel + Megatron, FSDP + Megatron, ...), and this costs len(macros)**2.
@@ -242,15 +242,15 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
                 applied.append(a)
             else:
                 if depth < len(held):
-                    part.rollback(held[depth][1])
+                    state.rollback(held[depth][1])
                     del held[depth:]
-                mark = part.mark()
-                if not apply_action(part, groups, a, source):
+                mark = state.mark()
+                if not state.apply(a):
                     node.children.pop(a, None)
                     continue
                 held.append((a, mark))
                 applied.append(a)
-            key = part.key()
+            key = state.key()
             child = tree.get(key)
             if child is None:
                 child = tree[key] = _Node()
@@ -262,9 +262,9 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
             if expanding:
                 break
         if len(held) > len(applied):
-            part.rollback(held[len(applied)][1])
+            state.rollback(held[len(applied)][1])
             del held[len(applied):]
-        rollout_mark = part.mark()
+        rollout_mark = state.mark()
         rollout = []
         if not stopped:
             for _ in range(ROLLOUT_DEPTH):
@@ -275,11 +275,11 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
                 if macros and rng.random() < ROLLOUT_MACRO:
                     a = Action(-2, -1, "", macros[rng.randrange(len(macros))])
                 else:
-                    acts = valid_actions(part, groups, axes)
+                    acts = state.actions()
                     if not acts:
                         break
                     a = acts[rng.randrange(len(acts))]
-                if apply_action(part, groups, a, source):
+                if state.apply(a):
                     rollout.append(a)
         t, peak = evaluate()
         r = reward(t, peak)
@@ -294,14 +294,13 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
             best = (r, tuple(applied + rollout), t, peak)
             since_best = 0
             stats.trace.append((time.perf_counter() - start, stats.episodes, t))
-        part.rollback(rollout_mark)
+        state.rollback(rollout_mark)
         if since_best >= POLISH_AFTER and best[1] not in polished:
             polished.add(best[1])
             if held:
-                part.rollback(held[0][1])
+                state.rollback(held[0][1])
                 held.clear()
-            better = _polish(part, groups, axes, macros, best, reward, evaluate, source,
-                             deadline=start + budget_s)
+            better = _polish(state, macros, best, reward, evaluate, deadline=start + budget_s)
             if better is not None:
                 best = better
                 since_best = 0
@@ -309,7 +308,7 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
         if progress is not None and stats.episodes % 16 == 0:
             progress(stats.episodes, best[2], time.perf_counter() - start)
     if held:
-        part.rollback(held[0][1])
+        state.rollback(held[0][1])
     stats.states = len(tree)
     stats.elapsed = time.perf_counter() - start
     if progress is not None:
@@ -326,33 +325,33 @@ def mcts(part, model, groups, axes, *, budget_s: float, seed: int = 0, memory_li
                         tuple((a, t, p) for _, a, t, p in runners))
 
 
-def _polish(part, groups, axes, macros, best, reward, evaluate, source, *, deadline: float):
+def _polish(state, macros, best, reward, evaluate, *, deadline: float):
     """Hill-climb from the best plan; a better `(reward, actions, time, peak)` or None.
-    `part` must be at the root; it is left there.
+    `state` must be at the root; it is left there.
 
     Each round tries every single action appended to the plan, then every single tile
     put *before* it (decisions are ordered: an early tile can change what a later
     tactic does, e.g. a vocabulary-split embedding that FSDP would otherwise gather),
     and keeps the best improvement; it stops when a round improves nothing."""
-    root = part.mark()
+    root = state.mark()
     current, improved = best, False
 
     def score(seq):
-        mark = part.mark()
-        ok = all(apply_action(part, groups, a, source) for a in seq)
+        mark = state.mark()
+        ok = all(state.apply(a) for a in seq)
         t, peak = evaluate() if ok else (math.inf, math.inf)
-        part.rollback(mark)
+        state.rollback(mark)
         return (reward(t, peak), tuple(seq), t, peak) if ok else None
 
     while time.perf_counter() < deadline:
         seq = list(current[1])
         candidates = []
         for a in seq:
-            apply_action(part, groups, a, source)
-        for a in valid_actions(part, groups, axes) + [Action(-2, -1, "", m) for m in macros]:
+            state.apply(a)
+        for a in state.actions() + [Action(-2, -1, "", m) for m in macros]:
             candidates.append(seq + [a])
-        part.rollback(root)
-        candidates += [[a] + seq for a in valid_actions(part, groups, axes) if a not in seq]
+        state.rollback(root)
+        candidates += [[a] + seq for a in state.actions() if a not in seq]
         top = None
         for cand in candidates:
             if time.perf_counter() >= deadline:
@@ -363,7 +362,7 @@ def _polish(part, groups, axes, macros, best, reward, evaluate, source, *, deadl
         if top is None:
             break
         current, improved = top, True
-    part.rollback(root)
+    state.rollback(root)
     return current if improved else None
 
 

@@ -1,0 +1,57 @@
+"""What the tree search walks: a partitioning with its cost model and action space."""
+
+from __future__ import annotations
+
+from ._actions import Action, apply_action, valid_actions
+
+
+class SearchState:
+    """A partitioning being searched: `part` with its incremental `model` (a
+    `CostModel` on it), the input `groups` that tile actions decide and the mesh `axes`
+    they may use. Decisions are recorded under `source`. `mcts` only talks to this
+    interface, so `TwinState` (shallow twins of a deep program) can stand in for it."""
+
+    def __init__(self, part, model, groups, axes, source: str):
+        self.part, self.model, self.groups, self.axes, self.source = part, model, groups, tuple(axes), source
+
+    @property
+    def mesh(self):
+        """The mesh the plan is for."""
+        return self.part.mesh
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes per device a plan may peak at."""
+        return self.model.memory_limit
+
+    def key(self) -> int:
+        """A hash of the whole partitioned state (see `Partitioning.key`)."""
+        return self.part.key()
+
+    def mark(self):
+        """A point to `rollback` to."""
+        return self.part.mark()
+
+    def rollback(self, mark) -> None:
+        """Undo every action since `mark`."""
+        self.part.rollback(mark)
+
+    def actions(self) -> list[Action]:
+        """The tile actions that would change the state (see `valid_actions`)."""
+        return valid_actions(self.part, self.groups, self.axes)
+
+    def apply(self, action: Action) -> bool:
+        """Apply `action`; False, and nothing changed, if it cannot apply."""
+        return apply_action(self.part, self.groups, action, self.source)
+
+    def evaluate(self) -> tuple[float, float]:
+        """Modeled `(step time, peak memory)` of the current state."""
+        return self.model.evaluate()
+
+    def compute_time(self) -> float:
+        """Modeled compute time of the current state (no communication)."""
+        return self.model.cost().compute_time
+
+    def describe(self) -> str:
+        """What is searched, for the history."""
+        return "searched on the program itself"
