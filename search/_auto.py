@@ -11,6 +11,8 @@ from tactics import FSDP, Context, DataParallel, Megatron, Tactic, TacticError, 
 from ._actions import apply_action, input_groups
 from ._cost import CostModel
 from ._mcts import SearchResult, mcts
+from ._state import SearchState
+from ._twins import TwinState, twin_state
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,31 @@ class AutomaticPartition(Tactic):
             # FSDP without ZeRO's trial Megatron: the search tries both orders itself.
             macros = tuple(m for a in axes if part.mesh.size(a) > 1
                            for m in (DataParallel(a), Megatron(a), FSDP(a, leave_room=False)))
-        model = CostModel(part, self.device, memory_limit=self.memory_limit)
-        result: SearchResult = mcts(part, model, groups, axes, budget_s=self.budget_s, seed=self.seed,
-                                    max_episodes=self.max_episodes, macros=macros, progress=self.progress,
-                                    source=str(self), start=start)
-        for action in result.actions:
-            apply_action(part, groups, action, str(self))
+        state, why = None, "group=False decides layers one by one"
+        if self.group:
+            state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
+                                    source=str(self))
+        while True:
+            if state is None:
+                state = SearchState(part, CostModel(part, self.device, memory_limit=self.memory_limit), groups,
+                                    axes, str(self))
+            result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
+                                        max_episodes=self.max_episodes, macros=macros, progress=self.progress,
+                                        start=start)
+            mark = part.mark()
+            for action in result.actions:
+                apply_action(part, groups, action, str(self))
+            differs = state.mismatch(part, result.actions) if isinstance(state, TwinState) else None
+            if differs is None:
+                break
+            # The twins did not foresee the program (a bug to report, never a wrong plan):
+            # search the program itself instead.
+            part.rollback(mark)
+            state, why, start = None, f"the twins' plan splits {differs} differently in the program", None
         ctx.search[str(self)] = (result, groups)
         st = result.stats
-        notes = [f"{len(groups)} groups over axes {', '.join(axes)}; {st.episodes} episodes, {st.states} states, "
+        notes = [state.describe() + (f" ({why})" if why else ""),
+                 f"{len(groups)} groups over axes {', '.join(axes)}; {st.episodes} episodes, {st.states} states, "
                  f"{st.cache_hits} cache hits in {st.elapsed:.1f} s ({st.stopped})",
                  f"modeled step {result.step_time * 1e3:.3f} ms vs {result.root_step_time * 1e3:.3f} ms before"
                  + ("" if result.fits else " (does not fit the memory limit)")]

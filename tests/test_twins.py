@@ -1,0 +1,135 @@
+"""The search on deep models works on shallow twins: their extrapolated cost is the deep
+program's, the plan they find applies to it, and where twins would not be faithful the
+search says why and searches the program itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partir
+import search
+import tactics as T
+from examples import gpt
+from examples.plans import STRATEGIES
+from partir import MeshSpec
+from search import _twins
+
+CFG = dict(d_model=128, n_heads=4, d_ff=512, vocab=512, seq_len=32, batch=8, adam_eps=1e-3)
+MESH = MeshSpec.of(data=2, model=4)
+
+
+def _gpt(layers):
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=layers, **CFG), abstract=True)
+    return step, args, partir.lift(step, *args)
+
+
+def _notes(res):
+    return "\n".join(res.history[-1].notes)
+
+
+def test_layer_sequences_are_found_and_cut_in_params_and_optimizer_state():
+    _, (params, opt_state, batch), _ = _gpt(7)
+    assert _twins.layer_counts([params, opt_state, batch]) == {7}
+    cut = _twins.truncate((params, opt_state), 3)
+    assert len(cut[0]["layers"]) == 3
+    mu = cut[1][0].mu  # optax adam state: a named tuple whose mu/nu mirror the params
+    assert len(mu["layers"]) == 3 and type(cut[1][0]) is type(opt_state[0])
+    assert jax.tree.structure(cut[0]["layers"][2]) == jax.tree.structure(params["layers"][6])
+    # Too few layers, or layers that differ, are not a sequence of alike layers.
+    assert _twins.layer_counts(params["layers"][:5]) == set()
+    odd = list(params["layers"])
+    odd[3] = {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)}
+    assert _twins.layer_counts(odd) == set()
+
+
+@pytest.mark.parametrize("plan", ["none", "dp+megatron", "fsdp+tile"])
+def test_extrapolated_cost_is_the_deep_programs_cost(plan):
+    _, _, prog = _gpt(7)
+    part = partir.Partitioning(prog, MESH)
+    r = T.roles(prog)
+    groups = search.input_groups(prog, r.params + r.batch)
+    twins, why = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=None, source="test")
+    assert why is None
+    full = search._state.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test")
+    macro = {"dp": T.DataParallel("data"), "megatron": T.Megatron("model"), "fsdp": T.FSDP("data", leave_room=False)}
+    actions = [search.Action(-2, -1, "", macro[m]) for m in plan.split("+") if m in macro]
+    if plan.endswith("tile"):
+        actions.append(next(a for a in twins.actions() if a.axis == "model"))
+    for a in actions:
+        assert full.apply(a)
+    assert twins.mismatch(part, actions) is None  # the twins split every input as the program does
+    for a in actions:
+        assert twins.apply(a)
+    (t, peak), (tf, peakf) = twins.evaluate(), full.evaluate()
+    np.testing.assert_allclose([t, peak, twins.compute_time()], [tf, peakf, full.compute_time()], rtol=1e-9)
+
+
+def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
+    # The config of the recovery tests in test_search.py, 6 layers deep.
+    cfg = gpt.GPTConfig(n_layers=6, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4, adam_eps=1e-3)
+    step, args = gpt.make_train_step(cfg)
+    res = T.apply_schedule(partir.lift(step, *args), MESH, [search.AutomaticPartition(budget_s=10, device="cpu")])
+    assert "2- and 3-layer twins of the 6-layer program" in _notes(res)
+    part = res.partitioning
+    # Megatron over one axis in every layer (on the CPU cost model the two axes are
+    # near ties), the batch split over the other, and no worse than the hand-written plan.
+    (tp,) = {a for a in MESH.names if a in part.tiling("params['layers'][0]['mlp']['w1']").dims[1]}
+    dp = next(a for a in MESH.names if a != tp)
+    for i in range(6):
+        p = f"params['layers'][{i}]"
+        assert tp in part.tiling(f"{p}['mlp']['w1']").dims[1] and tp in part.tiling(f"{p}['mlp']['w2']").dims[0]
+        assert tp in part.tiling(f"{p}['attn']['wq']").dims[1] and tp in part.tiling(f"{p}['attn']['wo']").dims[0]
+    assert dp in part.tiling("batch['tokens']").dims[0]
+    hand = partir.Partitioning(res.program, MESH)
+    STRATEGIES["dp+megatron"](hand, "gpt", "data", "model")
+    found = search.CostModel(part.copy(), "cpu").cost().step_time
+    assert found <= search.CostModel(hand, "cpu").cost().step_time * (1 + 1e-9)
+    partir.check_equivalence(step, args, part, rtol=2e-5, atol=2e-6)
+
+
+def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
+    _, _, prog = _gpt(6)
+
+    def run(group):
+        res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=40, group=group)])
+        result, _ = next(iter(res.context.search.values()))
+        return res, result
+
+    res, result = run(True)
+    assert "twins" in _notes(res)
+    # The extrapolated step time of the plan is its cost on the deep program.
+    real = search.CostModel(res.partitioning.copy(), "h100").cost()
+    assert real.step_time == pytest.approx(result.step_time, rel=1e-9)
+    assert real.memory_peak == pytest.approx(result.memory_peak, rel=1e-9)
+
+
+def test_earlier_tactics_are_replayed_on_the_twins():
+    _, _, prog = _gpt(6)
+    res = T.apply_schedule(prog, MESH, [T.DataParallel("data"),
+                                        search.AutomaticPartition(axes=("model",), budget_s=600, max_episodes=30)])
+    assert "twins" in _notes(res)
+    assert res.partitioning.tiling("batch['tokens']").dims[0][0] == "data"  # DataParallel stays first
+
+
+def test_twins_step_aside_when_layers_are_decided_apart():
+    _, _, prog = _gpt(6)
+    res = T.apply_schedule(prog, MESH, [T.Shard("params/layers/3/mlp/w1", dim=1, axis="model"),
+                                        search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=20)])
+    assert "searched on the program itself (earlier decisions differ between layers" in _notes(res)
+    assert res.partitioning.tiling("params['layers'][3]['mlp']['w1']").dims[1] == ("model",)
+
+
+def test_twins_step_aside_when_the_layer_count_is_not_the_list_length():
+    n = 6
+
+    def step(params, x):
+        # Indexes a fixed number of layers: a twin with fewer layers cannot be traced.
+        for i in range(n):
+            x = jnp.tanh(x @ params["layers"][i])
+        return jnp.sum(x)
+
+    params = {"layers": [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * n}
+    prog = partir.lift(jax.grad(step), params, jax.ShapeDtypeStruct((16, 64), jnp.float32))
+    res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
+    assert "searched on the program itself (tracing a 2-layer twin failed (IndexError" in _notes(res)
