@@ -3,17 +3,18 @@
 A train step over L structurally identical layers (a list or tuple of L alike pytrees
 in its arguments, e.g. `params['layers']` and the same list in the optimizer state)
 unrolls into L copies of the same ops. The search decides each group of alike inputs
-with one action, so every layer but the first ends up with the same tilings and the
-same cost, and every cost of the deep program is affine in L:
+with one action (the first and last layers may form groups of their own), so every
+middle layer ends up with the same tilings and the same cost, and every cost of the
+deep program is affine in L:
 
-    C(L) = C(2) + (L - 2) * (C(3) - C(2))
+    C(L) = C(3) + (L - 3) * (C(4) - C(3))
 
 for the modeled step time, its compute part, and the peak memory (the peak is where
 parameters, optimizer state and the activations kept for the backward pass are all
 live, each one layer's worth larger per layer). So the search traces twins of the
-program with those sequences cut to 2 and 3 layers (from the function and abstract
+program with those sequences cut to 3 and 4 layers (from the function and abstract
 arguments that `lift` keeps), applies every action to both, and scores the
-extrapolated cost: an episode costs the same at 48 layers as at 6, and the search
+extrapolated cost: an episode costs the same at 48 layers as at 8, and the search
 scales with the number of distinct layer kinds, not of layers. The plan it returns is
 a list of group actions, which the caller applies to the deep program.
 
@@ -37,11 +38,13 @@ from tactics import input_groups, roles
 from ._cost import CostModel
 from ._state import SearchState
 
-#: Fewest alike layers for which twins are used: below it they save little.
-TWIN_MIN_LAYERS = 6
-#: Depths of the two twins; the first is >= 2 so that the layer-to-layer boundary (and
-#: with it the first layer's different neighbours) is in both.
-TWIN_DEPTHS = (2, 3)
+#: Fewest alike layers for which twins are used: the twins together hold 7 layers.
+TWIN_MIN_LAYERS = 8
+#: Depths of the two twins. The first layer (nothing upstream needs its input's
+#: gradient) and the last (a final norm or head downstream) often differ from the
+#: others, so the shallower twin needs a first, a middle and a last layer; the deeper
+#: one adds one middle layer, whose cost is the difference.
+TWIN_DEPTHS = (3, 4)
 
 
 def _alike(seq) -> bool:
@@ -54,15 +57,12 @@ def _alike(seq) -> bool:
 
 
 def _children(tree):
-    """(rebuild, children) of a dict, list, tuple or named tuple; None for anything else."""
-    if type(tree) is dict:
-        keys = list(tree)
-        return (lambda cs: dict(zip(keys, cs))), [tree[k] for k in keys]
-    if type(tree) in (list, tuple):
-        return type(tree), list(tree)
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return (lambda cs: type(tree)(*cs)), list(tree)
-    return None
+    """(rebuild, children) of a pytree node (a dict, list, named tuple, equinox module,
+    any registered node); None for a leaf."""
+    children, node = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
+    if jax.tree_util.treedef_is_leaf(node) and tree is not None:
+        return None
+    return node.unflatten, children
 
 
 def _is_layers(tree) -> bool:
@@ -86,12 +86,23 @@ def truncate(tree, depth: int):
 
 
 def _twin_layer(i: int, layers: int, depth: int) -> int:
-    """The layer of a `depth`-layer twin that stands for layer `i` of `layers`: the first
-    ones for themselves, the last for the last (its neighbours differ: a final norm, a
-    head), every other for the twin's last but one."""
-    if i < depth - 1:
-        return i
-    return depth - 1 if i == layers - 1 else depth - 2
+    """The layer of a `depth`-layer twin that stands for layer `i` of `layers`: the last
+    for the last, the first ones for themselves, every other middle layer for the
+    twin's last middle layer."""
+    return depth - 1 if i == layers - 1 else min(i, depth - 2)
+
+
+def _child(node, key):
+    """The child of `node` at path entry `key`, or None where it cannot be told (then no
+    layers below it are looked for: the names keep their indices)."""
+    if isinstance(key, jax.tree_util.DictKey):
+        try:
+            return node[key.key]
+        except (KeyError, TypeError, IndexError):
+            return None
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name, None)
+    return None
 
 
 def _canonical_names(prog, depth: int) -> dict[int, str]:
@@ -115,9 +126,7 @@ def _canonical_names(prog, depth: int) -> dict[int, str]:
                 node = node[k.idx]
             else:
                 canon.append(k)
-                # Below a node `truncate` does not enter, nothing is cut: stop looking.
-                node = node[k.key] if node is not None and type(node) is dict else (
-                    getattr(node, k.name, None) if isinstance(k, jax.tree_util.GetAttrKey) else None)
+                node = _child(node, k)
         suffix = jax.tree_util.keystr(path[1:])
         names[v] = name[:len(name) - len(suffix)] + jax.tree_util.keystr(tuple(canon[1:]))
     return names

@@ -29,15 +29,15 @@ def _notes(res):
 
 
 def test_layer_sequences_are_found_and_cut_in_params_and_optimizer_state():
-    _, (params, opt_state, batch), _ = _gpt(7)
-    assert _twins.layer_counts([params, opt_state, batch]) == {7}
+    _, (params, opt_state, batch), _ = _gpt(9)
+    assert _twins.layer_counts([params, opt_state, batch]) == {9}
     cut = _twins.truncate((params, opt_state), 3)
     assert len(cut[0]["layers"]) == 3
     mu = cut[1][0].mu  # optax adam state: a named tuple whose mu/nu mirror the params
     assert len(mu["layers"]) == 3 and type(cut[1][0]) is type(opt_state[0])
     assert jax.tree.structure(cut[0]["layers"][2]) == jax.tree.structure(params["layers"][6])
     # Too few layers, or layers that differ, are not a sequence of alike layers.
-    assert _twins.layer_counts(params["layers"][:5]) == set()
+    assert _twins.layer_counts(params["layers"][:7]) == set()
     odd = list(params["layers"])
     odd[3] = {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)}
     assert _twins.layer_counts(odd) == set()
@@ -45,7 +45,7 @@ def test_layer_sequences_are_found_and_cut_in_params_and_optimizer_state():
 
 @pytest.mark.parametrize("plan", ["none", "dp+megatron", "fsdp+tile"])
 def test_extrapolated_cost_is_the_deep_programs_cost(plan):
-    _, _, prog = _gpt(7)
+    _, _, prog = _gpt(9)
     part = partir.Partitioning(prog, MESH)
     r = T.roles(prog)
     groups = search.input_groups(prog, r.params + r.batch)
@@ -66,17 +66,17 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
 
 
 def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
-    # The config of the recovery tests in test_search.py, 6 layers deep.
-    cfg = gpt.GPTConfig(n_layers=6, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4, adam_eps=1e-3)
+    # The config of the recovery tests in test_search.py, 8 layers deep.
+    cfg = gpt.GPTConfig(n_layers=8, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4, adam_eps=1e-3)
     step, args = gpt.make_train_step(cfg)
     res = T.apply_schedule(partir.lift(step, *args), MESH, [search.AutomaticPartition(budget_s=10, device="cpu")])
-    assert "2- and 3-layer twins of the 6-layer program" in _notes(res)
+    assert "3- and 4-layer twins of the 8-layer program" in _notes(res)
     part = res.partitioning
     # Megatron over one axis in every layer (on the CPU cost model the two axes are
     # near ties), the batch split over the other, and no worse than the hand-written plan.
     (tp,) = {a for a in MESH.names if a in part.tiling("params['layers'][0]['mlp']['w1']").dims[1]}
     dp = next(a for a in MESH.names if a != tp)
-    for i in range(6):
+    for i in range(8):
         p = f"params['layers'][{i}]"
         assert tp in part.tiling(f"{p}['mlp']['w1']").dims[1] and tp in part.tiling(f"{p}['mlp']['w2']").dims[0]
         assert tp in part.tiling(f"{p}['attn']['wq']").dims[1] and tp in part.tiling(f"{p}['attn']['wo']").dims[0]
@@ -89,7 +89,7 @@ def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
 
 
 def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
-    _, _, prog = _gpt(6)
+    _, _, prog = _gpt(8)
 
     def run(group):
         res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=40, group=group)])
@@ -105,7 +105,7 @@ def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
 
 
 def test_earlier_tactics_are_replayed_on_the_twins():
-    _, _, prog = _gpt(6)
+    _, _, prog = _gpt(8)
     res = T.apply_schedule(prog, MESH, [T.DataParallel("data"),
                                         search.AutomaticPartition(axes=("model",), budget_s=600, max_episodes=30)])
     assert "twins" in _notes(res)
@@ -113,7 +113,7 @@ def test_earlier_tactics_are_replayed_on_the_twins():
 
 
 def test_twins_step_aside_when_layers_are_decided_apart():
-    _, _, prog = _gpt(6)
+    _, _, prog = _gpt(8)
     res = T.apply_schedule(prog, MESH, [T.Shard("params/layers/3/mlp/w1", dim=1, axis="model"),
                                         search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=20)])
     assert "searched on the program itself (earlier decisions differ between layers" in _notes(res)
@@ -121,7 +121,7 @@ def test_twins_step_aside_when_layers_are_decided_apart():
 
 
 def test_twins_step_aside_when_the_layer_count_is_not_the_list_length():
-    n = 6
+    n = 8
 
     def step(params, x):
         # Indexes a fixed number of layers: a twin with fewer layers cannot be traced.
@@ -132,4 +132,43 @@ def test_twins_step_aside_when_the_layer_count_is_not_the_list_length():
     params = {"layers": [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * n}
     prog = partir.lift(jax.grad(step), params, jax.ShapeDtypeStruct((16, 64), jnp.float32))
     res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
-    assert "searched on the program itself (tracing a 2-layer twin failed (IndexError" in _notes(res)
+    assert "searched on the program itself (tracing a 3-layer twin failed (IndexError" in _notes(res)
+
+
+def test_a_plan_the_program_does_not_follow_is_searched_again_on_the_program(monkeypatch):
+    # Should the twins ever foresee a different plan than the program makes of their
+    # actions, the search is redone on the program itself: never a plan no one costed.
+    monkeypatch.setattr(_twins.TwinState, "mismatch", lambda self, part, actions: "params['embed']['tokens']")
+    _, _, prog = _gpt(8)
+    res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
+    assert ("searched on the program itself (the twins' plan splits params['embed']['tokens'] differently "
+            "in the program)") in _notes(res)
+
+
+def test_equinox_layers_in_a_module_field_get_twins():
+    import equinox as eqx
+    import optax
+
+    class Deep(eqx.Module):
+        layers: list
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jnp.tanh(layer(x))
+            return x
+
+    model = Deep([eqx.nn.Linear(64, 64, key=k) for k in jax.random.split(jax.random.PRNGKey(0), 8)])
+    opt = optax.adam(1e-2, eps=1e-3)
+
+    def step(model, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, opt_state = opt.update(grads, opt_state, model)
+        return optax.apply_updates(model, updates), opt_state, loss
+
+    args = (model, opt.init(model), jax.random.normal(jax.random.PRNGKey(1), (32, 64)))
+    cut = _twins.truncate(args[:2], 3)
+    assert len(cut[0].layers) == 3 and len(cut[1][0].mu.layers) == 3
+    res = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(model=8),
+                           [search.AutomaticPartition(budget_s=600, max_episodes=20, device="cpu")])
+    assert "twins of the 8-layer program" in _notes(res)
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
