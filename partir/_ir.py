@@ -154,7 +154,14 @@ class Program:
         n = self._names.get(v)
         if n is None:
             op = self.ops[self.producer[v]] if self.producer[v] >= 0 else None
-            n = f"{op.primitive}{_source(op.eqn)}#{v}" if op is not None else f"value#{v}"
+            if op is None:
+                n = f"value#{v}"
+            elif op.link and op.operands and op.operands[0] >= 0:
+                # A call's or loop's result: named after the value inside that it carries
+                # out (`tanh@gpt.py:57#207`), not after the boundary (`jit.out#207`).
+                n = f"{_TRAILING_ID.sub('', self.name(op.operands[0]))}#{v}"
+            else:
+                n = f"{op.primitive}{_source(op.eqn)}#{v}"
             self._names[v] = n
         return n
 
@@ -243,6 +250,10 @@ class Program:
     def __repr__(self) -> str:
         return (f"Program({len(self.inputs)} inputs, {len(self.outputs)} outputs, {len(self.values)} values, "
                 f"{len(self.ops)} ops, {len(self.regions)} regions)")
+
+
+#: The `#id` that ends an intermediate's name.
+_TRAILING_ID = re.compile(r"#\d+$")
 
 
 @contextlib.contextmanager

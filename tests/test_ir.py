@@ -158,3 +158,13 @@ def test_unknown_primitive_is_replicated_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         partir.check_equivalence(f, (w, x), part)
+
+
+def test_values_leaving_a_call_are_named_after_what_they_carry_out():
+    def f(x):
+        return jax.jit(lambda y: jnp.tanh(y) * 2.0)(x) + 1.0
+
+    prog = partir.lift(f, jax.ShapeDtypeStruct((4,), jnp.float32))
+    (call_out,) = [op.results[0] for op in prog.ops if op.link and op.primitive.endswith(".out")]
+    name = prog.name(call_out)
+    assert name.startswith("mul@test_ir.py:") and name.endswith(f"#{call_out}"), name
