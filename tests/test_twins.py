@@ -172,3 +172,14 @@ def test_equinox_layers_in_a_module_field_get_twins():
                            [search.AutomaticPartition(budget_s=600, max_episodes=20, device="cpu")])
     assert "twins of the 8-layer program" in _notes(res)
     partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
+
+
+def test_same_seed_same_plan_through_twins():
+    _, _, prog = _gpt(8)
+
+    def plan():
+        res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=60, seed=3)])
+        assert "twins" in _notes(res)
+        return [(d.action, d.value, d.dim, d.axis, d.axes) for d in res.partitioning.decisions]
+
+    assert plan() == plan()
