@@ -7,7 +7,7 @@ first reach the expert's cost, and, on the small cases (6 layers), the searched 
 divided by the exact optimum among plans of at most `--exact-depth` actions (the same
 action space and cost model, enumerated). Targets: <= 1.00 against the expert, within
 2% of the optimum; 24 layers on 2x4 reach the expert in < 10 s, 48 layers in < 1.5x that.
-From 8 layers on, the search runs on 3- and 4-layer twins of the model and extrapolates
+From 8 layers on, the search runs on 2- and 3-layer twins of the model and extrapolates
 their costs (`search._twins`), so its time does not grow with depth; "search s" also
 counts applying the plan to the deep program and checking it against the twins.
 

@@ -30,8 +30,8 @@ class AutomaticPartition(Tactic):
     elapsed)` is called as it goes. The result is kept in `result` of the schedule's
     context (`Context.search[...]`).
 
-    A model with a list of 8 or more alike layers in its arguments is searched on 3-
-    and 4-layer twins with costs extrapolated to its depth (`search._twins`), so
+    A model with a list of 8 or more alike layers in its arguments is searched on two
+    shallow twins with costs extrapolated to its depth (`search._twins`), so
     the search takes no longer for 48 layers than for 8; the first note of the history
     says whether it was, and why not.
     """
@@ -78,8 +78,9 @@ class AutomaticPartition(Tactic):
             differs = state.mismatch(part, result.actions) if isinstance(state, TwinState) else None
             if differs is None:
                 break
-            # The twins did not foresee the program (a bug to report, never a wrong plan):
-            # search the program itself instead.
+            # The twins did not foresee the program: e.g. a plain chain of matmuls whose
+            # group tile alternates column and row splits from layer to layer, which one
+            # middle layer cannot show. Search the program itself, with a budget of its own.
             part.rollback(mark)
             state, why, start = None, f"the twins' plan splits {differs} differently in the program", None
         ctx.search[str(self)] = (result, groups)

@@ -3,27 +3,31 @@
 A train step over L structurally identical layers (a list or tuple of L alike pytrees
 in its arguments, e.g. `params['layers']` and the same list in the optimizer state)
 unrolls into L copies of the same ops. The search decides each group of alike inputs
-with one action (the first and last layers may form groups of their own), so every
-middle layer ends up with the same tilings and the same cost, and every cost of the
-deep program is affine in L:
+with one action. The first few and last few layers may form groups of their own
+(nothing upstream needs the first layer's input gradient; a final norm or head follows
+the last), but every middle layer ends up with the same tilings and the same cost, so
+every cost of the deep program is affine in L:
 
-    C(L) = C(3) + (L - 3) * (C(4) - C(3))
+    C(L) = C(d) + (L - d) * (C(d + 1) - C(d))
 
 for the modeled step time, its compute part, and the peak memory (the peak is where
 parameters, optimizer state and the activations kept for the backward pass are all
-live, each one layer's worth larger per layer). So the search traces twins of the
-program with those sequences cut to 3 and 4 layers (from the function and abstract
-arguments that `lift` keeps), applies every action to both, and scores the
-extrapolated cost: an episode costs the same at 48 layers as at 8, and the search
-scales with the number of distinct layer kinds, not of layers. The plan it returns is
-a list of group actions, which the caller applies to the deep program.
+live, each one layer's worth larger per layer), where d counts the first layers, one
+middle layer and the last layers. So the search traces twins of the program with those
+sequences cut to d and d + 1 layers (from the function and abstract arguments that
+`lift` keeps), applies every action to both, and scores the extrapolated cost: an
+episode costs the same at 48 layers as at 8, and the search scales with the number of
+distinct layer kinds, not of layers. The plan it returns is a list of group actions,
+which the caller applies to the deep program.
 
 Twins stand in only where that is sound, else the search runs on the program itself and
 the history says why: the deep program's op, value and input counts must be the same
 affine function of L (the layers are unrolled copies and nothing else grows with L);
-the twins' input groups must match the deep program's, group for group, by member
-names; earlier tactics' decisions must be on inputs, and replaying them on the twins
-(each layer onto the twin layer that stands for it) must reproduce every input's tiling.
+its layers' inputs must group as first layers, one run of alike middle layers, last
+layers; the twins' input groups must match the deep program's, group for group, by
+member names (else the twins get one more middle layer, once); earlier tactics'
+decisions must be on inputs, and replaying them on the twins (each layer onto the twin
+layer that stands for it) must reproduce every input's tiling.
 """
 
 from __future__ import annotations
@@ -38,13 +42,11 @@ from tactics import input_groups, roles
 from ._cost import CostModel
 from ._state import SearchState
 
-#: Fewest alike layers for which twins are used: the twins together hold 7 layers.
+#: Fewest alike layers for which twins are used.
 TWIN_MIN_LAYERS = 8
-#: Depths of the two twins. The first layer (nothing upstream needs its input's
-#: gradient) and the last (a final norm or head downstream) often differ from the
-#: others, so the shallower twin needs a first, a middle and a last layer; the deeper
-#: one adds one middle layer, whose cost is the difference.
-TWIN_DEPTHS = (3, 4)
+#: How many more middle layers than one the twins may get when the shallow ones do not
+#: group their inputs as the program does.
+EXTRA_MIDDLE = 1
 
 
 def _alike(seq) -> bool:
@@ -85,16 +87,20 @@ def truncate(tree, depth: int):
     return node[0]([truncate(c, depth) for c in node[1]]) if node else tree
 
 
-def _twin_layer(i: int, layers: int, depth: int) -> int:
-    """The layer of a `depth`-layer twin that stands for layer `i` of `layers`: the last
-    for the last, the first ones for themselves, every other middle layer for the
-    twin's last middle layer."""
-    return depth - 1 if i == layers - 1 else min(i, depth - 2)
+def _twin_layer(i: int, layers: int, depth: int, head: int, tail: int) -> int:
+    """The layer of a `depth`-layer twin that stands for layer `i` of `layers`: the `head`
+    first and `tail` last layers for their own kind, every middle layer for the twin's
+    last middle layer (the first middle ones for themselves)."""
+    if i >= layers - tail:
+        return depth - (layers - i)
+    return min(i, depth - tail - 1)
 
 
 def _child(node, key):
     """The child of `node` at path entry `key`, or None where it cannot be told (then no
     layers below it are looked for: the names keep their indices)."""
+    if type(node) in (list, tuple) and isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
     if isinstance(key, jax.tree_util.DictKey):
         try:
             return node[key.key]
@@ -105,44 +111,69 @@ def _child(node, key):
     return None
 
 
-def _canonical_names(prog, depth: int) -> dict[int, str]:
-    """The twin's name for each input of the deep program: its own name, with the index
-    into a sequence of layers replaced by its twin layer's (`_twin_layer`)."""
+def _layer_keys(prog) -> dict[int, tuple] | None:
+    """For each input: (argument name, pytree path, position in the path of the index
+    into the outermost sequence of alike layers, or None); None if the inputs do not
+    match the arguments."""
     origin = prog.origin
     dyn = tuple(a for i, a in enumerate(origin.args) if i not in origin.static_argnums)
     leaves = jax.tree_util.tree_flatten_with_path(dyn)[0]
     if len(leaves) != len(prog.inputs):
-        return {}
-    layers: dict[int, bool] = {}
-    names = {}
+        return None
+    is_layers: dict[int, bool] = {}
+    out = {}
     for v, name, (path, _) in zip(prog.inputs, prog.input_names, leaves):
-        node, canon = dyn, []
-        for k in path:
-            if type(node) in (list, tuple) and isinstance(k, jax.tree_util.SequenceKey):
-                is_layers = layers.get(id(node))
-                if is_layers is None:
-                    is_layers = layers[id(node)] = _is_layers(node)
-                canon.append(jax.tree_util.SequenceKey(_twin_layer(k.idx, len(node), depth)) if is_layers else k)
-                node = node[k.idx]
-            else:
-                canon.append(k)
-                node = _child(node, k)
-        suffix = jax.tree_util.keystr(path[1:])
-        names[v] = name[:len(name) - len(suffix)] + jax.tree_util.keystr(tuple(canon[1:]))
+        node, at = dyn, None
+        for j, k in enumerate(path):
+            if at is None and type(node) in (list, tuple):
+                if id(node) not in is_layers:
+                    is_layers[id(node)] = _is_layers(node)
+                at = j if is_layers[id(node)] else None
+            node = _child(node, k)
+        out[v] = (name[:len(name) - len(jax.tree_util.keystr(path[1:]))], path, at)
+    return out
+
+
+def _edges(keys, groups, layers: int) -> tuple[int, int] | None:
+    """(head, tail): how many first and last layers differ in kind from the middle ones
+    (a layer's kind: the groups of its inputs, in order); None unless the middle layers
+    are one contiguous run of one kind."""
+    group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
+    kinds = [[] for _ in range(layers)]
+    for v, (_, path, at) in keys.items():
+        if at is not None and v in group_of:
+            kinds[path[at].idx].append(group_of[v])
+    middle = kinds[layers // 2]
+    same = [i for i, k in enumerate(kinds) if k == middle]
+    if same != list(range(same[0], same[-1] + 1)):
+        return None
+    return same[0], layers - 1 - same[-1]
+
+
+def _canonical_names(keys, layers: int, depth: int, head: int, tail: int) -> dict[int, str]:
+    """The twin's name for each input of the deep program: its own name, with the index
+    into the sequence of layers replaced by its twin layer's (`_twin_layer`)."""
+    names = {}
+    for v, (arg, path, at) in keys.items():
+        if at is not None:
+            i = _twin_layer(path[at].idx, layers, depth, head, tail)
+            path = path[:at] + (jax.tree_util.SequenceKey(i),) + path[at + 1:]
+        names[v] = arg + jax.tree_util.keystr(path[1:])
     return names
 
 
 class TwinState:
     """The search state of a deep program of `layers` layers, kept as two `SearchState`s
-    on its shallow twins (`TWIN_DEPTHS` layers) whose groups are aligned with the deep
+    on its shallow twins (`depths` layers, one middle layer apart) whose groups are aligned with the deep
     program's: every action goes to both, every cost is extrapolated to `layers`."""
 
-    def __init__(self, twins: tuple[SearchState, SearchState], layers: int, names: tuple[dict, dict]):
-        self.twins, self.layers, self.names = twins, layers, names
+    def __init__(self, twins: tuple[SearchState, SearchState], layers: int, depths: tuple[int, int],
+                 names: tuple[dict, dict]):
+        self.twins, self.layers, self.depths, self.names = twins, layers, depths, names
         self.axes = twins[1].axes
 
     def _extrapolate(self, shallow: float, deeper: float) -> float:
-        d0, d1 = TWIN_DEPTHS
+        d0, d1 = self.depths
         return shallow + (self.layers - d0) * (deeper - shallow) / (d1 - d0)
 
     @property
@@ -209,7 +240,7 @@ class TwinState:
 
     def describe(self) -> str:
         """What is searched, for the history."""
-        d0, d1 = TWIN_DEPTHS
+        d0, d1 = self.depths
         return (f"searched on {d0}- and {d1}-layer twins of the {self.layers}-layer program, "
                 "costs extrapolated linearly in the layer count")
 
@@ -232,32 +263,46 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str):
     if len(counts) > 1:
         return None, f"sequences of alike layers of different lengths ({sorted(counts)})"
     layers = counts.pop()
-    progs = []
-    for depth in TWIN_DEPTHS:
-        args = tuple(a if i in origin.static_argnums else truncate(a, depth) for i, a in enumerate(origin.args))
-        try:
-            with warnings.catch_warnings():
-                # The deep program already warned about whatever the twin would.
-                warnings.simplefilter("ignore")
-                progs.append(lift(origin.fn, *args, static_argnums=origin.static_argnums))
-        except Exception as e:  # noqa: BLE001  (any failure only means: no twins)
-            return None, f"tracing a {depth}-layer twin failed ({type(e).__name__}: {str(e).splitlines()[0]})"
-    for what in ("ops", "values", "inputs"):
-        n0, n1 = (len(getattr(p, what)) for p in progs)
-        if len(getattr(prog, what)) != n0 + (layers - TWIN_DEPTHS[0]) * (n1 - n0):
-            return None, f"the program's {what} do not grow linearly with its {layers} layers"
-    states, names = [], []
-    for depth, tprog in zip(TWIN_DEPTHS, progs):
-        canon = _canonical_names(prog, depth)
-        if not canon:
-            return None, "the program's inputs do not match its arguments"
-        state, why = _twin(part, groups, axes, tprog, canon, depth, device=device, memory_limit=memory_limit,
-                           source=source)
-        if state is None:
-            return None, why
-        states.append(state)
-        names.append(canon)
-    return TwinState(tuple(states), layers, tuple(names)), None
+    keys = _layer_keys(prog)
+    if keys is None:
+        return None, "the program's inputs do not match its arguments"
+    edges = _edges(keys, groups, layers)
+    if edges is None:
+        return None, "the layers' inputs do not group as first layers, alike middle layers, last layers"
+    head, tail = edges
+    progs: dict[int, object] = {}
+    why = ""
+    for extra in range(EXTRA_MIDDLE + 1):
+        depths = (head + tail + 1 + extra, head + tail + 2 + extra)
+        if sum(depths) >= layers:
+            return None, why or f"{layers} layers: too few beside the twins' {depths[0]} + {depths[1]}"
+        for depth in depths:
+            if depth not in progs:
+                args = tuple(a if i in origin.static_argnums else truncate(a, depth)
+                             for i, a in enumerate(origin.args))
+                try:
+                    with warnings.catch_warnings():
+                        # The deep program already warned about whatever the twin would.
+                        warnings.simplefilter("ignore")
+                        progs[depth] = lift(origin.fn, *args, static_argnums=origin.static_argnums)
+                except Exception as e:  # noqa: BLE001  (any failure only means: no twins)
+                    return None, f"tracing a {depth}-layer twin failed ({type(e).__name__}: {str(e).splitlines()[0]})"
+        for what in ("ops", "values", "inputs"):
+            n0, n1 = (len(getattr(progs[d], what)) for d in depths)
+            if len(getattr(prog, what)) != n0 + (layers - depths[0]) * (n1 - n0):
+                return None, f"the program's {what} do not grow linearly with its {layers} layers"
+        states, names = [], []
+        for depth in depths:
+            canon = _canonical_names(keys, layers, depth, head, tail)
+            state, why = _twin(part, groups, axes, progs[depth], canon, depth, device=device,
+                               memory_limit=memory_limit, source=source)
+            if state is None:
+                break
+            states.append(state)
+            names.append(canon)
+        else:
+            return TwinState(tuple(states), layers, depths, tuple(names)), None
+    return None, why
 
 
 def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, source):
