@@ -12,7 +12,7 @@ from ._actions import apply_action, input_groups
 from ._cost import CostModel
 from ._mcts import SearchResult, mcts
 from ._state import SearchState
-from ._twins import TwinState, twin_state
+from ._twins import twin_state
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class AutomaticPartition(Tactic):
             mark = part.mark()
             for action in result.actions:
                 apply_action(part, groups, action, str(self))
-            differs = state.mismatch(part, result.actions) if isinstance(state, TwinState) else None
+            differs = state.mismatch(part, result.actions)
             if differs is None:
                 break
             # The twins did not foresee the program: e.g. a plain chain of matmuls whose

@@ -52,6 +52,11 @@ class SearchState:
         """Modeled compute time of the current state (no communication)."""
         return self.model.cost().compute_time
 
+    def mismatch(self, part, actions) -> str | None:
+        """The first input of `part` that the searched plan splits otherwise than the
+        search foresaw: None, as the search ran on `part` itself."""
+        return None
+
     def describe(self) -> str:
         """What is searched, for the history."""
         return "searched on the program itself"
