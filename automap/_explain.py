@@ -27,14 +27,7 @@ def attribution(plan) -> dict:
     before = {v: set() for v in prog.inputs}
     out: dict = {v: {} for v in prog.inputs}
     for d in part.decisions:
-        if d.action == "tile":
-            replay.tile(d.value, d.dim, d.axis, source=d.source)
-        elif d.action == "constrain":
-            replay.constrain(d.value, d.tiling, source=d.source)
-        elif d.action == "replicate":
-            replay.replicate(d.value, source=d.source)
-        else:
-            replay.pin(d.value, axes=d.axes, source=d.source)
+        replay.redo(d)
         for v in prog.inputs:
             now = set(replay.tiling(v).axes())
             for a in now - before[v]:

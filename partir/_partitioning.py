@@ -244,15 +244,21 @@ class Partitioning(Propagation):
         values an elementwise op ties it to (see `partir._classes`)."""
         new = Partitioning(self.program, self.mesh, detached=self.detached | {self.program.resolve(v) for v in values})
         for d in self._decisions:
-            if d.action == "tile":
-                new.tile(d.value, d.dim, d.axis, source=d.source)
-            elif d.action == "replicate":
-                new.replicate(d.value, source=d.source)
-            elif d.action == "constrain":
-                new.constrain(d.value, d.tiling, source=d.source)
-            else:
-                new.pin(d.value, axes=d.axes, source=d.source)
+            new.redo(d)
         return new
+
+    def redo(self, decision: Decision, value=None) -> None:
+        """Take `decision` (from this or another partitioning) again, on `value` instead
+        of its own value when given (e.g. the same input of another program)."""
+        d, v = decision, decision.value if value is None else value
+        if d.action == "tile":
+            self.tile(v, d.dim, d.axis, source=d.source)
+        elif d.action == "replicate":
+            self.replicate(v, source=d.source)
+        elif d.action == "constrain":
+            self.constrain(v, d.tiling, source=d.source)
+        else:
+            self.pin(v, axes=d.axes, source=d.source)
 
     def constrain(self, value, tiling, *, source: str = "user") -> None:
         """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)

@@ -320,16 +320,7 @@ def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, sour
     tpart = Partitioning(tprog, part.mesh)
     try:
         for d in part.decisions:
-            v = tprog.resolve(canon[d.value])
-            if d.action == "tile":
-                tpart.tile(v, d.dim, d.axis, source=d.source)
-            elif d.action == "replicate":
-                if not tpart.is_pinned(v):
-                    tpart.replicate(v, source=d.source)
-            elif d.action == "constrain":
-                tpart.constrain(v, d.tiling, source=d.source)
-            else:
-                tpart.pin(v, axes=d.axes, source=d.source)
+            tpart.redo(d, tprog.resolve(canon[d.value]))
     except (PartitioningError, KeyError) as e:
         return None, f"earlier decisions do not replay on the {depth}-layer twin ({e})"
     for v in prog.inputs:
