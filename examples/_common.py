@@ -8,6 +8,7 @@ those into the ``(step, args)`` pair of the examples contract (see
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -21,6 +22,19 @@ Params = Any
 Batch = Any
 LossFn = Callable[[Params, Batch, Config], jax.Array]
 InitFn = Callable[[Config, jax.Array], tuple[Params, Batch]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegressorConfig:
+    """Sizes and optimiser settings of the small MLP regressor that the flax linen, flax
+    nnx and equinox examples each write in their library's own style."""
+
+    batch: int = 8
+    d_in: int = 16
+    d_hidden: int = 32
+    d_out: int = 8
+    learning_rate: float = 1e-3
+    adam_eps: float = 1e-8
 
 
 def optimizer(config: Config) -> optax.GradientTransformation:

@@ -6,25 +6,11 @@ Batch: ``{'x': f32[batch, d_in], 'y': f32[batch, d_out]}``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from examples._common import build_train_step, normal
-
-
-@dataclasses.dataclass(frozen=True)
-class LinenMLPConfig:
-    """Sizes and optimiser settings of the linen MLP example."""
-
-    batch: int = 8
-    d_in: int = 16
-    d_hidden: int = 32
-    d_out: int = 8
-    learning_rate: float = 1e-3
-    adam_eps: float = 1e-8
+from examples._common import RegressorConfig, build_train_step, normal
 
 
 class MLP(nn.Module):
@@ -38,16 +24,16 @@ class MLP(nn.Module):
         return nn.Dense(self.d_out)(nn.gelu(nn.Dense(self.d_hidden)(x), approximate=True))
 
 
-def _model(config: LinenMLPConfig) -> MLP:
+def _model(config: RegressorConfig) -> MLP:
     return MLP(config.d_hidden, config.d_out)
 
 
-def loss_fn(params, batch, config: LinenMLPConfig) -> jax.Array:
+def loss_fn(params, batch, config: RegressorConfig) -> jax.Array:
     """Mean squared error of the module's predictions."""
     return jnp.mean((_model(config).apply(params, batch["x"]) - batch["y"]) ** 2)
 
 
-def init(config: LinenMLPConfig, key: jax.Array):
+def init(config: RegressorConfig, key: jax.Array):
     """``(params, batch)``: the module's variables and a random regression batch."""
     kp, kx, ky = jax.random.split(key, 3)
     x = normal(kx, (config.batch, config.d_in))
@@ -55,9 +41,9 @@ def init(config: LinenMLPConfig, key: jax.Array):
     return params, {"x": x, "y": normal(ky, (config.batch, config.d_out))}
 
 
-def make_train_step(config: LinenMLPConfig | None = None, *, abstract: bool = False, seed: int = 0):
+def make_train_step(config: RegressorConfig | None = None, *, abstract: bool = False, seed: int = 0):
     """Return ``(step, (params, opt_state, batch))`` (see the examples package docs)."""
-    return build_train_step(loss_fn, init, config or LinenMLPConfig(), abstract=abstract, seed=seed)
+    return build_train_step(loss_fn, init, config or RegressorConfig(), abstract=abstract, seed=seed)
 
 
 def factory():

@@ -13,32 +13,19 @@ Batch: ``{'x': f32[batch, d_in], 'y': f32[batch, d_out]}``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples._common import build_train_step, dense_init, normal
-
-
-@dataclasses.dataclass(frozen=True)
-class NNXMLPConfig:
-    """Sizes and optimiser settings of the nnx MLP example."""
-
-    batch: int = 8
-    d_in: int = 16
-    d_hidden: int = 32
-    d_out: int = 8
-    learning_rate: float = 1e-3
-    adam_eps: float = 1e-8
+from examples._common import RegressorConfig, build_train_step, dense_init, normal
 
 
 class MLP(nnx.Module):
     """Two ``nnx.Linear`` layers with a tanh-approximated gelu between them."""
 
-    def __init__(self, config: NNXMLPConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: RegressorConfig, *, rngs: nnx.Rngs):
         """Create the layers; ``nnx.Linear`` uses lecun-normal kernels, zero biases."""
         self.linear1 = nnx.Linear(config.d_in, config.d_hidden, rngs=rngs)
         self.linear2 = nnx.Linear(config.d_hidden, config.d_out, rngs=rngs)
@@ -48,7 +35,7 @@ class MLP(nnx.Module):
         return self.linear2(jax.nn.gelu(self.linear1(x), approximate=True))
 
 
-def make_batch(config: NNXMLPConfig, key: jax.Array) -> dict:
+def make_batch(config: RegressorConfig, key: jax.Array) -> dict:
     """Random inputs and targets from a fixed smooth teacher."""
     kx, kt = jax.random.split(key)
     x = normal(kx, (config.batch, config.d_in))
@@ -57,27 +44,27 @@ def make_batch(config: NNXMLPConfig, key: jax.Array) -> dict:
 
 
 @functools.cache
-def graphdef(config: NNXMLPConfig) -> nnx.GraphDef:
+def graphdef(config: RegressorConfig) -> nnx.GraphDef:
     """The module's static structure, taken from an abstract module (nothing allocated)."""
     return nnx.graphdef(nnx.eval_shape(lambda: MLP(config, rngs=nnx.Rngs(0))))
 
 
-def loss_fn(params: dict, batch: dict, config: NNXMLPConfig) -> jax.Array:
+def loss_fn(params: dict, batch: dict, config: RegressorConfig) -> jax.Array:
     """MSE of the module rebuilt from the pure-dict ``params``."""
     model = nnx.merge(graphdef(config), params)
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def init(config: NNXMLPConfig, key: jax.Array) -> tuple[dict, dict]:
+def init(config: RegressorConfig, key: jax.Array) -> tuple[dict, dict]:
     """Deterministic ``(params, batch)``; ``params`` is the module's pure-dict state."""
     kp, kb = jax.random.split(key)
     model = MLP(config, rngs=nnx.Rngs(params=kp))
     return nnx.to_pure_dict(nnx.state(model)), make_batch(config, kb)
 
 
-def make_train_step(config: NNXMLPConfig | None = None, *, abstract: bool = False, seed: int = 0):
+def make_train_step(config: RegressorConfig | None = None, *, abstract: bool = False, seed: int = 0):
     """Return ``(step, (params, opt_state, batch))``; ``params`` is the module's pure-dict state."""
-    return build_train_step(loss_fn, init, config or NNXMLPConfig(), abstract=abstract, seed=seed)
+    return build_train_step(loss_fn, init, config or RegressorConfig(), abstract=abstract, seed=seed)
 
 
 def factory():
