@@ -14,6 +14,7 @@ from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
 from ._lower import CONSTRAIN_MODES, device_arrays, lower, register_backend
 from ._mesh import MeshSpec
+from ._nested import Link
 from ._partitioning import Decision, Partitioning, Reshard
 from ._reshard import Transition, transition
 from ._rule import FactorRule, factor_rule
@@ -21,7 +22,7 @@ from ._tiling import Tiling
 from ._verify import check_equivalence
 
 __all__ = [
-    "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "MeshSpec", "Op", "Partitioning",
+    "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collectives", "collectives_of", "device_arrays", "dump",
     "factor_rule", "lift", "lower", "path_matches", "register_backend", "rules", "summarize",

@@ -6,7 +6,8 @@ Nested jaxprs (`jit`, `remat2`, custom derivatives, `scan`, `while`, `cond`) bec
 value to the inner value it becomes (an argument entering a call, a loop carry going
 round, a stacked `[L, ...]` parameter sliced per iteration with its `L` dim blocked).
 So one generic propagator moves tilings into and out of bodies, and a carry keeps one
-tiling across iterations.
+tiling across iterations. How each nested primitive is lifted and evaluated is kept
+together in `partir._nested`.
 """
 
 from __future__ import annotations

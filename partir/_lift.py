@@ -9,15 +9,11 @@ from typing import NamedTuple
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from ._compat import scan_counts
 from ._errors import UnknownPrimitiveWarning
 from ._ir import Op, Program, Region, Value, no_gc
+from ._nested import Link, nested_entry, split_operands
 from ._rule import FactorRule, factor_rule
 from .rules import Namer, conservative_rule, get_rule
-
-#: Call-like primitives whose single sub-jaxpr runs once, as is, on the call's operands.
-CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
-         "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
 def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
@@ -124,7 +120,12 @@ class _Builder:
         self.ops.append(Op(oid, prim, tuple(operands), tuple(results), rule, region, link, eqn))
         return oid
 
-    def link(self, kind, src, dst, region, *, blocked_lead=0):
+    def links(self, kind: Link, srcs, dsts, region, *, blocked_lead=0):
+        """A link `kind` from each of `srcs` to the matching one of `dsts` (see `link`)."""
+        for src, dst in zip(srcs, dsts):
+            self.link(kind, src, dst, region, blocked_lead=blocked_lead)
+
+    def link(self, kind: Link, src, dst, region, *, blocked_lead=0):
         """An identity link src -> dst, run once per run of `region`; `blocked_lead` leading
         dims of src (the stacked layer dim of a scan's xs) or of dst (of its ys, when
         negative) exist on one side only and are blocked."""
@@ -141,7 +142,7 @@ class _Builder:
         else:
             dims = [name(d) for d in range(len(a))]
             rule = factor_rule([dims], [dims], [a], [b])
-        self.op(kind, (src,), (dst,), rule, region, True)
+        self.op(str(kind), (src,), (dst,), rule, region, True)
 
     def rule(self, eqn, in_shapes, out_shapes) -> FactorRule:
         prim = eqn.primitive.name
@@ -186,16 +187,15 @@ class _Builder:
                 if o >= 0:
                     env[v] = o
             region.eqn_results.append(tuple(outs))
-            prim = eqn.primitive.name
-            handler = _NESTED.get(prim) or (_call if prim in CALLS and _sub_jaxprs(eqn) else None)
-            if handler is not None:
-                region.children[i] = handler(self, rid, eqn, ins, outs)
+            nested = nested_entry(eqn)
+            if nested is not None:
+                region.children[i] = nested.lift(self, rid, eqn, split_operands(eqn, ins), outs)
                 region.eqn_ops.append(-1)
                 continue
             in_shapes = tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)
             out_shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
             rule = self.rule(eqn, in_shapes, out_shapes)
-            region.eqn_ops.append(self.op(prim, ins, outs, rule, rid, False, eqn))
+            region.eqn_ops.append(self.op(eqn.primitive.name, ins, outs, rule, rid, False, eqn))
         return [-1 if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
 
     def sub(self, kind, parent, closed, *, trip_count=1, enter=None):
@@ -221,69 +221,3 @@ class _Builder:
 
 def _dropped(v) -> bool:
     return type(v).__name__ == "DropVar"
-
-
-def _sub_jaxprs(eqn):
-    return [v for v in eqn.params.values() if isinstance(v, (Jaxpr, ClosedJaxpr))]
-
-
-def _links(b: _Builder, kind, srcs, dsts, region, **kw):
-    for src, dst in zip(srcs, dsts):
-        b.link(kind, src, dst, region, **kw)
-
-
-def _call(b: _Builder, rid, eqn, ins, outs):
-    (sub,) = _sub_jaxprs(eqn)
-    prim = eqn.primitive.name
-    child, ivs, ovs = b.sub(prim, rid, sub, enter=lambda ivs: _links(b, f"{prim}.in", ins, ivs, rid))
-    _links(b, f"{prim}.out", ovs, outs, rid)
-    return (child,)
-
-
-def _scan(b: _Builder, rid, eqn, ins, outs):
-    p = eqn.params
-    nc, nk = scan_counts(p)
-
-    def enter(ivs):
-        _links(b, "scan.const", ins[:nc], ivs[:nc], rid)
-        _links(b, "scan.carry_in", ins[nc:nc + nk], ivs[nc:nc + nk], rid)
-        _links(b, "scan.xs", ins[nc + nk:], ivs[nc + nk:], rid, blocked_lead=1)
-
-    child, ivs, ovs = b.sub("scan", rid, p["jaxpr"], trip_count=int(p["length"]), enter=enter)
-    _links(b, "scan.carry_loop", ovs[:nk], ivs[nc:nc + nk], child)
-    _links(b, "scan.carry_out", ovs[:nk], outs[:nk], rid)
-    _links(b, "scan.ys", ovs[nk:], outs[nk:], rid, blocked_lead=-1)
-    return (child,)
-
-
-def _while(b: _Builder, rid, eqn, ins, outs):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    init = ins[cn + bn:]
-
-    def enter_cond(civ):
-        _links(b, "while.const", ins[:cn], civ[:cn], rid)
-        _links(b, "while.carry_in", init, civ[cn:], rid)
-
-    def enter_body(biv):
-        _links(b, "while.const", ins[cn:cn + bn], biv[:bn], rid)
-        _links(b, "while.carry_in", init, biv[bn:], rid)
-
-    cid, civ, _ = b.sub("while.cond", rid, p["cond_jaxpr"], trip_count=None, enter=enter_cond)
-    bid, biv, bov = b.sub("while.body", rid, p["body_jaxpr"], trip_count=None, enter=enter_body)
-    _links(b, "while.carry_loop", bov, biv[bn:], bid)
-    _links(b, "while.carry_loop", bov, civ[cn:], bid)
-    _links(b, "while.carry_out", bov, outs, rid)
-    return (cid, bid)
-
-
-def _cond(b: _Builder, rid, eqn, ins, outs):
-    children = []
-    for branch in eqn.params["branches"]:
-        child, ivs, ovs = b.sub("cond.branch", rid, branch, enter=lambda ivs: _links(b, "cond.in", ins[1:], ivs, rid))
-        _links(b, "cond.out", ovs, outs, rid)
-        children.append(child)
-    return tuple(children)
-
-
-_NESTED = {"scan": _scan, "while": _while, "cond": _cond}

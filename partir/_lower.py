@@ -18,8 +18,8 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._compat import scan_counts
 from ._errors import PartitioningError
+from ._nested import evaluate_nested
 from ._partitioning import Partitioning
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
@@ -147,7 +147,7 @@ def _eval_region(prog, rid: int, args, constrain):
         # in the HLO metadata, so compiled collectives can be traced back to their pass.
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
             if children is not None:
-                outs = _NESTED[_kind(eqn)](prog, eqn, children, invals, constrain)
+                outs = evaluate_nested(eqn, children, invals, lambda c, a: _eval_region(prog, c, a, constrain))
             elif eqn.primitive.name in LAYOUT_ONLY:
                 outs = invals  # the plan decides layouts; the program's own requests give way
             else:
@@ -158,65 +158,6 @@ def _eval_region(prog, rid: int, args, constrain):
             if v >= 0:
                 env[var] = constrain(o, v)
     return [read(x) for x in jaxpr.outvars]
-
-
-def _kind(eqn) -> str:
-    name = eqn.primitive.name
-    return name if name in _NESTED else "remat" if name in ("remat2", "checkpoint") else "call"
-
-
-def _call(prog, eqn, children, invals, constrain):
-    (child,) = children
-    return _eval_region(prog, child, invals, constrain)
-
-
-def _remat(prog, eqn, children, invals, constrain):
-    (child,) = children
-    p = eqn.params
-
-    def body(*a):
-        return _eval_region(prog, child, a, constrain)
-
-    return jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))(*invals)
-
-
-def _scan(prog, eqn, children, invals, constrain):
-    (child,) = children
-    p = eqn.params
-    nc, nk = scan_counts(p)
-    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
-
-    def body(carry, x):
-        outs = _eval_region(prog, child, [*consts, *carry, *x], constrain)
-        return tuple(outs[:nk]), tuple(outs[nk:])
-
-    carry, ys = jax.lax.scan(body, tuple(init), tuple(xs), length=p["length"], reverse=p["reverse"],
-                             unroll=p["unroll"])
-    return [*carry, *ys]
-
-
-def _while(prog, eqn, children, invals, constrain):
-    cid, bid = children
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-
-    def cond(carry):
-        return _eval_region(prog, cid, [*cconsts, *carry], constrain)[0]
-
-    def body(carry):
-        return tuple(_eval_region(prog, bid, [*bconsts, *carry], constrain))
-
-    return list(jax.lax.while_loop(cond, body, tuple(init)))
-
-
-def _cond(prog, eqn, children, invals, constrain):
-    index, ops = invals[0], invals[1:]
-    branches = [lambda *a, c=c: _eval_region(prog, c, a, constrain) for c in children]
-    return jax.lax.switch(index, branches, *ops)
-
-
-_NESTED = {"call": _call, "remat": _remat, "scan": _scan, "while": _while, "cond": _cond}
 
 
 def device_arrays(part: Partitioning, mesh, *args):

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from partir import Link
+
 #: Link kinds that make a new buffer rather than rename one: the per-iteration slice of
 #: a scan's stacked input, and the stacked output a scan writes.
-COPYING_LINKS = ("scan.xs", "scan.ys")
+COPYING_LINKS = (Link.SCAN_XS, Link.SCAN_YS)
 
 
 class Liveness:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from partir import Link
+
 #: Ops a weight may pass through on its way to a matmul without changing its layout.
 TRANSPARENT = ("convert_element_type", "copy", "copy_p")
 
@@ -77,9 +79,9 @@ def weight_root(program, v: int):
             return None
         op = program.ops[p]
         if op.link:
-            if op.primitive == "scan.xs":
+            if op.primitive == Link.SCAN_XS:
                 offset += 1
-            elif op.primitive == "scan.ys":
+            elif op.primitive == Link.SCAN_YS:
                 return None
         elif op.primitive not in TRANSPARENT:
             return None

@@ -9,7 +9,7 @@ from jax.extend.core import Primitive
 from jax.sharding import AxisType, PartitionSpec
 
 import partir
-from partir import MeshSpec, PartitioningError, Tiling
+from partir import Link, MeshSpec, PartitioningError, Tiling
 
 
 # -- tilings -------------------------------------------------------------------------
@@ -129,8 +129,10 @@ def test_lift_nested_regions_and_links():
     scan = next(r for r in prog.regions if r.kind == "scan")
     assert scan.trip_count == 3 and prog.multiplicity(scan.id) == 3
     links = {op.primitive for op in prog.ops if op.link}
-    assert {"scan.carry_loop", "scan.xs", "scan.ys", "while.carry_loop", "cond.in", "cond.out"} <= links
-    xs_link = next(op for op in prog.ops if op.primitive == "scan.xs")
+    assert {Link.SCAN_CARRY_LOOP, Link.SCAN_XS, Link.SCAN_YS, Link.WHILE_CARRY_LOOP, Link.COND_IN, Link.COND_OUT,
+            Link.CALL_IN, Link.CALL_OUT} <= links
+    assert links <= set(Link)
+    xs_link = next(op for op in prog.ops if op.primitive == Link.SCAN_XS)
     assert str(xs_link.rule) == "([i, j, k]) -> ([j, k]) blocked={i}"
 
 
@@ -165,6 +167,36 @@ def test_values_leaving_a_call_are_named_after_what_they_carry_out():
         return jax.jit(lambda y: jnp.tanh(y) * 2.0)(x) + 1.0
 
     prog = partir.lift(f, jax.ShapeDtypeStruct((4,), jnp.float32))
-    (call_out,) = [op.results[0] for op in prog.ops if op.link and op.primitive.endswith(".out")]
+    (call_out,) = [op.results[0] for op in prog.ops if op.primitive == Link.CALL_OUT]
     name = prog.name(call_out)
     assert name.startswith("mul@test_ir.py:") and name.endswith(f"#{call_out}"), name
+
+
+def test_nested_operands_split_into_named_groups():
+    from partir._nested import split_operands
+
+    def f(w, c0, xs):
+        def body(c, x):
+            return (c[0] @ w + x, c[1] + 1.0), c[0].sum()
+
+        (c, _), ys = jax.lax.scan(body, (c0, jnp.float32(0.0)), xs)
+        lim = c.sum()
+        c = jax.lax.while_loop(lambda c: c.sum() < lim, lambda c: c @ w + 1.0, c)
+        return jax.lax.cond(lim > 0, lambda a: a @ w, lambda a: a, c), ys
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4,)), jnp.ones((3, 4))).jaxpr
+    eqns = {e.primitive.name: e for e in jaxpr.eqns}
+    scan = split_operands(eqns["scan"], eqns["scan"].invars)
+    assert (len(scan.consts), len(scan.carry), len(scan.xs)) == (1, 2, 1)
+    assert scan.xs[0].aval.shape == (3, 4)
+    loop = split_operands(eqns["while"], eqns["while"].invars)
+    assert (len(loop.cond_consts), len(loop.body_consts), len(loop.carry)) == (1, 1, 1)
+    cond = split_operands(eqns["cond"], eqns["cond"].invars)
+    assert len(cond.index) == 1 and cond.index[0].aval.shape == () and len(cond.operands) == 2
+
+
+def test_a_nested_primitive_without_an_entry_is_a_clear_error():
+    from partir._nested import nested_primitive
+
+    with pytest.raises(PartitioningError, match=r"'shard_map' has no nested-primitive entry; known: .*scan.*while"):
+        nested_primitive("shard_map")

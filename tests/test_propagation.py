@@ -145,7 +145,7 @@ def test_scan_carry_keeps_one_tiling_and_stacked_params_split_inside():
     part2 = partir.Partitioning(prog, MeshSpec.of(layers=3))
     part2.tile("ws", 0, "layers")  # allowed on the value, never propagated into the body
     assert part2.tiling(w_in).is_replicated
-    assert any(prog.ops[r.op].primitive == "scan.xs" for r in part2.reshards())
+    assert any(prog.ops[r.op].primitive == partir.Link.SCAN_XS for r in part2.reshards())
 
 
 def test_tiling_one_layer_touches_only_that_layer():
