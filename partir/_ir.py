@@ -70,6 +70,16 @@ class Op(NamedTuple):
     eqn: Any = None
 
 
+class Origin(NamedTuple):
+    """What a program was lifted from: the function, its arguments (abstract, so no
+    array is kept alive) and the static argument positions. The search traces shallow
+    twins of deep models from it (`search._twins`)."""
+
+    fn: object
+    args: tuple
+    static_argnums: tuple[int, ...]
+
+
 @dataclass(eq=False)
 class Region:
     """A jaxpr body: the top level, or one call site of a nested jaxpr.
@@ -92,10 +102,13 @@ class Region:
 
 
 class Program:
-    """A lifted program: the graph the partitioner works on. Immutable once built."""
+    """A lifted program: the graph the partitioner works on. Immutable once built;
+    analyses derived from it are computed once and kept with it (`analysis`).
+
+    `origin` is what `lift` traced (an `Origin`), or None for a program built otherwise."""
 
     def __init__(self, *, values, ops, regions, inputs, outputs, in_tree, out_tree,
-                 input_names, input_args, output_names, closed_jaxpr, fallbacks, value_names):
+                 input_names, input_args, output_names, closed_jaxpr, fallbacks, value_names, origin=None):
         self.values: tuple[Value, ...] = tuple(values)
         self.ops: tuple[Op, ...] = tuple(ops)
         self.regions: tuple[Region, ...] = tuple(regions)
@@ -132,8 +145,20 @@ class Program:
         self._multiplicity: dict[int, float] = {}
         self._classes: dict = {}
         self._backward = None
-        #: What `lift` traced (`partir._lift.Origin`), or None for a program built otherwise.
-        self.origin = None
+        self._analyses: dict = {}
+        self.origin: Origin | None = origin
+
+    def analysis(self, compute, *args):
+        """`compute(self, *args)`, computed on the first call and kept with the program
+        (keyed by the function and `args`, which must be hashable). For what tactics and
+        search derive from a program alone (input roles, group signatures): it lives and
+        dies with the program, and a value that fills lazily (a memo) is shared."""
+        key = (compute, args)
+        try:
+            return self._analyses[key]
+        except KeyError:
+            out = self._analyses[key] = compute(self, *args)
+            return out
 
     @property
     def classes(self):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import NamedTuple
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ._errors import UnknownPrimitiveWarning
-from ._ir import Op, Program, Region, Value, no_gc
+from ._ir import Op, Origin, Program, Region, Value, no_gc
 from ._nested import Link, nested_entry, split_operands
 from ._rule import FactorRule, factor_rule
 from .rules import Namer, conservative_rule, get_rule
@@ -34,20 +33,9 @@ def lift(fn, *args, static_argnums: tuple[int, ...] | int = ()) -> Program:
     input_args = [p[0].idx for p, _ in leaves]
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     output_names = ["out" + jax.tree_util.keystr(p) for p, _ in out_leaves]
+    origin = Origin(fn, tuple(a if i in static else _abstract(a) for i, a in enumerate(args)), static)
     with no_gc():
-        prog = _build(closed, in_tree, out_tree, input_names, input_args, output_names)
-    prog.origin = Origin(fn, tuple(a if i in static else _abstract(a) for i, a in enumerate(args)), static)
-    return prog
-
-
-class Origin(NamedTuple):
-    """What a program was lifted from: the function, its arguments (abstract, so no
-    array is kept alive) and the static argument positions. The search traces shallow
-    twins of deep models from it (`search._twins`)."""
-
-    fn: object
-    args: tuple
-    static_argnums: tuple[int, ...]
+        return _build(closed, in_tree, out_tree, input_names, input_args, output_names, origin)
 
 
 def _abstract(tree):
@@ -59,7 +47,7 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
-def _build(closed, in_tree, out_tree, input_names, input_args, output_names) -> Program:
+def _build(closed, in_tree, out_tree, input_names, input_args, output_names, origin) -> Program:
     b = _Builder()
     top = b.region("top", -1, closed.jaxpr, closed.consts)
     env = {}
@@ -76,7 +64,7 @@ def _build(closed, in_tree, out_tree, input_names, input_args, output_names) -> 
     prog = Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
                    in_tree=in_tree, out_tree=out_tree, input_names=input_names, input_args=input_args,
                    output_names=output_names, closed_jaxpr=closed, fallbacks=sorted(b.fallbacks),
-                   value_names=b.names)
+                   value_names=b.names, origin=origin)
     prog.classes  # part of building the IR: every partitioning needs them
     return prog
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -60,7 +59,9 @@ def _label(names: list[str]) -> str:
     return "".join(p[0] if len(set(p)) == 1 else "[*]" for p in zip(*parts))
 
 
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+def _signatures(prog) -> dict[int, str]:
+    # input -> signature, filled as inputs are asked for (kept with the program)
+    return {}
 
 
 def input_groups(prog, inputs, *, group: bool = True) -> list[Group]:
@@ -68,7 +69,7 @@ def input_groups(prog, inputs, *, group: bool = True) -> list[Group]:
     Signatures are computed once per program."""
     if not group:
         return [Group((v,), prog.name(v)) for v in sorted(inputs)]
-    sigs = _CACHE.setdefault(prog, {})
+    sigs = prog.analysis(_signatures)
     rule_text: dict = {}
     by_sig: dict[str, list[int]] = {}
     for v in inputs:

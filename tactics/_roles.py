@@ -11,7 +11,6 @@ no backward pass is all forward.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 from partir import Link
@@ -35,14 +34,12 @@ class Roles:
         return tuple(sorted(self.params + self.opt_state))
 
 
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def roles(program) -> Roles:
     """Infer the roles of `program`'s inputs (computed once per program)."""
-    cached = _CACHE.get(program)
-    if cached is not None:
-        return cached
+    return program.analysis(_roles)
+
+
+def _roles(program) -> Roles:
     cls = program.classes
     backward = program.backward
     forward_end = next((i for i, b in enumerate(backward) if b), len(program.ops))
@@ -62,8 +59,7 @@ def roles(program) -> Roles:
             (params if v in read_forward else opt).append(v)
         elif program.values[v].rank >= 1:
             batch.append(v)
-    r = _CACHE[program] = Roles(tuple(params), tuple(opt), tuple(batch), forward_end)
-    return r
+    return Roles(tuple(params), tuple(opt), tuple(batch), forward_end)
 
 
 def weight_root(program, v: int):

@@ -86,6 +86,26 @@ def test_lift_abstract_args_match_concrete():
     assert a.primitives() == b.primitives()
 
 
+def test_lift_records_its_origin_abstractly():
+    prog = partir.lift(_mlp_step, *_mlp_args())
+    assert prog.origin.fn is _mlp_step and prog.origin.static_argnums == ()
+    assert prog.origin.args == _mlp_args(abstract=True)
+
+
+def test_program_analyses_are_computed_once_per_program_and_arguments():
+    calls = []
+
+    def count(prog, k):
+        calls.append(k)
+        return len(prog.ops) * k
+
+    a, b = partir.lift(_mlp_step, *_mlp_args()), partir.lift(_mlp_step, *_mlp_args())
+    assert a.analysis(count, 2) == a.analysis(count, 2) == 2 * len(a.ops)
+    a.analysis(count, 3)
+    b.analysis(count, 2)
+    assert calls == [2, 3, 2]
+
+
 def test_unknown_name_suggests_near_misses():
     prog = partir.lift(_mlp_step, *_mlp_args())
     with pytest.raises(PartitioningError, match=r"did you mean params\['layers'\]\[1\]\['w'\]"):
