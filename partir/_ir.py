@@ -142,7 +142,6 @@ class Program:
         self.value_ops: tuple[tuple[int, ...], ...] = tuple(
             tuple(u) if p < 0 else (p, *u) for u, p in zip(users, producer))
         self._by_name: dict[str, int] | None = None
-        self._multiplicity: dict[int, float] = {}
         self._classes: dict = {}
         self._backward = None
         self._analyses: dict = {}
@@ -218,15 +217,11 @@ class Program:
         return [v for v, n in zip(self.inputs, self.input_names) if path_matches(pattern, n)]
 
     # -- structure -----------------------------------------------------------------
-    def multiplicity(self, region: int) -> float:
-        """How many times a region's body runs per run of the program (product of the
-        trip counts of it and its ancestors; an unknown `while` count counts as 1)."""
-        m = self._multiplicity.get(region)
-        if m is None:
-            r = self.regions[region]
-            m = float(r.trip_count or 1) * (self.multiplicity(r.parent) if r.parent >= 0 else 1.0)
-            self._multiplicity[region] = m
-        return m
+    def multiplicity(self, region: int, while_trips: int = 1) -> float:
+        """How many times a region's body runs per run of the program: the product of the
+        trip counts of it and its ancestors, a `while` loop's (unknown statically) taken
+        as `while_trips`."""
+        return self.analysis(_multiplicities, while_trips)[region]
 
     def graph(self):
         """The dataflow as a `networkx.DiGraph`: nodes are op ids, an edge u->v carries
@@ -276,6 +271,14 @@ class Program:
     def __repr__(self) -> str:
         return (f"Program({len(self.inputs)} inputs, {len(self.outputs)} outputs, {len(self.values)} values, "
                 f"{len(self.ops)} ops, {len(self.regions)} regions)")
+
+
+def _multiplicities(prog: Program, while_trips: int) -> tuple[float, ...]:
+    mult: list[float] = []
+    for r in prog.regions:  # a parent region comes before its children
+        trips = while_trips if r.trip_count is None else r.trip_count
+        mult.append(float(trips) * (mult[r.parent] if r.parent >= 0 else 1.0))
+    return tuple(mult)
 
 
 #: The `#id` that ends an intermediate's name.

@@ -130,10 +130,7 @@ class CostModel:
         cls = part.classes
         self._cls = cls
         n_ops = len(prog.ops)
-        mult = {}
-        for r in prog.regions:
-            trips = r.trip_count if r.trip_count is not None else while_trips
-            mult[r.id] = trips * (mult[r.parent] if r.parent >= 0 else 1)
+        mult = [prog.multiplicity(r.id, while_trips) for r in prog.regions]
         self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
         work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
         self._flops, self._trans = work[:, 0], work[:, 1]

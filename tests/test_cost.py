@@ -69,6 +69,17 @@ def test_loops_cost_their_trip_count():
     assert scanned.by_kind()["all-reduce"][1] == pytest.approx(unrolled.by_kind()["all-reduce"][1], rel=0.01)
 
 
+def test_while_loops_cost_the_assumed_trip_count():
+    def f(w, x):
+        return jax.lax.while_loop(lambda c: c[0] < 10, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    sds = jax.ShapeDtypeStruct
+    part = partir.Partitioning(partir.lift(f, sds((64, 64), jnp.float32), sds((8, 64), jnp.float32)),
+                               MeshSpec.of(data=8))
+    once, four = (search.CostModel(part, "h100", while_trips=n).cost().flops for n in (1, 4))
+    assert once >= 2 * 8 * 64 * 64 and four == pytest.approx(4 * once)
+
+
 def _mlp_forward(w1, w2, x):
     return jnp.tanh(x @ w1) @ w2
 

@@ -148,6 +148,8 @@ def test_lift_nested_regions_and_links():
         assert k in kinds, (k, kinds)
     scan = next(r for r in prog.regions if r.kind == "scan")
     assert scan.trip_count == 3 and prog.multiplicity(scan.id) == 3
+    body = next(r for r in prog.regions if r.kind == "while.body")
+    assert body.trip_count is None and prog.multiplicity(body.id) == 1 and prog.multiplicity(body.id, 5) == 5
     links = {op.primitive for op in prog.ops if op.link}
     assert {Link.SCAN_CARRY_LOOP, Link.SCAN_XS, Link.SCAN_YS, Link.WHILE_CARRY_LOOP, Link.COND_IN, Link.COND_OUT,
             Link.CALL_IN, Link.CALL_OUT} <= links
