@@ -12,7 +12,7 @@ from ._errors import PartitioningError, UnknownPrimitiveWarning
 from ._hlo import Collective, collectives, collectives_of, summarize
 from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
-from ._lower import CONSTRAIN_MODES, device_arrays, lower, register_backend
+from ._lower import CONSTRAIN_MODES, lower, register_backend
 from ._mesh import MeshSpec
 from ._nested import Link
 from ._partitioning import Decision, Partitioning, Reshard
@@ -24,7 +24,7 @@ from ._verify import check_equivalence
 __all__ = [
     "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
-    "UnknownPrimitiveWarning", "Value", "check_equivalence", "collectives", "collectives_of", "device_arrays", "dump",
+    "UnknownPrimitiveWarning", "Value", "check_equivalence", "collectives", "collectives_of", "dump",
     "factor_rule", "lift", "lower", "path_matches", "register_backend", "rules", "summarize",
     "transition",
 ]

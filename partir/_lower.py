@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import numpy as np
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -158,12 +157,3 @@ def _eval_region(prog, rid: int, args, constrain):
             if v >= 0:
                 env[var] = constrain(o, v)
     return [read(x) for x in jaxpr.outvars]
-
-
-def device_arrays(part: Partitioning, mesh, *args):
-    """Place `args` on `mesh` with the plan's input shardings (for running a lowered plan)."""
-    prog = part.program
-    leaves = jax.tree_util.tree_leaves(args)
-    placed = [jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x,
-                             NamedSharding(mesh, part.tiling(v).spec())) for x, v in zip(leaves, prog.inputs)]
-    return jax.tree_util.tree_unflatten(prog.in_tree, placed)
