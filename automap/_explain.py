@@ -43,12 +43,11 @@ def parameter_rows(plan):
     prog, part = plan.program, plan.partitioning
     r = tactics.roles(prog)
     credit = attribution(plan)
-    sizes = plan.mesh.sizes()
     rows = []
     for g in tactics.input_groups(prog, r.params):
         v0 = g.members[0]
         t = part.tiling(v0)
-        per_device = sum(prog.values[v].nbytes // part.tiling(v).num_shards(sizes) for v in g.members)
+        per_device = sum(prog.values[v].nbytes // part.tiling(v).num_shards(plan.mesh) for v in g.members)
         source = "; ".join(f"{a}: {credit[v0][a]}" for a in t.axes() if a in credit[v0]) or "-"
         rows.append((g.label, len(g.members), str(t), per_device, source))
     return rows

@@ -290,7 +290,7 @@ def check(data: dict, prog, jax_mesh=None) -> list[str]:
             for a in axes:
                 if a not in sizes:
                     problems.append(f"input {item['name']} dim {d} is split over {a!r}, not an axis of {mesh}")
-            k = int(np.prod([sizes.get(a, 1) for a in axes])) if axes else 1
+            k = mesh.devices_along(a for a in axes if a in sizes)
             if val.shape[d] % k:
                 problems.append(f"input {item['name']} dim {d} (size {val.shape[d]}) is not divisible by the "
                                 f"{k} devices of {axes}")

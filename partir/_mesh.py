@@ -23,6 +23,7 @@ class MeshSpec:
 
     axes: tuple[tuple[str, int], ...]
     _names: tuple = field(init=False, repr=False, compare=False, hash=False)
+    _sizes: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         names = [n for n, _ in self.axes]
@@ -36,6 +37,7 @@ class MeshSpec:
             if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
                 raise PartitioningError(f"mesh axis {name!r} has size {size!r}: sizes are positive integers")
         object.__setattr__(self, "_names", tuple(names))
+        object.__setattr__(self, "_sizes", {n: int(s) for n, s in self.axes})
 
     @classmethod
     def of(cls, **sizes: int) -> "MeshSpec":
@@ -77,10 +79,20 @@ class MeshSpec:
 
     def size(self, axis: str) -> int:
         """Size of one axis; a clear error for an unknown name."""
-        for n, s in self.axes:
-            if n == axis:
-                return s
-        raise PartitioningError(f"mesh axis {axis!r} is not in the mesh; its axes are {list(self.names)}")
+        s = self._sizes.get(axis)
+        if s is None:
+            raise PartitioningError(f"mesh axis {axis!r} is not in the mesh; its axes are {list(self.names)}")
+        return s
+
+    def devices_along(self, axes) -> int:
+        """The number of devices along `axes` (an iterable of axis names; 1 for none): the
+        product of their sizes, i.e. how many blocks a dim split over them has. A clear
+        error for an unknown name."""
+        k = 1
+        for a in axes:
+            s = self._sizes.get(a)
+            k *= s if s is not None else self.size(a)
+        return k
 
     def sizes(self) -> dict[str, int]:
         """Axis name -> size."""

@@ -62,6 +62,8 @@ class Partitioning(Propagation):
     def __init__(self, program: Program, mesh: MeshSpec, *, detached=()):
         self.program = program
         self.mesh = mesh
+        # Axis sizes as a plain dict for `_split`'s greedy loop, which reads them one
+        # axis at a time (products over whole axis tuples use `mesh.devices_along`).
         self._msize = mesh.sizes()
         self.detached = frozenset(program.resolve(v) for v in detached)
         self._all_axes = frozenset(mesh.names)
@@ -184,7 +186,7 @@ class Partitioning(Propagation):
         prog = self.program
         v = prog.resolve(value)
         val = prog.values[v]
-        size = self.mesh.size(axis)
+        self.mesh.size(axis)  # a clear error for an unknown axis
         if not -val.rank <= dim < val.rank:
             raise PartitioningError(f"cannot tile {prog.name(v)}: dim {dim} is out of range for shape {val.shape}")
         dim %= val.rank
@@ -199,9 +201,7 @@ class Partitioning(Propagation):
         if any(axis in d for d in dims):
             raise PartitioningError(
                 f"cannot tile {prog.name(v)} dim {dim} over {axis!r}: its tiling {Tiling(dims)} already uses that axis")
-        k = size
-        for a in dims[dim]:
-            k *= self._msize[a]
+        k = self.mesh.devices_along((*dims[dim], axis))
         if val.shape[dim] % k:
             raise PartitioningError(
                 f"cannot tile {prog.name(v)} dim {dim} (size {val.shape[dim]}) over {axis!r}: {k} devices do not "
@@ -281,9 +281,7 @@ class Partitioning(Propagation):
         if len(set(axes)) != len(axes):
             raise PartitioningError(f"cannot constrain {prog.name(v)} to {tiling}: an axis splits two dims")
         for d, dim_axes in enumerate(tiling.dims):
-            k = 1
-            for a in dim_axes:
-                k *= self.mesh.size(a)
+            k = self.mesh.devices_along(dim_axes)
             if val.shape[d] % k:
                 raise PartitioningError(f"cannot constrain {prog.name(v)}: dim {d} (size {val.shape[d]}) is not "
                                         f"divisible by the {k} devices of {dim_axes}")

@@ -46,15 +46,12 @@ class Propagation:
         return tuple(out)
 
     def _join(self, F, fs, sizes) -> tuple[str, ...]:
-        ms = self._msize
+        along = self.mesh.devices_along
         axes = ()
         for f in fs:
             ax = F[f]
             axes += ax
-            k = 1
-            for a in ax:
-                k *= ms[a]
-            if k != sizes[f]:
+            if along(ax) != sizes[f]:
                 break
         return axes
 
@@ -153,11 +150,7 @@ class Propagation:
             for a in add:
                 if a in fa:
                     return new
-        k = 1
-        ms = self._msize
-        for a in axes:
-            k *= ms[a]
-        if sizes[f] % k:
+        if sizes[f] % self.mesh.devices_along(axes):
             return new
         if new is None:
             new = list(F)

@@ -70,22 +70,13 @@ class Tiling:
 
         return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in self.dims))
 
-    def shard_shape(self, shape: tuple[int, ...], sizes: dict[str, int]) -> tuple[int, ...]:
-        """The per-device block shape of a value of `shape`."""
-        out = []
-        for n, d in zip(shape, self.dims):
-            k = 1
-            for a in d:
-                k *= sizes[a]
-            out.append(n // k)
-        return tuple(out)
+    def shard_shape(self, shape: tuple[int, ...], mesh) -> tuple[int, ...]:
+        """The per-device block shape of a value of `shape` on `mesh` (a `MeshSpec`)."""
+        return tuple(n // mesh.devices_along(d) for n, d in zip(shape, self.dims))
 
-    def num_shards(self, sizes: dict[str, int]) -> int:
-        """How many distinct blocks the dims split the value into."""
-        k = 1
-        for a in self.axes():
-            k *= sizes[a]
-        return k
+    def num_shards(self, mesh) -> int:
+        """How many distinct blocks the dims split the value into on `mesh` (a `MeshSpec`)."""
+        return mesh.devices_along(self.axes())
 
     def __str__(self) -> str:
         parts = []

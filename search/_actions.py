@@ -51,10 +51,7 @@ def valid_actions(part, groups, axes) -> list[Action]:
             if axis in used or sizes[axis] == 1:
                 continue
             for d in range(val.rank):
-                k = sizes[axis]
-                for a in t.dims[d]:
-                    k *= sizes[a]
-                if val.shape[d] % k == 0:
+                if val.shape[d] % part.mesh.devices_along((axis, *t.dims[d])) == 0:
                     out.append(Action(gi, d, axis))
     return out
 

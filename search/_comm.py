@@ -28,7 +28,6 @@ the whole operand and slices instead, and is costed so.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from partir import Tiling, transition
@@ -56,6 +55,7 @@ class LinkModel:
     """Per-axis link figures (size, bandwidth, latency) for one mesh on one device."""
 
     def __init__(self, mesh, device, levels: dict[str, str]):
+        self.mesh = mesh
         self.sizes = mesh.sizes()
         self.device = device
         self.bw = {a: device.intra_bandwidth if levels[a] == "intra" else device.inter_bandwidth for a in mesh.names}
@@ -64,7 +64,7 @@ class LinkModel:
     def time(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
         """Seconds for one collective of `kind` over `axes` moving a buffer of `nbytes`
         (the operand of a reduce-scatter, the result of an all-gather, else the buffer)."""
-        n = math.prod(self.sizes[a] for a in axes)
+        n = self.mesh.devices_along(axes)
         if n <= 1:
             return 0.0
         bw = min(self.bw[a] for a in axes)
@@ -75,7 +75,7 @@ class LinkModel:
 
     def latency(self, kind: str, axes: tuple[str, ...]) -> float:
         """The latency part of one collective: `steps * alpha`."""
-        n = math.prod(self.sizes[a] for a in axes)
+        n = self.mesh.devices_along(axes)
         if n <= 1:
             return 0.0
         return (2 * (n - 1) if kind == "all-reduce" else n - 1) * max(self.alpha[a] for a in axes)
@@ -98,7 +98,7 @@ class LinkModel:
     def reshard(self, src: Tiling, dst: Tiling, full_bytes: float, mesh) -> list[tuple[str, tuple, float, float]]:
         """(kind, axes, bytes, seconds) of each collective turning `src` into `dst` for a
         value of `full_bytes` (unpartitioned)."""
-        cur = full_bytes / src.num_shards(self.sizes)
+        cur = full_bytes / src.num_shards(self.mesh)
         out = []
         # Size-1 axes move nothing: leave them out of every collective.
         steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
@@ -106,7 +106,7 @@ class LinkModel:
             axes = steps.get(kind)
             if not axes:
                 continue
-            n = math.prod(self.sizes[a] for a in axes)
+            n = self.mesh.devices_along(axes)
             if kind == "all-reduce":
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
             elif kind == "reduce-scatter":

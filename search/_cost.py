@@ -171,13 +171,9 @@ class CostModel:
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
-        sizes = self.part.mesh.sizes()
+        mesh = self.part.mesh
         for c in classes:
-            k = 1
-            for axes in self.part.class_dims(c):
-                for a in axes:
-                    k *= sizes[a]
-            self._class_div[c] = k
+            self._class_div[c] = mesh.devices_along(a for axes in self.part.class_dims(c) for a in axes)
 
     def _refresh_ops(self, ops) -> None:
         """Re-cost non-trivial ops: their division of work, bytes moved and reshard
@@ -218,19 +214,12 @@ class CostModel:
     def _price(self, o: int):
         """(work division, bytes moved, reshards) of op `o` in the current state; each
         reshard is (slot, side, index, dst dims, collectives)."""
-        part, sizes = self.part, self.part.mesh.sizes()
+        part, mesh = self.part, self.part.mesh
         layout = part.op_layout(o)
-        div = 1
-        for axes in part.factor_tiling(o):
-            for a in axes:
-                div *= sizes[a]
+        div = mesh.devices_along(a for axes in part.factor_tiling(o) for a in axes)
         moved = 0.0
         for _, _, v, dims in layout[0]:
-            shards = 1
-            for axes in dims:
-                for a in axes:
-                    shards *= sizes[a]
-            moved += float(self._nbytes[v]) / shards
+            moved += float(self._nbytes[v]) / mesh.devices_along(a for axes in dims for a in axes)
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         for r in part.layout_reshards(o, layout):

@@ -123,7 +123,7 @@ def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = 
 
     t_root, _ = evaluate()
 
-    t_ideal = state.compute_time() / math.prod(state.mesh.size(a) for a in state.axes)
+    t_ideal = state.compute_time() / state.mesh.devices_along(state.axes)
 
     def reward(t, peak):
         if peak > limit:

@@ -16,14 +16,11 @@ def _pick_dim(part, v: int, axis: str, avoid=frozenset()) -> int | None:
     parallelism would not want (`avoid`: (input, dim) pairs), then the largest."""
     val = part.program.values[v]
     t = part.tiling(v)
-    sizes = part.mesh.sizes()
     if axis in t.axes():
         return None
     best = None
     for d in range(val.rank):
-        k = sizes[axis]
-        for a in t.dims[d]:
-            k *= sizes[a]
+        k = part.mesh.devices_along((axis, *t.dims[d]))
         if val.shape[d] % k:
             continue
         key = (not t.dims[d], (v, d) not in avoid, val.shape[d] // k)

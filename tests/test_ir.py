@@ -26,7 +26,7 @@ def test_tiling_roundtrips_specs_and_hashes():
     assert t.dims == ((), ("a", "b"), ())
     assert hash(t) == hash(Tiling(((), ("a", "b"), ())))
     assert Tiling.replicated(2).is_replicated and not t.is_replicated
-    assert t.shard_shape((4, 8, 2), {"a": 2, "b": 2}) == (4, 2, 2)
+    assert t.shard_shape((4, 8, 2), MeshSpec.of(a=2, b=2)) == (4, 2, 2)
     # A kind without partial axes is meaningless and normalised away.
     assert Tiling(((),), (), "max") == Tiling(((),))
 
@@ -36,6 +36,7 @@ def test_mesh_spec_parse_and_real_mesh():
     m = MeshSpec.parse("data=2,model=4")
     assert m == MeshSpec.of(data=2, model=4)
     assert m.num_devices == 8 and m.size("model") == 4 and str(m) == "data=2,model=4"
+    assert m.devices_along(("data", "model")) == 8 and m.devices_along(["model"]) == 4 and m.devices_along(()) == 1
     jm = m.jax_mesh()
     assert dict(jm.shape) == {"data": 2, "model": 4}
     assert all(t == AxisType.Auto for t in jm.axis_types)
@@ -55,6 +56,8 @@ def test_mesh_spec_rejects_bad_text(text, match):
 def test_unknown_axis_lists_the_mesh_axes():
     with pytest.raises(PartitioningError, match=r"'modle' is not in the mesh; its axes are \['data', 'model'\]"):
         MeshSpec.of(data=2, model=4).size("modle")
+    with pytest.raises(PartitioningError, match=r"'modle' is not in the mesh"):
+        MeshSpec.of(data=2, model=4).devices_along(("data", "modle"))
 
 
 # -- lift ----------------------------------------------------------------------------
