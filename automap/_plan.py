@@ -142,18 +142,8 @@ class Plan:
         def entry(v, name):
             val = prog.values[v]
             return {"name": name, "shape": list(val.shape), "dtype": str(np.dtype(val.dtype)) if _plain(val.dtype)
-                    else str(val.dtype), "spec": _spec_json(part.tiling(v))}
+                    else str(val.dtype), "spec": part.tiling(v).to_json()}
 
-        decisions = []
-        for d in part.decisions:
-            item = {"action": d.action, "value": d.value, "name": prog.name(d.value), "source": d.source}
-            if d.action == "tile":
-                item.update(dim=d.dim, axis=d.axis)
-            if d.axes is not None:
-                item["axes"] = list(d.axes)
-            if d.tiling is not None:
-                item["tiling"] = _spec_json(d.tiling)
-            decisions.append(item)
         c = self.cost
         out = {
             "format": FORMAT, "version": VERSION, "automap_version": __version__,
@@ -166,7 +156,7 @@ class Plan:
             "inputs": [entry(v, n) for v, n in zip(prog.inputs, prog.input_names)],
             "outputs": [entry(v, n) if v >= 0 else {"name": n, "spec": []}
                         for v, n in zip(prog.outputs, prog.output_names)],
-            "decisions": decisions,
+            "decisions": [d.to_json(prog) for d in part.decisions],
             "cost": {"step_time_s": c.step_time, "step_time_overlap_s": c.step_time_overlap,
                      "compute_time_s": c.compute_time, "comm_time_s": c.comm_time, "flops": c.flops,
                      "memory_peak_bytes": c.memory_peak, "fits": c.fits,
@@ -198,14 +188,6 @@ def _plain(dtype) -> bool:
         return False
 
 
-def _spec_json(t: Tiling) -> list:
-    return [None if not d else d[0] if len(d) == 1 else list(d) for d in t.dims]
-
-
-def _spec_tiling(spec, rank: int) -> Tiling:
-    return Tiling.from_spec(PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in spec]), rank)
-
-
 class SavedPlan:
     """A plan read from a file, not yet bound to a program: `bind(fn, *args)` checks it
     against the program and returns a `Plan`; `data` is the file's content."""
@@ -231,12 +213,16 @@ class SavedPlan:
         by_name = dict(zip(prog.input_names, prog.inputs))
         replay = all(d.get("name") == _name(prog, d.get("value")) for d in self.data["decisions"])
         if replay:
-            for d in self.data["decisions"]:
-                _apply(part, d)
+            try:
+                decisions = [partir.Decision.from_json(d, prog) for d in self.data["decisions"]]
+            except PartitioningError as e:
+                raise PlanError(f"plan {self.path}: {e}") from None
+            for d in decisions:
+                part.redo(d)
         else:
             for item in self.data["inputs"]:
                 v = by_name[item["name"]]
-                t = _spec_tiling(item["spec"], prog.values[v].rank)
+                t = Tiling.from_json(item["spec"])
                 for dim, axes in enumerate(t.dims):
                     for a in axes:
                         part.tile(v, dim, a, source=f"plan {self.path}")
@@ -250,20 +236,6 @@ def _name(prog, v):
         return prog.name(v) if isinstance(v, int) and 0 <= v < len(prog.values) else None
     except Exception:
         return None
-
-
-def _apply(part, d: dict) -> None:
-    action, v, source = d["action"], d["value"], d.get("source", "plan")
-    if action == "tile":
-        part.tile(v, d["dim"], d["axis"], source=source)
-    elif action == "replicate":
-        part.replicate(v, source=source)
-    elif action == "constrain":
-        part.constrain(v, _spec_tiling(d["tiling"], part.program.values[v].rank), source=source)
-    elif action == "pin":
-        part.pin(v, axes=d.get("axes"), source=source)
-    else:
-        raise PlanError(f"unknown decision {action!r} in plan; known: tile, replicate, constrain, pin")
 
 
 def check(data: dict, prog, jax_mesh=None) -> list[str]:

@@ -70,6 +70,19 @@ class Tiling:
 
         return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in self.dims))
 
+    def to_json(self) -> list:
+        """The dims as JSON (a plan file's form): per dim None, an axis name, or a list
+        of axis names (major to minor). The partial state is not part of it."""
+        return [None if not d else d[0] if len(d) == 1 else list(d) for d in self.dims]
+
+    @staticmethod
+    def from_json(data) -> "Tiling":
+        """The inverse of `to_json`."""
+        if not isinstance(data, list) or not all(e is None or isinstance(e, (str, list)) for e in data):
+            raise PartitioningError(f"{data!r} is not a tiling: write one entry per dim, each None, an axis "
+                                    "name or a list of axis names")
+        return Tiling(tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in data))
+
     def shard_shape(self, shape: tuple[int, ...], mesh) -> tuple[int, ...]:
         """The per-device block shape of a value of `shape` on `mesh` (a `MeshSpec`)."""
         return tuple(n // mesh.devices_along(d) for n, d in zip(shape, self.dims))

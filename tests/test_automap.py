@@ -7,11 +7,13 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import automap
+import partir
 import search
 import tactics as T
 from examples import REGISTRY, gpt
@@ -133,6 +135,32 @@ def test_save_load_round_trip(tmp_path):
     assert [loaded.partitioning.tiling(v) for v in prog.inputs] == [plan.partitioning.tiling(v) for v in prog.inputs]
     assert loaded.partitioning.key() == plan.partitioning.key()
     assert loaded.cost.step_time == pytest.approx(plan.cost.step_time)
+
+
+def test_every_kind_of_decision_round_trips_through_a_saved_plan(tmp_path):
+    def f(w1, w2, b, x):
+        return jnp.tanh(x @ w1 + b) @ w2
+
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((16, 32), (32, 8), (32,), (8, 16))]
+    prog = partir.lift(f, *args)
+    part = partir.Partitioning(prog, partir.MeshSpec.of(data=2, model=4))
+    part.replicate("b")
+    part.pin("w2", axes=("data",))
+    part.tile("x", 0, "data")
+    part.tile("w1", 1, "model")
+    part.constrain(prog.outputs[0], PartitionSpec("data", None))
+    path = tmp_path / "plan.json"
+    automap.Plan(part, device="cpu").save(path)
+    saved = json.loads(path.read_text())["decisions"]
+    assert [d["action"] for d in saved] == ["replicate", "pin", "tile", "tile", "constrain"]
+    assert saved[1]["axes"] == ["data"] and saved[2]["name"] == "x" and saved[4]["tiling"] == ["data", None]
+    loaded = automap.load_plan(path).bind(f, *args)
+    assert loaded.partitioning.decisions == part.decisions
+    assert loaded.partitioning.key() == part.key()
+    saved[2]["action"] = "shard"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "decisions": saved}))
+    with pytest.raises(automap.PlanError, match=r"plan .*plan.json: unknown decision action 'shard'"):
+        automap.load_plan(path).bind(f, *args)
 
 
 def test_loading_onto_a_program_it_does_not_fit(tmp_path):

@@ -82,6 +82,16 @@ def test_tile_errors_change_nothing(args, match):
     assert (part.key(), partir.dump(part)) == before
 
 
+def test_redo_of_an_unknown_action_is_an_error_that_changes_nothing():
+    part = partir.Partitioning(_mlp_prog(), MESH)
+    part.tile("x", 0, "data")
+    before = (part.key(), part.decisions)
+    with pytest.raises(PartitioningError, match="unknown decision action 'shard'; the known actions are tile, "
+                                                "replicate, constrain, pin"):
+        part.redo(partir.Decision("shard", part.program.resolve("x"), 1, "model", "user"))
+    assert (part.key(), part.decisions) == before
+
+
 def test_indivisible_dim_is_rejected():
     prog = partir.lift(lambda w: w * 2, jnp.ones((6, 8)))
     part = partir.Partitioning(prog, MESH)
