@@ -208,7 +208,7 @@ def _search(ns) -> int:
                           "memory_peak_bytes": c.memory_peak, "fits": c.fits,
                           "schedule": [str(t) for t in schedule]}))
     elif not ns.quiet:
-        plan.explain(Console() if Console().is_terminal else Console(width=150))
+        plan.explain()  # on the terminal, or wide when piped
         print(f"plan written to {out}")
     return 0
 

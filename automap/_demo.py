@@ -24,18 +24,15 @@ def run(console=None) -> int:
     _use_simulated_cpus()
     import jax
     import numpy as np
-    from rich.console import Console
     from rich.table import Table
 
     import search
     from examples import gpt
 
     from ._api import partition
+    from ._console import table_console
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # piped or captured: do not squeeze tables to 80 columns
-            console = Console(width=150)
+    console = table_console(console)
     cfg = gpt.GPTConfig(**CONFIG)
     step, args = gpt.make_train_step(cfg)
     mesh = "data=2,model=4"

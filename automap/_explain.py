@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
 
 import tactics
 from search import bytes_str, collectives_table, time_str
 
-
-def _console(console):
-    if console is not None:
-        return console
-    c = Console()
-    return c if c.is_terminal else Console(width=150)
+from ._console import table_console
 
 
 def attribution(plan) -> dict:
@@ -81,7 +75,7 @@ def alternatives(plan):
 
 def explain(plan, console=None) -> None:
     """Print the plan's explanation."""
-    console = _console(console)
+    console = table_console(console)
     cost = plan.cost
     console.print(f"[bold]plan[/] for {plan.program} on mesh {plan.mesh} ({plan.device})", highlight=False)
     if plan.history:
@@ -125,7 +119,7 @@ def explain(plan, console=None) -> None:
 
 def explain_saved(data: dict, console=None) -> None:
     """Print a plan file's content (for `automap show` without the program)."""
-    console = _console(console)
+    console = table_console(console)
     mesh = ",".join(f"{k}={v}" for k, v in data["mesh"].items())
     console.print(f"[bold]plan[/] on mesh {mesh} ({data.get('device')}), automap {data.get('automap_version')}",
                   highlight=False)
