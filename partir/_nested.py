@@ -26,20 +26,20 @@ class Link(enum.StrEnum):
     """The kinds of link ops (`Op.primitive` of an op with `Op.link`): identity factor
     rules at region boundaries, named by nested primitive and the operands they carry."""
 
-    CALL_IN = "call.in"  #: a call's operand -> the callee's invar
-    CALL_OUT = "call.out"  #: the callee's outvar -> the call's result
-    SCAN_CONST = "scan.const"  #: a scan's constant -> the body's invar
-    SCAN_CARRY_IN = "scan.carry_in"  #: a scan's initial carry -> the body's carry invar
-    SCAN_XS = "scan.xs"  #: a stacked `[L, ...]` input -> its per-iteration slice (`L` blocked)
-    SCAN_CARRY_LOOP = "scan.carry_loop"  #: the body's carry out -> its carry in
-    SCAN_CARRY_OUT = "scan.carry_out"  #: the body's carry out -> the scan's carry result
-    SCAN_YS = "scan.ys"  #: a per-iteration output -> the stacked `[L, ...]` result (`L` blocked)
-    WHILE_CONST = "while.const"  #: a while's constant -> the cond's or body's invar
-    WHILE_CARRY_IN = "while.carry_in"  #: the initial carry -> the cond's and body's carry invars
-    WHILE_CARRY_LOOP = "while.carry_loop"  #: the body's carry out -> the cond's and body's carry in
-    WHILE_CARRY_OUT = "while.carry_out"  #: the body's carry out -> the while's result
-    COND_IN = "cond.in"  #: a cond's operand -> each branch's invar
-    COND_OUT = "cond.out"  #: each branch's outvar -> the cond's result
+    CALL_IN = "call.in"  # a call's operand -> the callee's invar
+    CALL_OUT = "call.out"  # the callee's outvar -> the call's result
+    SCAN_CONST = "scan.const"  # a scan's constant -> the body's invar
+    SCAN_CARRY_IN = "scan.carry_in"  # a scan's initial carry -> the body's carry invar
+    SCAN_XS = "scan.xs"  # a stacked `[L, ...]` input -> its per-iteration slice (`L` blocked)
+    SCAN_CARRY_LOOP = "scan.carry_loop"  # the body's carry out -> its carry in
+    SCAN_CARRY_OUT = "scan.carry_out"  # the body's carry out -> the scan's carry result
+    SCAN_YS = "scan.ys"  # a per-iteration output -> the stacked `[L, ...]` result (`L` blocked)
+    WHILE_CONST = "while.const"  # a while's constant -> the cond's or body's invar
+    WHILE_CARRY_IN = "while.carry_in"  # the initial carry -> the cond's and body's carry invars
+    WHILE_CARRY_LOOP = "while.carry_loop"  # the body's carry out -> the cond's and body's carry in
+    WHILE_CARRY_OUT = "while.carry_out"  # the body's carry out -> the while's result
+    COND_IN = "cond.in"  # a cond's operand -> each branch's invar
+    COND_OUT = "cond.out"  # each branch's outvar -> the cond's result
 
 
 # -- operand groups ------------------------------------------------------------------
@@ -101,7 +101,6 @@ class NestedPrimitive:
     counts: Callable[[dict], tuple[int, ...]]
     lift: Callable
     evaluate: Callable
-
 
 
 _REGISTRY: dict[str, NestedPrimitive] = {}
