@@ -96,13 +96,15 @@ class LlamaConfig:
         return self.d_model // self.n_heads
 
 
-#: Llama-3 8B: 32 layers, 32 query heads, 8 KV heads, a 128256-token vocabulary, 4096-token
-#: sequences; a 64-sequence global batch. For ``abstract=True`` use only.
+#: Llama-3 8B: 32 layers, 32 query heads, 8 KV heads, a 128256-token vocabulary, rotary
+#: theta 500000 (the default), 4096-token sequences, a 64-sequence global batch; bfloat16
+#: activations, layers scanned and wholly rematerialised (``remat_policy=None``), as runs at
+#: this scale are set up. 8,030,261,248 parameters, as published. For ``abstract=True`` only.
 LLAMA3_8B = LlamaConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab=128256,
                         seq_len=4096, batch=64, dtype=jnp.bfloat16, scan_layers=True, remat=True)
 
-#: Llama-3 70B: 80 layers, 64 query heads, 8 KV heads; a 256-sequence global batch.
-#: For ``abstract=True`` use only.
+#: Llama-3 70B: 80 layers, 64 query heads, 8 KV heads, a 256-sequence global batch; set up
+#: like ``LLAMA3_8B``. 70,553,706,496 parameters, as published. For ``abstract=True`` only.
 LLAMA3_70B = LlamaConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, vocab=128256,
                          seq_len=4096, batch=256, dtype=jnp.bfloat16, scan_layers=True, remat=True)
 
@@ -253,8 +255,10 @@ def fsdp_tp(fsdp: str = "fsdp", model: str = "model", data: str | None = "data")
     """MaxText's recipe, for a ``data=2, fsdp=4, model=8`` or ``data=16, fsdp=8,
     model=8`` mesh: the batch split over ``data`` (whole replicas: the slow, cross-slice
     axis) and ``fsdp``; parameters fully sharded over ``fsdp`` (all-gathered per layer,
-    gradients reduce-scattered); tensor parallelism over ``model``. ``data=None`` when
-    the mesh has no replica axis."""
+    gradients reduce-scattered); tensor parallelism over ``model``, placed first so that
+    the FSDP shards take the dims it leaves. ``data=None`` when the mesh has no replica
+    axis. The batch must divide by ``data * fsdp``: 128 on the larger mesh, which
+    ``LLAMA3_70B``'s 256 sequences do and ``LLAMA3_8B``'s 64 do not."""
     import tactics
 
     replicas = [tactics.DataParallel(data)] if data is not None else []

@@ -67,8 +67,14 @@ def test_config_errors_name_the_problem():
 
 # -- forms of the same model --------------------------------------------------------------
 @functools.cache
+def _train_step(config):
+    # One step function per config, so that jax.jit compiles each once for all tests.
+    return llama.make_train_step(config)
+
+
+@functools.cache
 def _step_outputs(config):
-    step, args = llama.make_train_step(config)
+    step, args = _train_step(config)
     return args, jax.jit(step)(*args)
 
 
@@ -104,7 +110,7 @@ def test_bfloat16_activations_with_float32_master_weights():
     dots = [e for e in body.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
     assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
     loss = jax.jit(functools.partial(llama.loss_fn, config=config))(params, batch)
-    loss32 = jax.jit(functools.partial(llama.loss_fn, config=TINY))(llama.make_train_step(TINY)[1][0], batch)
+    loss32 = jax.jit(functools.partial(llama.loss_fn, config=TINY))(_train_step(TINY)[1][0], batch)
     assert loss.dtype == jnp.float32
     np.testing.assert_allclose(loss, loss32, rtol=2e-2)
 
@@ -122,7 +128,7 @@ SCHEDULE_CASES = {
                                   for n in sorted(SCHEDULE_CASES)])
 def test_schedule_plan_matches_jit(name):
     mesh, axes, scan = SCHEDULE_CASES[name]
-    step, args = llama.make_train_step(dataclasses.replace(TINY, scan_layers=scan))
+    step, args = _train_step(dataclasses.replace(TINY, scan_layers=scan))
     prog = partir.lift(step, *args)
     assert prog.fallbacks == ()
     res = tactics.apply_schedule(prog, mesh, llama.SCHEDULES[name](**axes))
