@@ -6,9 +6,13 @@ Examples:
 - ``gpt``: GPT-style decoder-only transformer in plain ``jax.numpy``; options
   ``scan_layers`` (stacked layers under ``lax.scan``), ``remat`` (``jax.checkpoint``
   per layer) and ``fused_qkv``.
+- ``llama``: Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention
+  through ``jax.nn.dot_product_attention``, SwiGLU, 3-D attention kernels, float32
+  master weights with ``dtype`` activations); options ``scan_layers``, ``remat`` with
+  ``remat_policy``; Llama-3 8B/70B shaped configs ``LLAMA3_8B``/``LLAMA3_70B``.
 - ``convnet``: NHWC convolutions, average and max pooling, dense classifier.
 - ``moe``: mixture-of-experts feed-forward layers with top-k, capacity-based
-  GShard/Switch dispatch.
+  GShard/Switch dispatch; a Mixtral-8x7B shaped config ``MIXTRAL_8X7B``.
 - ``nnx_mlp``: an ``flax.nnx`` MLP trained through ``nnx.split``/``nnx.merge``.
 - ``linen_mlp``: a ``flax.linen`` MLP (its ``params`` collection is the pytree).
 - ``equinox_mlp``: an ``equinox`` module MLP (the module is the pytree).
@@ -26,9 +30,12 @@ Contract shared by every example module:
   ``jax.ShapeDtypeStruct`` (via ``jax.eval_shape``, nothing allocated);
 - ``factory()``: ``make_train_step()`` with the defaults (e.g. ``examples/gpt.py:factory``);
 - parameters are nested dicts with readable keys, e.g. ``params['layers'][1]['mlp']['w1']``.
+
+``llama`` and ``moe`` also hold ``SCHEDULES``: expert schedules written with the
+project's tactics (name -> function of the mesh axis names returning the tactics).
 """
 
-from examples import convnet, gpt, mlp, moe
+from examples import convnet, gpt, llama, mlp, moe
 
 
 def _nnx_mlp_make_train_step(*args, **kwargs):
@@ -60,6 +67,7 @@ def _equinox_mlp_make_train_step(*args, **kwargs):
 REGISTRY = {
     "mlp": mlp.make_train_step,
     "gpt": gpt.make_train_step,
+    "llama": llama.make_train_step,
     "convnet": convnet.make_train_step,
     "moe": moe.make_train_step,
     "nnx_mlp": _nnx_mlp_make_train_step,
@@ -67,4 +75,4 @@ REGISTRY = {
     "equinox_mlp": _equinox_mlp_make_train_step,
 }
 
-__all__ = ["REGISTRY", "convnet", "gpt", "mlp", "moe"]
+__all__ = ["REGISTRY", "convnet", "gpt", "llama", "mlp", "moe"]

@@ -80,6 +80,25 @@ def build_train_step(
     return step, (jax.eval_shape(make_args) if abstract else make_args())
 
 
+def stack_layers(layers: list[Params]) -> Params:
+    """Stack a list of per-layer pytrees into one pytree with a leading [L] axis (the
+    parameters of a ``jax.lax.scan`` over layers)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def token_batch(key: jax.Array, batch: int, seq_len: int, vocab: int) -> dict:
+    """Random token sequences ``{'tokens': i32[batch, seq_len], 'targets': ...}`` for a
+    language model; the targets are the tokens shifted left by one."""
+    seq = jax.random.randint(key, (batch, seq_len + 1), 0, vocab, jnp.int32)
+    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``targets [B, S]`` under ``logits [B, S, V]``."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
 def normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Standard-normal float32 array of ``shape``.
 

@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from examples._common import build_train_step, dense_init, normal
+from examples._common import build_train_step, dense_init, next_token_loss, normal, stack_layers, token_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +100,9 @@ def init_params(config: GPTConfig, key: jax.Array) -> dict:
     }
 
 
-def stack_layers(layers: list[dict]) -> dict:
-    """Stack a list of per-layer dicts into one dict with a leading [L] axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-
-
 def make_batch(config: GPTConfig, key: jax.Array) -> dict:
     """Random token sequences; targets are the inputs shifted left by one."""
-    seq = jax.random.randint(key, (config.batch, config.seq_len + 1), 0, config.vocab, jnp.int32)
-    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+    return token_batch(key, config.batch, config.seq_len, config.vocab)
 
 
 def layer_norm(p: dict, x: jax.Array, eps: float = 1e-5) -> jax.Array:
@@ -164,9 +158,7 @@ def forward(params: dict, tokens: jax.Array, config: GPTConfig) -> jax.Array:
 
 def loss_fn(params: dict, batch: dict, config: GPTConfig) -> jax.Array:
     """Mean next-token cross-entropy."""
-    logp = jax.nn.log_softmax(forward(params, batch["tokens"], config), axis=-1)
-    target_logp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)
-    return -jnp.mean(target_logp)
+    return next_token_loss(forward(params, batch["tokens"], config), batch["targets"])
 
 
 def init(config: GPTConfig, key: jax.Array) -> tuple[dict, dict]:

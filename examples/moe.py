@@ -16,6 +16,10 @@ Parameters (D = d_model, F = d_ff, E = n_experts)::
     head:    {w [D, d_out], b [d_out]}
 
 Batch: ``{'x': f32[G, S, d_in], 'y': f32[G, S, d_out]}``.
+
+``MIXTRAL_8X7B`` is a config shaped like Mixtral 8x7B's expert layers, for
+``abstract=True`` use; ``SCHEDULES`` holds expert schedules (expert and data
+parallelism) written with the project's tactics.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ class MoEConfig:
     def capacity(self) -> int:
         """Slots per expert and group: ``capacity_factor * k * S / E``, rounded up."""
         return math.ceil(self.capacity_factor * self.top_k * self.group_size / self.n_experts)
+
+
+#: Mixtral 8x7B's feed-forward stack: 32 MoE layers of 8 experts, top-2 routing, width 4096,
+#: expert hidden width 14336; 64 sequences of 4096 tokens, routed in groups of 1024 tokens
+#: (256 groups). The regressor's input and targets are hidden states of width d_model
+#: (d_in = d_out = 4096), as if the stack were the feed-forward halves of Mixtral's blocks
+#: fed the residual stream. Its experts are two-matrix gelu MLPs, where Mixtral's are
+#: three-matrix SwiGLU ones, and it has no attention or embeddings, so it holds about
+#: 30.1e9 parameters where Mixtral holds 46.7e9. For ``abstract=True`` use only.
+MIXTRAL_8X7B = MoEConfig(groups=256, group_size=1024, d_in=4096, d_model=4096, d_ff=14336, d_out=4096,
+                         n_experts=8, top_k=2, n_moe_layers=32)
 
 
 def init_params(config: MoEConfig, key: jax.Array) -> dict:
@@ -159,3 +174,41 @@ def make_train_step(config: MoEConfig | None = None, *, abstract: bool = False, 
 def factory():
     """``make_train_step()`` with the default config."""
     return make_train_step()
+
+
+def param_count(config: MoEConfig) -> int:
+    """The number of parameters ``config`` implies (input projection, MoE layers, head)."""
+    d, e = config.d_model, config.n_experts
+    layer = d * e + 2 * e * d * config.d_ff
+    return (config.d_in + 1) * d + config.n_moe_layers * layer + (d + 1) * config.d_out
+
+
+# -- expert schedules ----------------------------------------------------------------------
+# `tactics` is imported where a schedule is built, so that importing the examples stays
+# cheap and free of the partitioner.
+
+
+def ep_dp(expert: str = "expert", data: str = "data") -> list:
+    """GShard's recipe, for a ``data=8, expert=8`` mesh: experts split over ``expert``
+    and the token groups over both axes; the dispatched tokens reach their experts by an
+    all-to-all over ``expert``; dense weights (router, projections) replicated, their
+    gradients all-reduced."""
+    import tactics
+
+    return [tactics.ExpertParallel(expert), tactics.DataParallel(data)]
+
+
+def ep_fsdp(expert: str = "expert", data: str = "data") -> list:
+    """``ep_dp`` with the parameters (experts included) also sharded over ``data``:
+    all-gathered where used, gradients reduce-scattered (ZeRO-3 on the data axis)."""
+    import tactics
+
+    return [tactics.ExpertParallel(expert), tactics.FSDP(data, leave_room=False)]
+
+
+#: Schedule name -> function of the mesh axis names returning a list of tactics for
+#: ``tactics.apply_schedule``, e.g. ``SCHEDULES["ep+dp"](expert="expert", data="data")``.
+SCHEDULES = {
+    "ep+dp": ep_dp,
+    "ep+fsdp": ep_fsdp,
+}

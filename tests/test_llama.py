@@ -1,0 +1,186 @@
+"""The Llama example (examples/llama.py) and the large-model configs: numerics of its
+building blocks, scanned/unrolled/rematerialised forms computing the same step, plans
+under its expert schedules matching plain jit, and the Llama-3 and Mixtral shaped
+configs lifting abstractly with the parameter counts they imply."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partir
+import tactics
+from examples import llama, moe
+from examples._common import stack_layers
+from partir import MeshSpec
+
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+TINY = llama.LlamaConfig(adam_eps=EPS)
+
+
+# -- building blocks ----------------------------------------------------------------------
+def _reference_attention(q, k, v):
+    """Causal softmax attention with every KV head repeated for its group of query heads."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = q.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def test_grouped_query_attention_serves_each_query_head_from_its_group():
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 8, 8, 16))
+    k, v = (jax.random.normal(key, (2, 8, 2, 16)) for key in (kk, kv))
+    out = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True))(q, k, v)
+    np.testing.assert_allclose(out, jax.jit(_reference_attention)(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    cos, sin = llama.rotary_tables(TINY)
+    kq, kk = jax.random.split(jax.random.key(1))
+    q = jnp.broadcast_to(jax.random.normal(kq, (TINY.d_head,)), (1, TINY.seq_len, 1, TINY.d_head))
+    k = jnp.broadcast_to(jax.random.normal(kk, (TINY.d_head,)), (1, TINY.seq_len, 1, TINY.d_head))
+    rq, rk = llama.apply_rotary(q, cos, sin)[0, :, 0], llama.apply_rotary(k, cos, sin)[0, :, 0]
+    scores = rq @ rk.T  # [query position, key position]
+    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q[0, :, 0], axis=-1), rtol=1e-5)
+    for offset in (0, 1, 5):
+        diagonal = jnp.diagonal(scores, offset)
+        np.testing.assert_allclose(diagonal, jnp.full_like(diagonal, diagonal[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="n_heads=8 must be a multiple of n_kv_heads=3"):
+        llama.LlamaConfig(n_kv_heads=3)
+    with pytest.raises(ValueError, match=r"unknown remat_policy 'all'; allowed: \[None, 'dots'\]"):
+        llama.LlamaConfig(remat=True, remat_policy="all")
+    with pytest.raises(ValueError, match="remat_policy='dots' needs remat=True"):
+        llama.LlamaConfig(remat_policy="dots")
+
+
+# -- forms of the same model --------------------------------------------------------------
+@functools.cache
+def _train_step(config):
+    # One step function per config, so that jax.jit compiles each once for all tests.
+    return llama.make_train_step(config)
+
+
+@functools.cache
+def _step_outputs(config):
+    step, args = _train_step(config)
+    return args, jax.jit(step)(*args)
+
+
+def _stack(tree):
+    """``tree`` with its per-layer lists stacked as the scanned form holds them."""
+    is_layers = lambda x: isinstance(x, list)  # noqa: E731
+    return jax.tree.map(lambda x: stack_layers(x) if is_layers(x) else x, tree, is_leaf=is_layers)
+
+
+# Full rematerialisation of the unrolled layers repeats what the scanned form with the
+# "dots" policy shows; it runs in `make test-all`.
+@pytest.mark.parametrize("variant", [
+    {"scan_layers": True, "remat": True, "remat_policy": "dots"},
+    pytest.param({"remat": True}, marks=pytest.mark.slow),
+], ids=["scan-remat-dots", "remat"])
+def test_forms_compute_the_same_step(variant):
+    """Loss, updated parameters and adam state (whose first moment is 0.1x the gradient)."""
+    (params, _, _), (new_params, opt_state, loss) = _step_outputs(TINY)
+    (other_params, _, _), (other_new, other_state, other_loss) = _step_outputs(dataclasses.replace(TINY, **variant))
+    if variant.get("scan_layers"):
+        params, new_params, opt_state = (_stack(t) for t in (params, new_params, opt_state))
+    jax.tree.map(np.testing.assert_array_equal, other_params, params)  # same init
+    np.testing.assert_allclose(other_loss, loss, rtol=1e-6)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-7)
+    jax.tree.map(close, (other_new, other_state), (new_params, opt_state))
+
+
+def test_bfloat16_activations_with_float32_master_weights():
+    config = dataclasses.replace(TINY, dtype=jnp.bfloat16, scan_layers=True)
+    step, (params, opt_state, batch) = llama.make_train_step(config)
+    assert {x.dtype for x in jax.tree.leaves((params, opt_state))} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
+    body = next(e for e in jax.make_jaxpr(step)(params, opt_state, batch).eqns if e.primitive.name == "scan")
+    dots = [e for e in body.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    loss = jax.jit(functools.partial(llama.loss_fn, config=config))(params, batch)
+    loss32 = jax.jit(functools.partial(llama.loss_fn, config=TINY))(_train_step(TINY)[1][0], batch)
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss, loss32, rtol=2e-2)
+
+
+# -- expert schedules ---------------------------------------------------------------------
+SCHEDULE_CASES = {
+    # name: (mesh, axis names, scan_layers)
+    "dp+tp+sp+zero3": (MeshSpec.of(data=2, model=4), {}, False),
+    "fsdp+tp": (MeshSpec.of(data=2, fsdp=2, model=2), {}, True),
+    "fsdp": (MeshSpec.of(data=8), {}, False),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "fsdp" else ())
+                                  for n in sorted(SCHEDULE_CASES)])
+def test_schedule_plan_matches_jit(name):
+    mesh, axes, scan = SCHEDULE_CASES[name]
+    step, args = _train_step(dataclasses.replace(TINY, scan_layers=scan))
+    prog = partir.lift(step, *args)
+    assert prog.fallbacks == ()
+    res = tactics.apply_schedule(prog, mesh, llama.SCHEDULES[name](**axes))
+    tilings = {n: res.partitioning.tiling(v) for v, n in zip(prog.inputs, prog.input_names)
+               if n.startswith("params")}
+    # Every schedule shards every parameter over its ZeRO/FSDP axis ...
+    zero_axis = "fsdp" if "fsdp" in mesh.names else "data"
+    assert all(zero_axis in t.axes() for t in tilings.values())
+    # ... and those with tensor parallelism split the MLP and the vocabulary over 'model'.
+    layer = "params['layers']" if scan else "params['layers'][1]"
+    for n in ("['mlp']['w_gate']", "['mlp']['w_up']", "['mlp']['w_down']", "params['embed']['tokens']"):
+        assert ("model" in tilings[n if n.startswith("params") else layer + n].axes()) == ("tp" in name), n
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6, steps=2)
+
+
+# -- the large configs, abstractly --------------------------------------------------------
+def _lift_and_count(module, config):
+    step, args = module.make_train_step(config, abstract=True)
+    prog = partir.lift(step, *args)  # lifting warns (an error here) on a primitive without a rule
+    assert prog.fallbacks == ()
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(args[0]))
+
+
+LARGE = {
+    # The published Llama-3 counts: this example's layers are Llama-3's.
+    "llama3-8b-scan": (llama, llama.LLAMA3_8B, 8_030_261_248),
+    "llama3-8b-unrolled": (llama, dataclasses.replace(llama.LLAMA3_8B, scan_layers=False), 8_030_261_248),
+    "llama3-70b-scan": (llama, llama.LLAMA3_70B, 70_553_706_496),
+    # 46.7e9 in the real model; here two-matrix experts and no attention or embeddings.
+    "mixtral-8x7b": (moe, moe.MIXTRAL_8X7B, 30_099_382_272),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_large_config_lifts_with_its_parameter_count(name):
+    module, config, expected = LARGE[name]
+    assert module.param_count(config) == expected
+    assert _lift_and_count(module, config) == expected
+
+
+@pytest.mark.slow
+def test_llama3_70b_unrolled_lifts():
+    config = dataclasses.replace(llama.LLAMA3_70B, scan_layers=False)
+    assert _lift_and_count(llama, config) == llama.param_count(config)
+
+
+def test_mixtral_schedules_apply():
+    step, args = moe.make_train_step(moe.MIXTRAL_8X7B, abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=8, expert=8)
+    for name, schedule in moe.SCHEDULES.items():
+        part = tactics.apply_schedule(prog, mesh, schedule()).partitioning
+        w1 = [part.tiling(v) for v in prog.match_inputs("params/moe/*/experts/w1")]
+        assert len(w1) == moe.MIXTRAL_8X7B.n_moe_layers
+        assert all(t.dims[0] == ("expert",) for t in w1), name
