@@ -253,11 +253,18 @@ class Program:
 
     @property
     def backward(self) -> tuple[bool, ...]:
-        """Per op: is it part of a backward pass (JAX names transposed equations
-        `transpose(...)` in their name stack)?"""
+        """Per op: is it part of a backward pass? JAX names transposed equations
+        `transpose(...)` in their name stack; the equations of a nested jaxpr (a scan
+        body) carry only their own names, so they are backward when the equation that
+        calls them is."""
         if self._backward is None:
-            self._backward = tuple(
-                not op.link and "transpose(" in str(getattr(op.eqn.source_info, "name_stack", "")) for op in self.ops)
+            inside = [False] * len(self.regions)
+            for r in self.regions:  # parents come before their children
+                for i, children in r.children.items():
+                    called = inside[r.id] or _transposed(r.jaxpr.eqns[i])
+                    for c in children:
+                        inside[c] = called
+            self._backward = tuple(not op.link and (inside[op.region] or _transposed(op.eqn)) for op in self.ops)
         return self._backward
 
     def primitives(self) -> dict[str, int]:
@@ -297,6 +304,10 @@ def no_gc():
     finally:
         if was:
             gc.enable()
+
+
+def _transposed(eqn) -> bool:
+    return "transpose(" in str(getattr(getattr(eqn, "source_info", None), "name_stack", ""))
 
 
 def _source(eqn) -> str:

@@ -30,11 +30,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partir import Tiling
+
 from ._comm import CollectiveCost, LinkModel
 from ._device import get_device, link_levels
 from ._flops import op_work
+from ._fusion import materialization
 from ._memory import Liveness
 
+
+#: Bytes of gradient reductions XLA combines into one collective (its all-reduce
+#: combiner's threshold on GPU, `xla_gpu_all_reduce_combine_threshold_bytes`): the
+#: gradients of a group are all held until the group's collective runs.
+GRADIENT_COMBINE_BYTES = 30 * 2**20
 
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
 _MEMO_LIMIT = 200_000
@@ -139,19 +147,29 @@ class CostModel:
         self._trivial = np.array(cls.trivial)
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
+        # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
+        # (broadcasts, iotas, what is made from them) are no buffer and no memory traffic.
+        self.materialization = mat = materialization(prog)
+        self._virtual = mat.virtual
+        # Ops that take time: live, not fused away, not a link (links only rename buffers;
+        # a scan's per-iteration slices and stacked outputs are read and written by the
+        # ops that use them, which pay for those bytes).
+        self._runs = mat.live_op & ~np.array([op.link or (bool(op.results) and all(v < 0 or mat.virtual[v]
+                                                                                 for v in op.results))
+                                              for op in prog.ops], dtype=bool)
         self._nbytes = np.array([v.nbytes for v in vals], dtype=float)
         self._value_class = np.array(cls.of, dtype=np.int64)
-        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results if v >= 0)
-                                        for op in prog.ops], dtype=float)
+        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results
+                                            if v >= 0 and not mat.virtual[v]) for op in prog.ops], dtype=float)
         self._class_div = np.ones(len(cls))
         self._op_div = np.ones(n_ops)
         self._op_bytes = self._op_bytes_full.copy()
-        # Values made from scalars alone (a broadcast constant, an iota) can be made in any
-        # layout where they are needed: XLA rematerialises them instead of moving them.
-        self._free = {v for v in range(len(vals)) if prog.rematerializable(v)}
+        # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
+        # be made in any layout where they are needed: XLA makes them, never moves them.
+        self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
         heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops])
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
-        self.liveness = Liveness(prog, donate_argnums)
+        self.liveness = Liveness(prog, mat, donate_argnums)
         self._buffer_name = {}
         self._op_cols: dict[int, list] = {}
         self._memo: dict = {}
@@ -161,13 +179,14 @@ class CostModel:
                              for o in range(n_ops)]
         sigs: dict = {}
         self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
-                                      tuple((self._nbytes[v], v in self._free, bool(self._feeds_backward[v]))
+                                      tuple((self._nbytes[v], v in self._free, bool(self._virtual[v]),
+                                             bool(self._feeds_backward[v]))
                                             for v in self._slot_values[o])), len(sigs))
                      for o in range(n_ops)]
         self._dedup: dict = {}
         part.take_touched()
         self._refresh_classes(range(len(cls)))
-        self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o]])
+        self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o] and mat.live_op[o]])
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -202,31 +221,44 @@ class CostModel:
             if not reshards:
                 continue
             keys = []
-            for slot, side, index, dst, cols in reshards:
+            for slot, side, index, dst, cols, buf in reshards:
                 v = slot_values[slot]
-                # One value moved to one layout once, however many ops read it there (XLA
-                # reuses the gathered buffer); it is attributed to the first such op.
-                dkey = (v, dst) if side == "operand" else (o, side, index)
+                # One value moved to one layout once per pass, however many ops of that pass
+                # read it there (XLA reuses the gathered buffer, which stays live from the
+                # first reader to the last; the backward pass gathers again, as FSDP and
+                # sequence parallelism do, and the lowering makes XLA do); it is
+                # attributed to the first such op.
+                if side == "operand":
+                    dkey = ("read", v, dst, bool(self._backward[o]))
+                else:
+                    dkey = ("made", o, index)
                 keys.append(dkey)
-                self._dedup.setdefault(dkey, {})[o] = (v, cols)
+                self._dedup.setdefault(dkey, {})[o] = (v, cols, buf)
             self._op_cols[o] = keys
 
     def _price(self, o: int):
         """(work division, bytes moved, reshards) of op `o` in the current state; each
-        reshard is (slot, side, index, dst dims, collectives)."""
+        reshard is (slot, side, index, dst dims, collectives, bytes of its buffer): an
+        operand's buffer in the layout the op reads, or what a result needs beyond its
+        at-rest shard before a reduce-scatter or slice."""
         part, mesh = self.part, self.part.mesh
         layout = part.op_layout(o)
-        div = mesh.devices_along(a for axes in part.factor_tiling(o) for a in axes)
-        moved = 0.0
-        for _, _, v, dims in layout[0]:
-            moved += float(self._nbytes[v]) / mesh.devices_along(a for axes in dims for a in axes)
+        div = _shards(part.factor_tiling(o), mesh)
+        moved = sum(float(self._nbytes[v]) / _shards(dims, mesh) for _, _, v, dims in layout[0]
+                    if not self._virtual[v])
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         for r in part.layout_reshards(o, layout):
             if r.value in self._free and not r.src.partial:
                 continue
             cols = tuple(self._collectives(o, r))
-            out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None, cols))
+            full = float(self._nbytes[r.value])
+            if r.side == "operand":
+                buf = full / _shards(r.dst.dims, mesh)
+            else:
+                buf = max(0.0, full / _shards(r.src.dims, mesh) - full / _shards(r.dst.dims, mesh))
+            out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
+                        cols, buf))
         return div, moved, tuple(out)
 
     def _collectives(self, o: int, r) -> list[CollectiveCost]:
@@ -246,21 +278,48 @@ class CostModel:
         todo = {o for o in ops if not self._cls.trivial[o]}
         for c in classes:
             todo.update(self._cls.ops[c])
-        self._refresh_ops(todo)
+        live = self.materialization.live_op
+        self._refresh_ops([o for o in todo if live[o]])
 
     # -- evaluation ------------------------------------------------------------------------
     def _op_times(self):
         div = np.where(self._trivial, self._class_div[self._op_class], self._op_div)
         moved = np.where(self._trivial, self._op_bytes_full / div, self._op_bytes)
         work = (self._flops + self._trans) / div
-        return np.maximum(work / self._peak, moved / self.device.hbm_bandwidth) * self._mult, div
+        return np.maximum(work / self._peak, moved / self.device.hbm_bandwidth) * self._mult * self._runs, div
+
+    def _reshard_buffers(self):
+        """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
+        its readers want, live from the first such reader to the last; the whole result of
+        an op that is reduce-scattered or sliced after it, for that op. Gradient
+        reductions are combined (see `_gradient_groups`): a gradient's whole result waits
+        for its group's collective, and a backend without reduce-scatter holds every
+        member's all-reduced result there at once."""
+        starts, ends, sizes, keys = [], [], [], []
+        grads = []
+        for key, e in self._dedup.items():
+            first = min(e)
+            _, cols, buf = e[first]
+            if key[0] == "made" and any(c.gradient for c in cols):
+                grads.append((first, key, cols, buf))
+            elif buf > 0:
+                starts.append(first), ends.append(max(e)), sizes.append(buf), keys.append(key)
+        for group in _gradient_groups(sorted(grads, key=lambda g: g[0])):
+            last = group[-1][0]
+            for first, key, cols, buf in group:
+                if buf > 0:
+                    starts.append(first), ends.append(last), sizes.append(buf), keys.append(key)
+            whole = sum(c.bytes for _, _, cols, _ in group for c in cols if c.kind == "all-reduce")
+            if whole > 0:
+                starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
+        return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
 
     def evaluate(self) -> tuple[float, float]:
         """(step time without overlap, peak memory): the search's fast path."""
         self._sync()
         times, _ = self._op_times()
         comm = self.links.total_time(c for e in self._dedup.values() for c in e[min(e)][1])
-        peak, _, _ = self.liveness.peak(self._nbytes / self._class_div[self._value_class])
+        peak, _, _ = self.liveness.peak(self._nbytes / self._class_div[self._value_class], self._reshard_buffers()[:3])
         return float(times.sum()) + comm, peak
 
     def cost(self, *, top: int = 10) -> Cost:
@@ -269,31 +328,38 @@ class CostModel:
         prog = self.program
         times, div = self._op_times()
         firsts = sorted(((min(e), e[min(e)]) for e in self._dedup.values()), key=lambda t: (t[0], t[1][0]))
-        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs) in firsts for c in cs)
+        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs)
         value_bytes = self._nbytes / self._class_div[self._value_class]
-        peak, t, buf = self.liveness.peak(value_bytes)
-        live = self.liveness.live_at(t)
+        extra = self._reshard_buffers()
+        peak, t, buf = self.liveness.peak(value_bytes, extra[:3], exact=True)
+        live = self.liveness.live_at(t, extra[:3])
         live = live[np.argsort(-buf[live], kind="stable")][:top]
         order = np.argsort(-times, kind="stable")[:top]
+        runs = self.materialization.live_op
         return Cost(
             device=self.device.name,
             mesh=str(self.part.mesh),
-            flops=float((self._flops / div * self._mult).sum()) + sum(c.flops * c.count for c in cols),
-            flops_loops_once=float((self._flops / div).sum()) + sum(c.flops for c in cols),
-            transcendentals=float((self._trans / div * self._mult).sum()),
+            flops=float((self._flops / div * self._mult * runs).sum()) + sum(c.flops * c.count for c in cols),
+            flops_loops_once=float((self._flops / div * runs).sum()) + sum(c.flops for c in cols),
+            transcendentals=float((self._trans / div * self._mult * runs).sum()),
             compute_time=float(times.sum()),
             backward_compute_time=float(times[self._backward].sum()),
             comm_time=self.links.total_time(cols),
             gradient_comm_time=self.links.total_time(c for c in cols if c.gradient),
             collectives=cols,
             memory_peak=peak,
-            memory_at_peak=tuple((self._name_of_buffer(b), float(buf[b])) for b in live if buf[b] > 0),
+            memory_at_peak=tuple((self._name_of_buffer(b, extra[3]), float(buf[b])) for b in live if buf[b] > 0),
             argument_bytes=float(sum(value_bytes[v] for v in prog.inputs)),
             memory_limit=self.memory_limit,
             top_ops=tuple((_op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
         )
 
-    def _name_of_buffer(self, b: int) -> str:
+    def _name_of_buffer(self, b: int, reshards) -> str:
+        if b >= self.liveness.num_buffers:  # a reshard's buffer
+            key = reshards[b - self.liveness.num_buffers]
+            if key[0] == "read":
+                return f"{self.program.name(key[1])} as {Tiling(key[2])}"
+            return f"{_op_label(self.program, key[1])} as computed"
         name = self._buffer_name.get(b)
         if name is None:
             members = np.nonzero(self.liveness.buffer == b)[0]
@@ -301,6 +367,30 @@ class CostModel:
             inputs = [v for v in members if v in is_input]
             name = self._buffer_name[b] = self.program.name(int(inputs[0] if inputs else members[0]))
         return name
+
+
+def _gradient_groups(grads) -> list[list]:
+    """Gradient reductions (in op order) in the groups XLA's combiner makes of them: the
+    same collectives over the same axes, up to `GRADIENT_COMBINE_BYTES` each."""
+    open_groups: dict = {}
+    done = []
+    for g in grads:
+        kind = tuple((c.kind, c.axes) for c in g[2])
+        nbytes = sum(c.bytes for c in g[2])
+        group = open_groups.get(kind)
+        if group is not None and group[0] + nbytes > GRADIENT_COMBINE_BYTES:
+            done.append(group[1])
+            group = None
+        if group is None:
+            group = open_groups[kind] = [0.0, []]
+        group[0] += nbytes
+        group[1].append(g)
+    return done + [g[1] for g in open_groups.values()]
+
+
+def _shards(dims, mesh) -> int:
+    """Devices along the axes of a dim tiling (or factor tiling)."""
+    return mesh.devices_along(a for axes in dims for a in axes)
 
 
 def _feeds_backward(prog, backward) -> np.ndarray:

@@ -1,19 +1,33 @@
-"""Peak memory per device by liveness over program order.
+"""Peak memory per device: what XLA reserves to run the step.
+
+XLA runs a step with three kinds of memory (`compiled.memory_analysis()`): the arguments
+(parameters, optimizer state, batch), the outputs (allocated before the step runs, so
+they count for its whole duration, except where a donated argument's buffer is reused
+for an output of the same shape and dtype: `donate_argnums`), and one arena for every
+temporary, as large as the most temporaries live at once. The peak is their sum:
+
+    memory_peak = arguments + outputs - aliased + max over ops of live temporaries
 
 A *buffer* is a value together with its aliases: the values a link op only renames (a
-call's argument and the body's invar, a loop carry going round). Each buffer lives from
-the op that makes its first value to the last op that reads any of them:
+call's argument and the body's invar, a loop carry going round) and the views a reshape
+makes of it (see `_fusion`). Values XLA never materializes (dead code, broadcasts,
+iotas and what is made from them alone) are no buffer: they cost nothing, and the
+buffers they are re-derived from stay live for as long as they are read. A temporary
+(an activation kept for the backward pass, a gradient) lives from the op that makes it
+to the last op that reads it or any of its aliases; a value resharded for its readers
+(an all-gathered parameter, an all-to-all'd activation) is a temporary of its own in the
+readers' layout, from the first reader to the last, since XLA moves it once and keeps
+the result (`CostModel` passes these); a reduce-scatter or a slice after an op needs the
+op's whole result for a moment.
 
-- program inputs (parameters, optimizer state, batch) are live from the start; they
-  stay live to the end unless donated (`donate_argnums`), when they die at their last
-  read and their space is reused;
-- program outputs stay live to the end;
-- everything else (activations kept for the backward pass, gradients, temporaries) lives
-  from definition to last use.
-
-Op order is the lift order, i.e. execution order with a loop body's ops in line, once:
-a body's temporaries count once, not per iteration. A buffer's bytes per device are its
-largest member's shard. The peak is the largest sum of live bytes at any op.
+Scheduling assumption: ops run in lift order, which is JAX's order (the forward pass,
+the backward pass in reverse, the optimizer update), with a loop body's ops in line,
+once: a body's temporaries count once, not per iteration. XLA's scheduler may reorder
+independent ops to lower the peak; on train steps the peak is where the forward pass has
+left every residual live, which no order avoids, and `tests/test_cost.py` holds the
+model to `compiled.memory_analysis()` on the examples. The arena is assumed packed
+without gaps (XLA's best-fit packing can leave a few percent). A buffer's bytes per
+device are its largest member's shard.
 """
 
 from __future__ import annotations
@@ -22,17 +36,26 @@ import numpy as np
 
 from partir import Link
 
+from ._arena import arena
+
+#: Buffer kinds: a temporary (in the arena), an argument, an output's allocation.
+TEMPORARY, ARGUMENT, OUTPUT = 0, 1, 2
+
 #: Link kinds that make a new buffer rather than rename one: the per-iteration slice of
 #: a scan's stacked input, and the stacked output a scan writes.
 COPYING_LINKS = (Link.SCAN_XS, Link.SCAN_YS)
 
 
 class Liveness:
-    """Static buffer structure of a program: `buffer[v]` per value, and per buffer its
-    live interval `[start, end]` in op indices (the end index `len(ops)` is "after the
-    last op")."""
+    """Static buffer structure of a program: `buffer[v]` per value (virtual values map to
+    a buffer of no bytes), and per buffer its live interval `[start, end]` in op indices
+    (the end index `len(ops)` is "after the last op")."""
 
-    def __init__(self, program, donated_args=()):
+    def __init__(self, program, materialization, donated_args=()):
+        from ._fusion import view_pairs
+
+        mat = materialization
+        self.virtual = mat.virtual
         n = len(program.values)
         parent = list(range(n))
 
@@ -42,51 +65,120 @@ class Liveness:
                 x = parent[x]
             return x
 
-        for op in program.ops:
-            if op.link and op.primitive not in COPYING_LINKS:
-                a, b = find(op.operands[0]), find(op.results[0])
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
+        pairs = [(op.operands[0], op.results[0]) for op in program.ops
+                 if op.link and op.primitive not in COPYING_LINKS]
+        for a, b in pairs + view_pairs(program, mat.virtual) + _donations(program, set(donated_args)):
+            a, b = find(a), find(b)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
         roots: dict[int, int] = {}
         self.buffer = np.array([roots.setdefault(find(v), len(roots)) for v in range(n)], dtype=np.int64)
-        nb = len(roots)
-        end_of_program = len(program.ops)
+        self.num_buffers = len(roots)
+        self.length = len(program.ops) + 1
+        self.start, self.end = self._intervals(program, mat)
+
+    def _intervals(self, program, mat):
+        """Live intervals of the temporaries; arguments and outputs are held for the whole
+        step (`kind` 1 and 2), an output being first written at `defined`."""
+        nb, end_of_program = self.num_buffers, len(program.ops)
         start = np.full(nb, end_of_program, dtype=np.int64)
         end = np.zeros(nb, dtype=np.int64)
-        for v in range(n):
+        last = _last_reads(program, mat)
+        for v in range(len(program.values)):
+            if mat.virtual[v]:
+                for s in mat.sources.get(v, ()):  # re-derived where read: its sources stay live
+                    end[self.buffer[s]] = max(end[self.buffer[s]], last[v])
+                continue
             p = program.producer[v]
             users = program.users[v]
-            first = p if p >= 0 else (users[0] if users else 0)
             b = self.buffer[v]
-            start[b] = min(start[b], first)
+            start[b] = min(start[b], p if p >= 0 else (users[0] if users else 0))
             if users:
                 end[b] = max(end[b], users[-1])
-        donated = set(donated_args)
-        self.inputs = np.array(sorted({int(self.buffer[v]) for v in program.inputs}), dtype=np.int64)
-        for v, arg in zip(program.inputs, program.input_args):
-            b = self.buffer[v]
-            start[b] = 0
-            if arg not in donated:
-                end[b] = end_of_program
-        for v in program.outputs:
-            if v >= 0:
-                end[self.buffer[v]] = end_of_program
-        self.start, self.end = start, np.maximum(end, start)
-        self.num_buffers = nb
-        self.length = end_of_program + 1
+        self.kind = np.zeros(nb, dtype=np.int8)
+        self.kind[self.buffer[[v for v in program.outputs if v >= 0]]] = OUTPUT
+        self.kind[self.buffer[list(program.inputs)]] = ARGUMENT
+        self.defined = start.copy()
+        held = self.kind > 0
+        start[held], end[held] = 0, end_of_program
+        return start, np.maximum(end, start)
 
-    def peak(self, value_bytes: np.ndarray) -> tuple[float, int, np.ndarray]:
-        """(peak bytes, op index of the peak, bytes of every buffer) for per-device
-        `value_bytes` (one entry per value)."""
+    def peak(self, value_bytes: np.ndarray, extra=None, *, exact: bool = False) -> tuple[float, int, np.ndarray]:
+        """(peak bytes, op index where the most temporaries are live, bytes of every
+        buffer) for per-device `value_bytes` (one entry per value), plus `extra`
+        temporaries `(starts, ends, bytes)` (the reshard buffers of the current
+        partitioning), numbered after the static ones.
+
+        The peak is arguments + outputs + the temporaries' arena: with `exact`, as XLA
+        assigns them (`_arena`); else a fast estimate, the most temporaries live at once
+        beyond what the output allocations not yet written can hold."""
         buf = np.zeros(self.num_buffers)
-        np.maximum.at(buf, self.buffer, value_bytes)
+        np.maximum.at(buf, self.buffer, np.where(self.virtual, 0.0, value_bytes))
+        temp = np.where(self.kind == TEMPORARY, buf, 0.0)
         delta = np.zeros(self.length + 1)
-        np.add.at(delta, self.start, buf)
-        np.add.at(delta, self.end + 1, -buf)
+        np.add.at(delta, self.start, temp)
+        np.add.at(delta, self.end + 1, -temp)
+        starts, ends, sizes = extra if extra is not None else (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
+        np.add.at(delta, starts, sizes)
+        np.add.at(delta, ends + 1, -sizes)
         live = np.cumsum(delta[:-1])
         t = int(np.argmax(live))
-        return float(live[t]), t, buf
+        held = float(buf[self.kind > 0].sum())
+        if exact:
+            temps = np.nonzero(temp > 0)[0]
+            outs = np.nonzero(self.kind == OUTPUT)[0]
+            size = arena(np.concatenate([self.start[temps], starts]), np.concatenate([self.end[temps], ends]),
+                         np.concatenate([temp[temps], sizes]), self.defined[outs], buf[outs])
+        else:
+            size = float(np.max(live - self._unwritten(buf), initial=0.0))
+        return held + size, t, np.concatenate([buf, sizes])
 
-    def live_at(self, t: int) -> np.ndarray:
-        """Indices of the buffers live at op index `t`."""
-        return np.nonzero((self.start <= t) & (self.end >= t))[0]
+    def _unwritten(self, buf) -> np.ndarray:
+        """Per op index, the bytes of output allocations not written yet, which can hold
+        temporaries (the fast estimate assumes they fit there perfectly)."""
+        outs = self.kind == OUTPUT
+        delta = np.zeros(self.length + 1)
+        delta[0] = buf[outs].sum()
+        np.add.at(delta, self.defined[outs], -buf[outs])
+        return np.cumsum(delta[:-1])
+
+    def live_at(self, t: int, extra=None) -> np.ndarray:
+        """Indices of the buffers live at op index `t` (extra buffers numbered after the
+        static ones, as `peak` returns them)."""
+        static = np.nonzero((self.start <= t) & (self.end >= t))[0]
+        if extra is None or not len(extra[0]):
+            return static
+        more = np.nonzero((extra[0] <= t) & (extra[1] >= t))[0] + self.num_buffers
+        return np.concatenate([static, more])
+
+
+def _donations(program, donated: set) -> list[tuple[int, int]]:
+    """(input, output) pairs whose buffers XLA shares: each input of a donated argument
+    with the first output of its shape and dtype not taken yet, as JAX pairs them."""
+    free: dict = {}
+    for o in program.outputs:
+        if o >= 0:
+            free.setdefault((program.values[o].shape, str(program.values[o].dtype)), []).append(o)
+    pairs = []
+    for v, arg in zip(program.inputs, program.input_args):
+        if arg in donated:
+            outs = free.get((program.values[v].shape, str(program.values[v].dtype)))
+            if outs:
+                pairs.append((v, outs.pop(0)))
+    return pairs
+
+
+def _last_reads(program, mat) -> np.ndarray:
+    """Per virtual value, the last op that reads it, following it through the virtual
+    values made from it (a broadcast of a broadcast, a call's argument)."""
+    last = np.zeros(len(program.values), dtype=np.int64)
+    for op in reversed(program.ops):
+        if not mat.live_op[op.id]:
+            continue
+        results = [r for r in op.results if r >= 0]
+        fused = bool(results) and all(mat.virtual[r] for r in results)
+        when = max((last[r] for r in results), default=op.id) if fused else op.id
+        for v in op.operands:
+            if v >= 0 and mat.virtual[v]:
+                last[v] = max(last[v], when)
+    return last

@@ -13,20 +13,38 @@ from ._roles import roles
 def _pick_dim(part, v: int, axis: str, avoid=frozenset()) -> int | None:
     """The dim of input `v` to split over `axis`: one the axis divides together with the
     axes already on it, preferring dims nothing splits yet, then dims tensor
-    parallelism would not want (`avoid`: (input, dim) pairs), then the largest."""
+    parallelism would not want (`avoid`: (input, dim) pairs), then the largest; never,
+    while another dim will do, a dim some op cannot split (the layer dim of parameters
+    stacked for a scan: every iteration would gather its slice)."""
     val = part.program.values[v]
     t = part.tiling(v)
     if axis in t.axes():
         return None
+    blocked = _blocked_dims(part, v)
     best = None
     for d in range(val.rank):
         k = part.mesh.devices_along((axis, *t.dims[d]))
         if val.shape[d] % k:
             continue
-        key = (not t.dims[d], (v, d) not in avoid, val.shape[d] // k)
+        key = (d not in blocked, not t.dims[d], (v, d) not in avoid, val.shape[d] // k)
         if best is None or key > best[0]:
             best = (key, d)
     return None if best is None else best[1]
+
+
+def _blocked_dims(part, v: int) -> set[int]:
+    """Dims of input `v` that an op reading its tiling class blocks (`FactorRule.blocked`)."""
+    prog = part.program
+    cls = part.classes
+    out = set()
+    for u in cls.members[cls.of[v]]:
+        for o in prog.value_ops[u]:
+            op = prog.ops[o]
+            specs = list(op.rule.operands) + list(op.rule.results)
+            for k, w in enumerate(op.operands + op.results):
+                if w == u:
+                    out.update(d for d, fs in enumerate(specs[k]) if any(f in op.rule.blocked for f in fs))
+    return out
 
 
 @dataclass(frozen=True)

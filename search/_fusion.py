@@ -1,0 +1,337 @@
+"""Which values of a program XLA turns into buffers, and which ops it really runs.
+
+The jaxpr is not what XLA executes. Before buffers are assigned, XLA
+
+1. drops dead code: ops no output depends on. JAX's jaxprs keep some (a broadcast
+   hoisted out of a scan as a loop-invariant residual that the backward never reads,
+   an unused argument of an inner `jit`);
+2. fuses broadcasts, iotas and cheap elementwise ops on values made from scalars into
+   their consumers: a causal mask, a `finfo.min` fill broadcast to `[B, H, S, S]`, a
+   mean broadcast from `[B, S, 1]` to `[B, S, D]` never exist as buffers. Every
+   consumer re-derives them, in the forward and in the backward, from their *sources*
+   (the materialized values they were broadcast from), which must stay live instead;
+3. makes a reshape a view of its operand's buffer (a bitcast in XLA's row-major
+   layouts), so a value and its reshapes are one buffer.
+
+`materialization(program)` computes these static facts once per program; the cost
+model prices and the liveness counts only what XLA materializes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partir import Link
+
+#: Elementwise (and data-movement) primitives XLA computes inside the fusions of their
+#: consumers, duplicating them into each (its `IsExpensive` says they are cheap).
+CHEAP = frozenset("""add add_any sub mul neg max min abs sign select_n eq ne lt le gt ge and or not xor
+convert_element_type copy copy_p square integer_pow shift_left shift_right_logical shift_right_arithmetic
+floor ceil round clamp stop_gradient sin cos is_finite reduce_precision real imag conj
+reshape squeeze expand_dims transpose slice pad concatenate rev""".split())
+
+#: Elementwise primitives XLA fuses into a consumer only when that is their one reader
+#: (it does not duplicate expensive work): with several readers they are materialized.
+EXPENSIVE = frozenset("""exp exp2 expm1 log log1p tanh logistic sqrt rsqrt cbrt pow div rem atan2 erf erfc
+erf_inv tan asin acos atan sinh cosh asinh acosh atanh lgamma digamma""".split())
+
+#: Reductions, which fuse their elementwise producers in (XLA's input fusions).
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+
+#: Consumers that fuse their elementwise producers in: elementwise ops themselves,
+#: broadcasts and reductions (XLA's loop and input fusions).
+FUSING = CHEAP | EXPENSIVE | REDUCTIONS | frozenset(("broadcast_in_dim",))
+
+#: Primitives that only make values from their shapes (or from scalars).
+CREATION = frozenset(("iota", "empty", "empty2", "broadcast_in_dim"))
+
+#: Links through which XLA sees one computation: it inlines calls, so a value fuses
+#: across a call's boundary as if the call were not there.
+CALL_LINKS = frozenset((Link.CALL_IN, Link.CALL_OUT))
+
+#: The links of a scan's stacked inputs and outputs. A residual of a scan body (a value
+#: its forward loop stacks for the backward loop to slice) is seen through them, as if
+#: the two loops were one computation: the model assumes that cheap residuals are
+#: re-derived in the backward loop, as XLA does in unrolled code, so that one computation
+#: has one cost (XLA today stacks them all: a scan may need more than modeled).
+STACKS = frozenset((Link.SCAN_YS, Link.SCAN_XS))
+
+#: Links into a loop body: a `while` loop's operands are buffers, so a value made from
+#: scalars that a scan takes as a constant (JAX hoists loop-invariant residuals out of
+#: the body) is materialized once before the loop.
+LOOP_ENTRIES = frozenset((Link.SCAN_CONST, Link.SCAN_CARRY_IN, Link.WHILE_CONST, Link.WHILE_CARRY_IN))
+
+#: Ops whose result is a view of their operand's buffer: reshapes are bitcasts in XLA's
+#: row-major layouts.
+VIEWS = frozenset(("reshape", "squeeze", "expand_dims"))
+
+
+@dataclass(frozen=True, eq=False)
+class Materialization:
+    """Static buffer facts of a program (arrays indexed by op or value id).
+
+    `live_op[o]`: some output depends on op o (else XLA drops it).
+    `virtual[v]`: v is never a buffer: dead, or fused into its consumers.
+    `from_scalars[v]`: v is made from scalars and iotas alone, so it can be made in any
+    layout where it is needed, never moved (a subset of `virtual`).
+    `sources[v]`: for a virtual value that is fused, the materialized values its
+    consumers re-derive it from (they stay live as long as v is read).
+    """
+
+    live_op: np.ndarray
+    virtual: np.ndarray
+    from_scalars: np.ndarray
+    sources: dict
+
+
+def materialization(program) -> Materialization:
+    """The static buffer facts of `program` (see the module docstring)."""
+    live = _live_ops(program)
+    n = len(program.values)
+    produced = _producers(program)
+    virtual = np.zeros(n, dtype=bool)
+    scalar_made = np.zeros(n, dtype=bool)
+    sources: dict[int, tuple[int, ...]] = {}
+    backward = np.array(program.backward, dtype=bool)
+    readers, late = _readers(program, live, backward)
+    stacks = _Stacks(program)
+    for op in program.ops:  # lift order: operands are decided before their users
+        if not live[op.id]:
+            for v in op.results:
+                if v >= 0 and all(not live[p] for p in produced[v]):
+                    virtual[v] = True
+            continue
+        if op.link and op.primitive in STACKS:
+            kind = stacks.fused(op, virtual, scalar_made, sources)
+        else:
+            kind = _fused(program, op, virtual, scalar_made, sources, (readers, late), bool(backward[op.id]))
+        if kind is None:
+            continue
+        made, srcs = kind
+        for v in op.results:
+            if v >= 0 and _single_producer(produced[v], op.id, live):
+                virtual[v] = True
+                scalar_made[v] = made
+                if srcs:
+                    sources[v] = srcs
+    sources = _materialized_sources(sources, virtual)
+    for v in program.outputs:  # what the step returns is a buffer, however it was made
+        if v >= 0:
+            virtual[v] = False
+    for op in program.ops:  # so is what enters a loop, but what scalars make (remade inside)
+        v = op.operands[0] if op.link and op.operands else -1
+        if v >= 0 and op.primitive in LOOP_ENTRIES and live[op.id] and not scalar_made[v]:
+            virtual[v] = False
+    return Materialization(live, virtual, scalar_made, sources)
+
+
+class _Stacks:
+    """How a scan's residuals are seen through its stacked outputs and inputs: a fused
+    residual of the forward loop is re-derived in the backward loop from the slices of
+    what it is made from, when the forward loop stacks all of that and the backward loop
+    slices it (else the stack is a buffer, as XLA makes it)."""
+
+    def __init__(self, program):
+        self.values, self.ops, self.producer = program.values, program.ops, program.producer
+        self.stacked: dict[int, int] = {}  # forward body value -> its stacked output
+        self.sliced: dict[tuple[int, int], int] = {}  # (stacked value, body) -> the slice
+        self.readers: dict[int, list[int]] = {}  # stacked value -> bodies slicing it
+        for op in program.ops:
+            if not op.link or op.operands[0] < 0 or op.results[0] < 0:
+                continue
+            a, b = op.operands[0], op.results[0]
+            if op.primitive == Link.SCAN_YS:
+                self.stacked[a] = b
+            elif op.primitive == Link.SCAN_XS:
+                body = program.values[b].region
+                self.sliced[(a, body)] = b
+                self.readers.setdefault(a, []).append(body)
+
+    def fused(self, op, virtual, scalar_made, sources):
+        """(made from scalars, sources) if the stack or slice is fused, else None."""
+        v = op.operands[0]
+        if v < 0 or not virtual[v]:
+            return None
+        if op.primitive == Link.SCAN_YS:
+            outer = self._express(v, virtual, set())
+            bodies = self.readers.get(op.results[0], ())
+            if outer is None or any((s, b) not in self.sliced for s in outer for b in bodies):
+                return None
+            return bool(scalar_made[v]), outer
+        body = self.values[op.results[0]].region
+        return bool(scalar_made[v]), tuple(self.sliced[(s, body)] for s in sources.get(v, ()))
+
+    def _express(self, v, virtual, seen) -> tuple[int, ...] | None:
+        """The stacked outputs a fused body value can be re-derived from: the stacks of its
+        operands, or of theirs where an operand is fused and not stacked itself; None if
+        some operand is a buffer the loop does not stack."""
+        out: dict[int, None] = {}
+        producer = self.producer[v]
+        for u in self.ops[producer].operands if producer >= 0 else ():
+            if u < 0 or not self.values[u].shape or u in seen:
+                continue
+            seen.add(u)
+            if u in self.stacked:
+                out[self.stacked[u]] = None
+            elif virtual[u] and self.producer[u] >= 0 and not self.ops[self.producer[u]].link:
+                more = self._express(u, virtual, seen)
+                if more is None:
+                    return None
+                out.update(dict.fromkeys(more))
+            elif not virtual[u]:
+                return None
+        return tuple(out)
+
+
+def _fused(program, op, virtual, scalar_made, sources, reading, backward):
+    """(made from scalars alone, sources) if op's results are fused into their
+    consumers, else None."""
+    arrays = [v for v in op.operands if v >= 0 and program.values[v].shape]
+    if op.link:
+        if len(arrays) != 1 or not virtual[arrays[0]]:
+            return None
+        if op.primitive in LOOP_ENTRIES and not scalar_made[arrays[0]]:
+            return None
+        v = arrays[0]
+        return bool(scalar_made[v]), sources.get(v, ())
+    made = all(virtual[v] and scalar_made[v] for v in arrays)
+    if made and (op.primitive in CREATION or op.primitive in CHEAP):
+        pass  # made from scalars: made wherever it is read, in any layout
+    elif op.primitive == "broadcast_in_dim":
+        pass  # re-derived where it is read
+    elif op.primitive in CHEAP:
+        if not _fuses(op, *reading, backward, many=True):
+            return None
+    elif op.primitive in EXPENSIVE:
+        if not _fuses(op, *reading, backward, many=False):
+            return None
+    else:
+        return None
+    return made, tuple(v for v in arrays if not virtual[v]) + _union(sources, [v for v in arrays if virtual[v]])
+
+
+def _fuses(op, readers, late, backward: bool, *, many: bool) -> bool:
+    """Do all of op's results go only to fusing consumers? One consumer always fuses it
+    in; several duplicate it, which XLA does for cheap ops (`many`) unless one of them
+    ends in a reduction (a reduction's fusion reads its operand whole, so the value is
+    written once and read by all)."""
+    for v in op.results:
+        if v < 0:
+            continue
+        kinds = readers[v]
+        if not kinds:
+            return False
+        if len(kinds) > 1 and (not many or any(into_reduction for _, into_reduction in kinds)):
+            return False
+    return True
+
+
+def _readers(program, live, backward):
+    """Per value, its live readers seen through calls as `(primitive, ends in a
+    reduction)` pairs, or None when one of them does not fuse its operands in (a dot, a
+    gather, a loop, an output); and per value whether a backward op reads it. A reader
+    ends in a reduction when it is one, or when it is elementwise and its result goes to
+    one reader that does."""
+    n = len(program.values)
+    out: list = [[] for _ in range(n)]
+    late = np.zeros(n, dtype=bool)
+    for v in program.outputs:
+        if v >= 0:
+            out[v] = None
+    for op in reversed(program.ops):  # a call's inner readers before the call-in link
+        if not live[op.id]:
+            continue
+        results = [r for r in op.results if r >= 0]
+        is_call = op.link and (op.primitive in CALL_LINKS or op.primitive in STACKS)
+        if is_call:
+            inner = [out[r] for r in results]
+            entry = None if any(i is None for i in inner) else [k for i in inner for k in i]
+        elif op.primitive in FUSING and not op.link:
+            reduces = op.primitive in REDUCTIONS or any(
+                out[r] is not None and len(out[r]) == 1 and out[r][0][1] for r in results)
+            entry = [(op.primitive, reduces)]
+        else:
+            entry = None
+        read_late = any(late[r] for r in results) if is_call else bool(backward[op.id])
+        for v in op.operands:
+            if v < 0:
+                continue
+            late[v] |= read_late
+            if out[v] is not None:
+                out[v] = None if entry is None else out[v] + entry
+    return out, late
+
+
+def _materialized_sources(sources, virtual) -> dict:
+    """Sources that are buffers: a fused stack a source names is replaced by its own."""
+    done: dict[int, tuple[int, ...]] = {}
+
+    def resolve(v, depth=0):
+        if v in done or depth > 64:
+            return done.get(v, ())
+        out: dict[int, None] = {}
+        for s in sources.get(v, ()):
+            out.update(dict.fromkeys(resolve(s, depth + 1) if virtual[s] else (s,)))
+        done[v] = tuple(out)
+        return done[v]
+
+    for v in list(sources):
+        resolve(v)
+    return {v: s for v, s in done.items() if s}
+
+
+def _union(sources, values) -> tuple[int, ...]:
+    out: dict[int, None] = {}
+    for v in values:
+        out.update(dict.fromkeys(sources.get(v, ())))
+    return tuple(out)
+
+
+def _single_producer(producers, oid, live) -> bool:
+    # A loop carry is made by the carry-in link and by the body going round: it is only
+    # fused when every live producer fuses it, which for a carry never holds.
+    return all(p == oid or not live[p] for p in producers)
+
+
+def _producers(program) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in program.values]
+    for op in program.ops:
+        for v in op.results:
+            if v >= 0:
+                out[v].append(op.id)
+    return out
+
+
+def _live_ops(program) -> np.ndarray:
+    """Ops some program output (or a side effect) depends on, through loops and calls."""
+    produced = _producers(program)
+    live = np.zeros(len(program.ops), dtype=bool)
+    needed = np.zeros(len(program.values), dtype=bool)
+    stack = [v for v in program.outputs if v >= 0]
+    for op in program.ops:
+        if not op.link and getattr(op.eqn, "effects", None):
+            live[op.id] = True
+            stack += [v for v in op.operands if v >= 0]
+    while stack:
+        v = stack.pop()
+        if needed[v]:
+            continue
+        needed[v] = True
+        for o in produced[v]:
+            if not live[o]:
+                live[o] = True
+                stack += [u for u in program.ops[o].operands if u >= 0]
+    return live
+
+
+def view_pairs(program, virtual) -> list[tuple[int, int]]:
+    """(operand, result) of each live view op between buffers (see `VIEWS`)."""
+    out = []
+    for op in program.ops:
+        if op.primitive in VIEWS and not op.link and op.operands and op.operands[0] >= 0:
+            a, b = op.operands[0], op.results[0]
+            if b >= 0 and not virtual[a] and not virtual[b]:
+                out.append((a, b))
+    return out
