@@ -18,7 +18,7 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import PartitioningError
-from ._nested import evaluate_nested
+from ._nested import Link, evaluate_nested
 from ._partitioning import Partitioning
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
@@ -88,8 +88,16 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
             return x
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
+    regather = _Regather(part)
+
+    def hook(x, v: int):
+        return constrain_value(x, v)
+
+    hook.regather = regather
+
     def run(*args):
-        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), constrain_value)
+        regather.clear()
+        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hook)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -126,6 +134,68 @@ class Lowered:
         return self.jitted.lower(*args)
 
 
+class _Regather:
+    """Makes XLA move a forward value again for the backward pass, as the cost model
+    assumes (FSDP re-gathers a parameter for its backward matmuls, sequence parallelism
+    an activation): left alone, XLA would merge the backward's all-gather with the
+    forward's (common subexpression elimination) and keep the gathered buffer alive in
+    between. A backward op that reads a forward value in another layout than its
+    at-rest one reads it through an `optimization_barrier` taken together with one of
+    its backward operands, so the gather can only happen in the backward pass; readers
+    of one value in one layout within one loop body share that copy (moved once per pass)."""
+
+    def __init__(self, part):
+        self.part = part
+        self.prog = part.program
+        self.made = {}
+
+    def clear(self) -> None:
+        """Forget the copies of a previous trace."""
+        self.made, self.last = {}, None
+
+    def _forward(self, v: int) -> bool:
+        prog = self.prog
+        for _ in range(64):  # through call boundaries to where the value is made
+            p = prog.producer[v]
+            if p < 0:
+                return True
+            op = prog.ops[p]
+            if not (op.link and op.primitive == Link.CALL_IN) or op.operands[0] < 0:
+                return not prog.backward[p]
+            v = op.operands[0]
+        return False
+
+    def __call__(self, oid: int, invals, rid: int):
+        prog, part = self.prog, self.part
+        op = prog.ops[oid]
+        if not prog.backward[oid] or part.classes.trivial[oid]:
+            return invals
+        moved = [k for k, v in enumerate(op.operands)
+                 if v >= 0 and prog.values[v].shape and part.required(oid, k).dims != part.tiling(v).dims
+                 and not prog.rematerializable(v) and self._forward(v)]
+        if not moved:
+            return invals
+        anchor = next((k for k, v in enumerate(op.operands) if v >= 0 and k not in moved and not self._forward(v)), None)
+        invals = list(invals)
+        for k in moved:
+            key = (op.operands[k], part.required(oid, k).dims, prog.regions[rid].parent >= 0 and rid)
+            if key in self.made:
+                pass
+            elif anchor is not None:
+                self.made[key], invals[anchor] = jax.lax.optimization_barrier((invals[k], invals[anchor]))
+            elif self.last is not None:  # a unary reader: after the latest backward value
+                self.made[key], _ = jax.lax.optimization_barrier((invals[k], self.last))
+            else:
+                continue
+            invals[k] = self.made[key]
+        return invals
+
+    def produced(self, oid: int, outs) -> None:
+        """Remember the latest value the backward pass made (to order unary readers)."""
+        if self.prog.backward[oid] and outs:
+            self.last = outs[0]
+
+
 def _eval_region(prog, rid: int, args, constrain):
     """Interpret region `rid`'s jaxpr on `args`, constraining every value it defines."""
     region = prog.regions[rid]
@@ -150,9 +220,14 @@ def _eval_region(prog, rid: int, args, constrain):
             elif eqn.primitive.name in LAYOUT_ONLY:
                 outs = invals  # the plan decides layouts; the program's own requests give way
             else:
+                regather = getattr(constrain, "regather", None)
+                if regather is not None and region.eqn_ops[i] >= 0:
+                    invals = regather(region.eqn_ops[i], invals, rid)
                 outs = eqn.primitive.bind(*invals, **eqn.params)
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
+                if regather is not None and region.eqn_ops[i] >= 0:
+                    regather.produced(region.eqn_ops[i], outs)
         for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
             if v >= 0:
                 env[var] = constrain(o, v)

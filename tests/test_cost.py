@@ -81,7 +81,7 @@ def test_while_loops_cost_the_assumed_trip_count():
 
 
 def _mlp_forward(w1, w2, x):
-    return jnp.tanh(x @ w1) @ w2
+    return jnp.tanh(x @ w1) @ w2, w1 * 2.0
 
 
 def test_peak_memory_of_a_known_live_set():
@@ -91,18 +91,33 @@ def test_peak_memory_of_a_known_live_set():
     prog = partir.lift(_mlp_forward, *args)
     part = partir.Partitioning(prog, MeshSpec.of(data=8))
     cost = search.CostModel(part, "cpu").cost()
-    # Inputs stay live; `a = x @ w1` lives until `h = tanh(a)` is made; the peak is there.
-    inputs = 4 * (D * H + H * O + B * D)
+    # Arguments and outputs are held for the whole step; of the temporaries, `a = x @ w1`
+    # lives until `h = tanh(a)` is made: the arena holds both there.
+    inputs, outputs = 4 * (D * H + H * O + B * D), 4 * (B * O + D * H)
     assert cost.argument_bytes == inputs
-    assert cost.memory_peak == inputs + 2 * 4 * B * H
-    assert [b for _, b in cost.memory_at_peak[:2]] == [4 * B * H, 4 * B * H]
-    # Split the batch 8 ways: activations shrink 8x, the weights do not.
+    assert cost.memory_peak == inputs + outputs + 2 * 4 * B * H
+    assert sorted(b for _, b in cost.memory_at_peak)[-2:] == [4 * B * H, 4 * B * H]
+    # Split the batch 8 ways: activations shrink 8x, the weights do not; one of the two
+    # now fits in the allocation of the output `w1 * 2`, written only at the end.
     part.tile("x", 0, "data")
     split = search.CostModel(part, "cpu").cost()
-    assert split.memory_peak == 4 * (D * H + H * O + B * D // 8) + 2 * 4 * B * H // 8
-    # Donating x frees it after its last use (the first matmul), before the peak at tanh.
-    donated = search.CostModel(part, "cpu", donate_argnums=(2,)).cost()
-    assert donated.memory_peak == split.memory_peak - 4 * B * D // 8
+    assert split.memory_peak == 4 * (D * H + H * O + B * D // 8) + 4 * (B * O // 8 + D * H) + 4 * B * H // 8
+    # Donating w1 lets the output of its shape (w1 * 2) share its buffer (whose other
+    # use, hosting a temporary, goes); x has no output to share, so donating it saves
+    # nothing.
+    assert search.CostModel(part, "cpu", donate_argnums=(0,)).cost().memory_peak == split.memory_peak - 4 * B * H // 8
+    assert search.CostModel(part, "cpu", donate_argnums=(2,)).cost().memory_peak == split.memory_peak
+
+
+def test_memory_matches_xla_on_a_known_program():
+    B, D, H, O = 64, 16, 256, 8
+    args = (jax.ShapeDtypeStruct((D, H), jnp.float32), jax.ShapeDtypeStruct((H, O), jnp.float32),
+            jax.ShapeDtypeStruct((B, D), jnp.float32))
+    part = partir.Partitioning(partir.lift(_mlp_forward, *args), MeshSpec.of(data=8))
+    part.tile("x", 0, "data")
+    m = partir.lower(part, part.mesh.jax_mesh()).lower(*args).compile().memory_analysis()
+    xla = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    assert search.CostModel(part, "cpu").cost().memory_peak == pytest.approx(xla, rel=0.05)
 
 
 def test_megatron_beats_replication_on_gpt():
@@ -113,7 +128,8 @@ def test_megatron_beats_replication_on_gpt():
     part = partir.Partitioning(prog, MeshSpec.of(model=8))
     megatron(part, "gpt", "model")
     tp = search.CostModel(part, "h100").cost()
-    assert tp.step_time < replicated.step_time / 3
+    # Elementwise work is fused and stays replicated: not the full 8x.
+    assert tp.step_time < replicated.step_time / 2.5
     assert tp.comm_time > 0 and replicated.comm_time == 0
 
 
@@ -187,7 +203,7 @@ def test_incremental_recost_equals_a_fresh_model():
                 pass
         fresh = search.CostModel(part.copy(), "h100").cost()
         assert _summary(model.cost()) == _summary(fresh), f"after step {step_no}"
-        assert model.evaluate() == pytest.approx((fresh.step_time, fresh.memory_peak))
+        assert model.evaluate() == pytest.approx(search.CostModel(part.copy(), "h100").evaluate())
 
 
 def test_memo_does_not_mix_ops_of_different_dtypes():
