@@ -15,25 +15,51 @@ from partir import PartitioningError
 from tactics import Group, input_groups  # noqa: F401  (re-exported for the search API)
 
 
+#: The kinds of search action.
+KINDS = ("tile", "macro", "stop")
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
-    """`tile(group, dim, axis)`; `group == -1` is STOP; `macro` names a tactic instead."""
+    """One step of the search, of a `kind`: `tile` (split every input of group `group`
+    on `dim` over mesh `axis`), `macro` (apply a whole `tactic`) or `stop`. Build them
+    with `Action.tile`, `Action.macro` and `Action.stop` (or `STOP`)."""
 
-    group: int
-    dim: int
-    axis: str
-    macro: object = None
+    kind: str
+    group: int | None = None
+    dim: int | None = None
+    axis: str | None = None
+    tactic: object = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind {self.kind!r} is not one of {', '.join(KINDS)}")
+
+    @classmethod
+    def tile(cls, group: int, dim: int, axis: str) -> Action:
+        """Split every member of input group `group` on `dim` over `axis`."""
+        return cls("tile", group, dim, axis)
+
+    @classmethod
+    def macro(cls, tactic) -> Action:
+        """Apply `tactic` (e.g. `Megatron("model")`) as one action."""
+        return cls("macro", tactic=tactic)
+
+    @classmethod
+    def stop(cls) -> Action:
+        """Stop here: the plan is what has been applied so far."""
+        return cls("stop")
 
     def describe(self, groups) -> str:
         """Readable form, e.g. `tile params['layers'][*]['mlp']['w1'] dim 1 over model`."""
-        if self.macro is not None:
-            return str(self.macro)
-        if self.group < 0:
+        if self.kind == "macro":
+            return str(self.tactic)
+        if self.kind == "stop":
             return "stop"
         return f"tile {groups[self.group].label} dim {self.dim} over {self.axis}"
 
 
-STOP = Action(-1, -1, "")
+STOP = Action.stop()
 
 
 def valid_actions(part, groups, axes) -> list[Action]:
@@ -55,7 +81,7 @@ def valid_actions(part, groups, axes) -> list[Action]:
                 for a in t.dims[d]:
                     k *= sizes[a]
                 if val.shape[d] % k == 0:
-                    out.append(Action(gi, d, axis))
+                    out.append(Action.tile(gi, d, axis))
     return out
 
 
@@ -64,10 +90,10 @@ def apply_action(part, groups, action: Action, source: str) -> bool:
     if it cannot apply."""
     mark = part.mark()
     try:
-        if action.macro is not None:
+        if action.kind == "macro":
             from tactics import Context
 
-            action.macro.apply(part, Context())
+            action.tactic.apply(part, Context())
             return part.mark() != mark
         done = False
         for v in groups[action.group].members:

@@ -63,7 +63,7 @@ def exhaustive(part, model, groups, axes, *, memory_limit: float | None = None, 
         depth_of[key] = len(actions)
         if max_depth is not None and len(actions) >= max_depth:
             return
-        for a in valid_actions(part, groups, axes) + [Action(-2, -1, "", m) for m in macros]:
+        for a in valid_actions(part, groups, axes) + [Action.macro(m) for m in macros]:
             mark = part.mark()
             if apply_action(part, groups, a, source):
                 visit(actions + [a])

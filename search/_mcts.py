@@ -132,7 +132,7 @@ def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = 
 
     def actions_here():
         # Macros last in the list: they are popped first, in reverse order.
-        return [STOP] + state.actions() + [Action(-2, -1, "", m) for m in reversed(macros)]
+        return [STOP] + state.actions() + [Action.macro(m) for m in reversed(macros)]
 
     root_key = state.key()
     tree: dict[int, _Node] = {root_key: _Node()}
@@ -190,7 +190,7 @@ def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = 
     # Every pair of macro actions first: two tactics on two axes are the textbook plans
     # (data parallel + Megatron, FSDP + Megatron, ...), and this costs len(macros)**2.
     # Singles first, then pairs starting from the best singles.
-    macro_actions = [Action(-2, -1, "", m) for m in macros]
+    macro_actions = [Action.macro(m) for m in macros]
     for first in macro_actions:
         seed_path([first])
     root = tree[root_key]
@@ -221,7 +221,7 @@ def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = 
                 # Macro actions (whole tactics) are tried before single tiles: they reach
                 # the textbook plans in one step, which then anchor the search.
                 last = node.untried[-1]
-                a = node.untried.pop() if last.macro is not None else node.untried.pop(rng.randrange(len(node.untried)))
+                a = node.untried.pop() if last.kind == "macro" else node.untried.pop(rng.randrange(len(node.untried)))
                 expanding = True
             elif node.children:
                 a = _uct(node, tree)
@@ -273,7 +273,7 @@ def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = 
                 # Half the rollout steps apply a whole tactic: with max backup, one good
                 # completion lifts a branch whose single tiles alone look poor.
                 if macros and rng.random() < ROLLOUT_MACRO:
-                    a = Action(-2, -1, "", macros[rng.randrange(len(macros))])
+                    a = Action.macro(macros[rng.randrange(len(macros))])
                 else:
                     acts = state.actions()
                     if not acts:
@@ -316,7 +316,7 @@ def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = 
     # Runners-up: the best plans built from other tactics than the best one's (a
     # different set of macro actions), else any other plans, best first.
     def macro_set(actions):
-        return frozenset(a for a in actions if a.macro is not None)
+        return frozenset(a for a in actions if a.kind == "macro")
 
     others = [v for v in top.values() if v[1] != best[1] and v[2] > best[2] * (1 + 1e-9)]
     distinct = [v for v in others if macro_set(v[1]) != macro_set(best[1])]
@@ -348,7 +348,7 @@ def _polish(state, macros, best, reward, evaluate, *, deadline: float):
         candidates = []
         for a in seq:
             state.apply(a)
-        for a in state.actions() + [Action(-2, -1, "", m) for m in macros]:
+        for a in state.actions() + [Action.macro(m) for m in macros]:
             candidates.append(seq + [a])
         state.rollback(root)
         candidates += [[a] + seq for a in state.actions() if a not in seq]

@@ -31,7 +31,7 @@ def test_mlp_megatron_from_single_tiles():
                           [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu", macros=False)])
     part = res.partitioning
     assert part.tiling("params['w1']") == COL and part.tiling("params['w2']") == ROW
-    assert all(a.macro is None for a in result.actions)  # found from single tiles alone
+    assert all(a.kind == "tile" for a in result.actions)  # found from single tiles alone
     _equivalent(res, step, args)
 
 

@@ -55,7 +55,7 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     assert why is None
     full = search._state.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test")
     macro = {"dp": T.DataParallel("data"), "megatron": T.Megatron("model"), "fsdp": T.FSDP("data", leave_room=False)}
-    actions = [search.Action(-2, -1, "", macro[m]) for m in plan.split("+") if m in macro]
+    actions = [search.Action.macro(macro[m]) for m in plan.split("+") if m in macro]
     if plan.endswith("tile"):
         actions.append(next(a for a in twins.actions() if a.axis == "model"))
     for a in actions:
@@ -177,7 +177,7 @@ def test_equinox_layers_in_a_module_field_get_twins():
     twins, why = _twins.twin_state(part, groups, MESH.names, device="cpu", memory_limit=None, source="test")
     assert why is None and twins.layers == 12
     full = search._state.SearchState(part, search.CostModel(part, "cpu"), groups, MESH.names, "test")
-    dp = search.Action(-2, -1, "", T.DataParallel("data"))
+    dp = search.Action.macro(T.DataParallel("data"))
     assert twins.apply(dp) and full.apply(dp)
     np.testing.assert_allclose(twins.evaluate(), full.evaluate(), rtol=1e-9)
 
