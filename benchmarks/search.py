@@ -74,8 +74,8 @@ def run(layers: int, mesh_text: str, budget: float, seed: int, exact_depth: int)
         grp = search.input_groups(prog, r.params + r.batch)
         macros = tuple(m for a in mesh.names if mesh.size(a) > 1
                        for m in (tactics.DataParallel(a), tactics.Megatron(a), tactics.FSDP(a, leave_room=False)))
-        ex = search.exhaustive(part, search.CostModel(part, "h100"), grp, mesh.names, max_depth=exact_depth,
-                               max_states=200_000, macros=macros)
+        state = search.SearchState(part, search.CostModel(part, "h100"), grp, mesh.names, "exact")
+        ex = search.exhaustive(state, max_depth=exact_depth, max_states=200_000, macros=macros)
         row["exact"] = found / ex.step_time
         row["exact_states"] = ex.states
     return row

@@ -135,7 +135,9 @@ def test_within_two_percent_of_the_exact_optimum():
     part = partir.Partitioning(prog, mesh)
     roles = T.roles(prog)
     groups = search.input_groups(prog, roles.params + roles.batch)
-    exact = search.exhaustive(part, search.CostModel(part, "cpu"), groups, mesh.names)
+    state = search.SearchState(part, search.CostModel(part, "cpu"), groups, mesh.names, "exact")
+    exact = search.exhaustive(state)
+    assert not part.decisions  # left as it was
     res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu")])
     found = search.CostModel(res.partitioning, "cpu").cost().step_time
     assert found <= exact.step_time * 1.02, (found, exact.step_time, exact.states)
