@@ -48,8 +48,8 @@ def plan_program(prog, mesh_spec, schedule, *, device="h100", memory_limit=None,
                  key="") -> Plan:
     """Apply `schedule` to a lifted program and wrap the result in a `Plan`."""
     res = tactics.apply_schedule(prog, mesh_spec, schedule)
-    search_info = next(iter(res.context.search.values()), None)
-    return Plan(res.partitioning, history=res.history, search=search_info, device=device,
+    search_result = res.context.search[0] if res.context.search else None
+    return Plan(res.partitioning, history=res.history, search=search_result, device=device,
                 memory_limit=memory_limit, donate_argnums=donate_argnums,
                 schedule_text=[str(t) for t in schedule], jax_mesh=jax_mesh, key=key)
 

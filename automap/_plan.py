@@ -52,7 +52,7 @@ class Plan:
         self.program = partitioning.program
         self.mesh = partitioning.mesh
         self.history = tuple(history)
-        self.search = search  # (SearchResult, groups) when a search ran
+        self.search = search  # the first search's SearchResult, when a search ran
         self.device = device
         self.memory_limit = memory_limit
         self.donate_argnums = tuple(donate_argnums)
@@ -174,7 +174,7 @@ class Plan:
                                              for k, (n, b, t) in c.by_axis().items()}},
         }
         if self.search is not None:
-            result, groups = self.search
+            result, groups = self.search, self.search.groups
             out["search"] = {"episodes": result.stats.episodes, "states": result.stats.states,
                              "cache_hits": result.stats.cache_hits, "elapsed_s": result.stats.elapsed,
                              "stopped": result.stats.stopped, "root_step_time_s": result.root_step_time,

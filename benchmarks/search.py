@@ -62,7 +62,7 @@ def run(layers: int, mesh_text: str, budget: float, seed: int, exact_depth: int)
     t0 = time.perf_counter()
     res = tactics.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=budget, seed=seed)])
     wall = time.perf_counter() - t0
-    result, _ = next(iter(res.context.search.values()))
+    (result,) = res.context.search
     stats = result.stats
     found = search.CostModel(res.partitioning.copy(), "h100").cost().step_time
     reach = next((t for t, _, st in stats.trace if st <= etime * (1 + 1e-9)), None)
@@ -74,7 +74,7 @@ def run(layers: int, mesh_text: str, budget: float, seed: int, exact_depth: int)
         grp = search.input_groups(prog, r.params + r.batch)
         macros = tuple(m for a in mesh.names if mesh.size(a) > 1
                        for m in (tactics.DataParallel(a), tactics.Megatron(a), tactics.FSDP(a, leave_room=False)))
-        state = search.SearchState(part, search.CostModel(part, "h100"), grp, mesh.names, "exact")
+        state = search.SearchState(part, search.CostModel(part, "h100"), grp, mesh.names, "exact", tactics.Context())
         ex = search.exhaustive(state, max_depth=exact_depth, max_states=200_000, macros=macros)
         row["exact"] = found / ex.step_time
         row["exact_states"] = ex.states

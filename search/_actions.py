@@ -85,16 +85,25 @@ def valid_actions(part, groups, axes) -> list[Action]:
     return out
 
 
-def apply_action(part, groups, action: Action, source: str) -> bool:
+def apply_action(part, groups, action: Action, source: str, ctx, notes: list | None = None) -> bool:
     """Apply `action` to `part` (every member of its group); False, and nothing changed,
-    if it cannot apply."""
-    mark = part.mark()
+    if it cannot apply. A macro's tactic applies with `ctx` (the schedule's context, or
+    a twin's), and its notes are appended to `notes` when given."""
+    if action.kind == "stop":
+        raise ValueError("the stop action does not apply to a partitioning")
+    mark, ctx_mark = part.mark(), ctx.mark()
     try:
         if action.kind == "macro":
-            from tactics import Context
-
-            action.tactic.apply(part, Context())
-            return part.mark() != mark
+            after, said = action.tactic.apply(part, ctx)
+            if after is not part:
+                raise TypeError(f"{action.tactic} returned a new partitioning (it detaches values): "
+                                "only tactics that act in place can be search macros")
+            if part.mark() == mark:
+                ctx.rollback(ctx_mark)
+                return False
+            if notes is not None:
+                notes.extend(said)
+            return True
         done = False
         for v in groups[action.group].members:
             if action.axis in part.tiling(v).dims[action.dim]:
@@ -108,4 +117,5 @@ def apply_action(part, groups, action: Action, source: str) -> bool:
         return done
     except PartitioningError:
         part.rollback(mark)
+        ctx.rollback(ctx_mark)
         return False

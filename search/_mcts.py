@@ -83,7 +83,11 @@ class SearchStats:
 @dataclass
 class SearchResult:
     """The best plan found: its actions (in order), modeled step time and peak memory,
-    whether it fits, the search statistics, and the runners-up it rejected."""
+    whether it fits, the search statistics, and the runners-up it rejected.
+
+    `AutomaticPartition` fills in how it ran: the input `groups` that tile actions name,
+    the depths of the shallow `twins` it searched on (None: on the program itself) and
+    `why` not on twins, or why searched again on the program ("" when on twins)."""
 
     actions: tuple[Action, ...]
     step_time: float
@@ -92,6 +96,14 @@ class SearchResult:
     root_step_time: float
     stats: SearchStats
     alternatives: tuple = ()  # the next best distinct plans seen: (actions, step time, peak)
+    groups: tuple = ()
+    twins: tuple[int, int] | None = None
+    why: str = ""
+
+    @property
+    def macros(self) -> tuple:
+        """The tactics the plan applies as macro actions, in order."""
+        return tuple(a.tactic for a in self.actions if a.kind == "macro")
 
 
 class _Node:

@@ -11,6 +11,7 @@ as skipped instead.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import partir
@@ -24,10 +25,31 @@ class TacticError(PartitioningError):
 @dataclass
 class Context:
     """What tactics learn and leave for later ones in the same schedule: the Megatron
-    blocks found per axis (for sequence parallelism), search results by tactic."""
+    blocks found per axis (for sequence parallelism), and the search results, in
+    schedule order. Both only grow, so `mark()`/`rollback()` undo what was added since
+    a point (a search backing out of a state, a tactic that failed)."""
 
     blocks: dict = field(default_factory=dict)
-    search: dict = field(default_factory=dict)
+    search: list = field(default_factory=list)
+
+    def mark(self) -> tuple:
+        """A point to `rollback` to."""
+        return tuple((axis, len(found)) for axis, found in self.blocks.items()), len(self.search)
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget what was added since `mark`."""
+        blocks, searches = mark
+        kept = dict(blocks)
+        for axis in [a for a in self.blocks if a not in kept]:
+            del self.blocks[axis]
+        for axis, n in kept.items():
+            del self.blocks[axis][n:]
+        del self.search[searches:]
+
+    def child(self) -> "Context":
+        """An empty context for tactics applied to another program derived from this
+        one's (a shallow twin): what this one holds names this program's values."""
+        return Context()
 
 
 class Tactic:
@@ -41,8 +63,6 @@ class Tactic:
 
     def __str__(self) -> str:
         # Required fields by position; others only where they differ from the default.
-        import dataclasses
-
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -110,16 +130,18 @@ def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: b
     history = []
     for tactic in schedule:
         before = len(part.decisions)
-        mark = part.mark()
+        mark, ctx_mark = part.mark(), ctx.mark()
         try:
             new, notes = tactic.apply(part, ctx)
         except PartitioningError as e:
             part.rollback(mark)
+            ctx.rollback(ctx_mark)
             if not best_effort:
                 raise TacticError(f"{tactic}: {e}") from e
             history.append(Step(tactic, part.copy(), (), (), skipped=str(e)))
             continue
         part = new
-        decisions = tuple(d for d in part.decisions[before:] if d.source == str(tactic)) if new is not None else ()
-        history.append(Step(tactic, part.copy(), decisions, tuple(notes)))
+        # The step's decisions are those its `apply` added (a detached partitioning
+        # replays the earlier ones first, one for one), whichever tactic it delegated to.
+        history.append(Step(tactic, part.copy(), tuple(part.decisions[before:]), tuple(notes)))
     return Partitioned(program, part, tuple(history), ctx)

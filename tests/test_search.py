@@ -16,7 +16,7 @@ COL, ROW = Tiling(((), ("model",))), Tiling((("model",), ()))
 
 def _search(step, args, mesh, schedule, **kw):
     res = T.apply_schedule(partir.lift(step, *args), mesh, schedule, **kw)
-    result, _ = next(iter(res.context.search.values()))
+    (result,) = res.context.search
     return res, result
 
 
@@ -86,7 +86,7 @@ def test_memory_limit_makes_it_shard_parameters():
     res = T.apply_schedule(prog, mesh, [T.DataParallel("data"),
                                         search.AutomaticPartition(budget_s=600, max_episodes=300, memory_limit=limit,
                                                                   device="cpu")])
-    result, _ = next(iter(res.context.search.values()))
+    (result,) = res.context.search
     assert result.fits
     cost = search.CostModel(res.partitioning, "cpu", memory_limit=limit).cost()
     assert cost.fits
@@ -135,7 +135,7 @@ def test_within_two_percent_of_the_exact_optimum():
     part = partir.Partitioning(prog, mesh)
     roles = T.roles(prog)
     groups = search.input_groups(prog, roles.params + roles.batch)
-    state = search.SearchState(part, search.CostModel(part, "cpu"), groups, mesh.names, "exact")
+    state = search.SearchState(part, search.CostModel(part, "cpu"), groups, mesh.names, "exact", T.Context())
     exact = search.exhaustive(state)
     assert not part.decisions  # left as it was
     res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu")])
@@ -149,7 +149,7 @@ def test_progress_reports():
     res = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=4),
                            [search.AutomaticPartition(budget_s=600, max_episodes=100,
                                                       progress=lambda *a: calls.append(a))])
-    result, _ = next(iter(res.context.search.values()))
+    (result,) = res.context.search
     assert calls and all(len(c) == 3 for c in calls)
     episodes, best, elapsed = calls[-1]
     assert episodes == result.stats.episodes == 100 and best == result.step_time
@@ -179,3 +179,35 @@ def test_bad_axes_and_budget():
     with pytest.raises(T.TacticError, match="budget_s must be positive"):
         T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(budget_s=0)])
 
+
+def test_a_later_sequence_parallel_uses_the_megatron_the_search_chose():
+    step, args = gpt.make_train_step(gpt.GPTConfig(batch=2, **GPT_SMALL), abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(model=8)
+    res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, max_episodes=100, device="cpu"),
+                                        T.SequenceParallel("model")])
+    (result,) = res.context.search
+    assert T.Megatron("model") in result.macros
+    searched, seq = res.history
+    # The search's step holds what its Megatron decided, and Megatron's own notes.
+    assert any(d.source == "Megatron('model')" for d in searched.decisions)
+    assert "action: Megatron('model')" in searched.notes
+    # The schedule's context holds the blocks of the plan's Megatron, and only those
+    # (none of the Megatrons the search tried and backed out of).
+    alone = T.apply_schedule(prog, mesh, [T.Megatron("model")])
+    assert res.context.blocks == alone.context.blocks
+    # SequenceParallel split the blocks' [batch, sequence, hidden] outputs on the sequence.
+    assert seq.skipped is None and seq.decisions
+    assert all(d.action == "tile" and d.dim == 1 and d.axis == "model" and prog.values[d.value].rank == 3
+               for d in seq.decisions)
+
+
+def test_equal_searches_in_one_schedule_keep_their_own_results():
+    step, args = mlp.make_train_step(mlp.MLPConfig(), abstract=True)
+    auto = search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=20, device="cpu")
+    res = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=4),
+                           [auto, T.Megatron("model"), auto])
+    first, second = res.context.search  # in schedule order, the second where Megatron left off
+    for result, before in ((first, partir.Partitioning(res.program, res.mesh)), (second, res.history[1].partitioning)):
+        assert result.root_step_time == pytest.approx(search.CostModel(before.copy(), "cpu").cost().step_time)
+    assert first.root_step_time != second.root_step_time

@@ -307,3 +307,24 @@ def test_schedule_rejects_non_tactics():
     step, args = mlp.make_train_step(mlp.MLPConfig())
     with pytest.raises(T.TacticError, match="must be tactics"):
         _plan(step, args, MeshSpec.of(model=8), ["megatron"])
+
+
+def test_a_steps_decisions_include_those_of_the_tactics_it_delegates_to():
+    step, args = mlp.make_train_step(mlp.MLPConfig(n_layers=2), abstract=True)
+    res = _plan(step, args, MeshSpec.of(data=8), [T.FSDP("data")])
+    sources = {d.source for d in res.history[0].decisions}
+    assert sources == {"DataParallel('data')", "ZeRO('data')"}  # FSDP is DataParallel then ZeRO
+    assert len(res.history[0].decisions) == len(res.partitioning.decisions)
+
+
+# -- the schedule's context ------------------------------------------------------------------
+def test_context_rolls_back_what_was_added():
+    ctx = T.Context()
+    ctx.blocks["model"] = ["a"]
+    mark = ctx.mark()
+    ctx.blocks["model"].append("b")
+    ctx.blocks["data"] = ["c"]
+    ctx.search.append("result")
+    ctx.rollback(mark)
+    assert ctx.blocks == {"model": ["a"]} and ctx.search == []
+    assert ctx.child() == T.Context()
