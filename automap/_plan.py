@@ -24,13 +24,13 @@ class PlanError(PartitioningError):
     """A plan that does not fit the program, mesh or file it is used with."""
 
 
-def fingerprint(program, mesh: MeshSpec, schedule_text, device_text, extra="") -> str:
-    """A key for a plan: the program's jaxpr, the mesh, the schedule, the device and the
-    library version. Object addresses in the jaxpr text are left out (they differ
-    between processes)."""
+def fingerprint(program, mesh: MeshSpec, schedule_key: str, device_text, extra="") -> str:
+    """A key for a plan: the program's jaxpr, the mesh, the schedule (`schedule_key`: its
+    tactics' identities, serialised), the device and the library version. Object
+    addresses in the jaxpr text are left out (they differ between processes)."""
     text = re.sub(r"0x[0-9a-f]+", "0x", str(program.closed_jaxpr))
     h = hashlib.sha256()
-    for part in (text, str(mesh), repr(schedule_text), device_text, extra, __version__):
+    for part in (text, str(mesh), schedule_key, device_text, extra, __version__):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

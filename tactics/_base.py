@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jax.sharding import PartitionSpec
+
 import partir
 from partir import Decision, MeshSpec, Partitioning, PartitioningError, Program
 
@@ -52,14 +54,46 @@ class Context:
         return Context()
 
 
+def _identify(value, where: str):
+    """`value` as plain JSON data (see `Tactic.identity`)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Tactic):
+        return value.identity()
+    if isinstance(value, PartitionSpec):
+        return {"PartitionSpec": [_identify(p, where) for p in value]}
+    if isinstance(value, (tuple, list)):
+        return [_identify(v, where) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _identify(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if callable(getattr(value, "to_dict", None)):  # e.g. a search.DeviceSpec
+        return {type(value).__name__: _identify(value.to_dict(), where)}
+    raise TacticError(f"{where} is a {type(value).__name__} ({value!r}), which a tactic's identity cannot hold: "
+                      "use None, numbers, strings, tuples, dicts with string keys, PartitionSpecs, tactics "
+                      "or objects with a to_dict() method")
+
+
 class Tactic:
     """Base class: a tactic rewrites a partitioning through `tile`/`replicate`/`pin`
     actions. `apply` returns the partitioning to continue with (it may be a new one,
-    e.g. after `Partitioning.detach`) and notes for the history."""
+    e.g. after `Partitioning.detach`) and notes for the history.
+
+    `identity()` says which tactic it is (plan cache keys); `str()` is for people."""
 
     def apply(self, part: Partitioning, ctx: Context) -> tuple[Partitioning, list[str]]:
         """Apply to `part`; raise `TacticError` if it cannot."""
         raise NotImplementedError
+
+    def identity(self) -> dict:
+        """What makes this tactic the one it is, as JSON data: the class name and every
+        dataclass field that takes part in comparison (settings such as a progress
+        callback do not). Equal tactics have equal identities; serialise it with
+        `json.dumps(..., sort_keys=True)` for a canonical key."""
+        if not dataclasses.is_dataclass(self):
+            raise TacticError(f"{type(self).__name__} is not a dataclass: override Tactic.identity()")
+        name = type(self).__name__
+        return {"tactic": name, "fields": {f.name: _identify(getattr(self, f.name), f"{name}.{f.name}")
+                                           for f in dataclasses.fields(self) if f.compare}}
 
     def __str__(self) -> str:
         # Required fields by position; others only where they differ from the default.

@@ -1,6 +1,8 @@
 """Tactics and schedules: each tactic's plan is equivalent to the original program and
 compiles to its textbook collectives; compositions too."""
 
+import json
+
 import jax
 import optax
 import pytest
@@ -317,7 +319,24 @@ def test_a_steps_decisions_include_those_of_the_tactics_it_delegates_to():
     assert len(res.history[0].decisions) == len(res.partitioning.decisions)
 
 
-# -- the schedule's context ------------------------------------------------------------------
+# -- identity and context ------------------------------------------------------------------
+def test_tactic_identity_holds_every_compared_setting():
+    auto = search.AutomaticPartition
+    assert auto().identity() == auto(progress=print).identity()  # a callback is no setting
+    assert auto(memory_limit=1).identity() != auto().identity()
+    assert auto(max_episodes=5).identity() != auto().identity()  # str() shows neither
+    assert str(auto(max_episodes=5)) == str(auto())
+    dev = search.get_device("h100")
+    assert auto(device=dev).identity()["fields"]["device"] == {"DeviceSpec": json.loads(json.dumps(dev.to_dict()))}
+    specs = T.Specs({"w": P("data", ("x", "y"), None)}, arg="params")
+    assert specs.identity() == {"tactic": "Specs", "fields": {
+        "specs": {"w": {"PartitionSpec": ["data", ["x", "y"], None]}}, "arg": "params"}}
+    assert specs.identity() != T.Specs({"w": P("model")}, arg="params").identity()
+    json.dumps(specs.identity(), sort_keys=True)
+    with pytest.raises(T.TacticError, match=r"Shard.pattern is a object .* tactic's identity cannot hold"):
+        T.Shard(object(), 0, "data").identity()
+
+
 def test_context_rolls_back_what_was_added():
     ctx = T.Context()
     ctx.blocks["model"] = ["a"]
