@@ -79,6 +79,13 @@ class AutomaticPartition(Tactic):
                  + ("" if result.fits else " (does not fit the memory limit)")]
         return part, notes + said
 
+    def search_space(self, part, ctx: Context):
+        """What this search walks from `part`: `(state, macros)`, the search state
+        (shallow twins where they are sound, else `part` itself, with `ctx` for the
+        macros) and the macro tactics; e.g. for `exhaustive` to walk the same space."""
+        axes, groups, macros = self._setup(part)
+        return self._state(part, groups, axes, ctx)[0], macros
+
     def _state(self, part, groups, axes, ctx):
         """`(state, why not on twins)`: twins where they are sound, else `part` itself."""
         if not self.group:

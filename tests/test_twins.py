@@ -69,6 +69,21 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     np.testing.assert_allclose([t, peak, twins.compute_time()], [tf, peakf, full.compute_time()], rtol=1e-9)
 
 
+def test_the_exact_baseline_walks_the_twins_to_the_programs_optimum():
+    _, _, prog = _gpt(8)
+    part = partir.Partitioning(prog, MESH)
+    twins, macros = search.AutomaticPartition().search_space(part, T.Context())
+    assert twins.depths is not None and macros
+    r = T.roles(prog)
+    groups = search.input_groups(prog, r.params + r.batch)
+    full = search.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test", T.Context())
+    on_twins = search.exhaustive(twins, max_depth=1, macros=macros)
+    on_program = search.exhaustive(full, max_depth=1, macros=macros)
+    assert on_twins.actions == on_program.actions and on_twins.states == on_program.states
+    assert on_twins.step_time == pytest.approx(on_program.step_time, rel=1e-9)
+    assert not part.decisions
+
+
 def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
     # The config of the recovery tests in test_search.py, 8 layers deep.
     cfg = gpt.GPTConfig(n_layers=8, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4, adam_eps=1e-3)
