@@ -151,7 +151,7 @@ def test_progress_reports():
                                                       progress=lambda *a: calls.append(a))])
     (result,) = res.context.search
     assert calls and all(len(c) == 3 for c in calls)
-    episodes, best, elapsed = calls[-1]
+    episodes, best, _ = calls[-1]
     assert episodes == result.stats.episodes == 100 and best == result.step_time
     assert result.stats.stopped == "episode limit"
     times = [t for t, _, _ in result.stats.trace]
