@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -40,6 +41,12 @@ def _schedule(schedule, device, memory_limit, budget_s, seed):
     return list(schedule)
 
 
+def schedule_key(schedule) -> str:
+    """The schedule's part of a plan's cache key: every tactic's identity (all the
+    settings that make it the tactic it is), serialised canonically."""
+    return json.dumps([t.identity() for t in schedule], sort_keys=True)
+
+
 def _device_text(device) -> str:
     return device if isinstance(device, str) else repr(device)
 
@@ -48,8 +55,8 @@ def plan_program(prog, mesh_spec, schedule, *, device="h100", memory_limit=None,
                  key="") -> Plan:
     """Apply `schedule` to a lifted program and wrap the result in a `Plan`."""
     res = tactics.apply_schedule(prog, mesh_spec, schedule)
-    search_info = next(iter(res.context.search.values()), None)
-    return Plan(res.partitioning, history=res.history, search=search_info, device=device,
+    search_result = res.context.search[0] if res.context.search else None
+    return Plan(res.partitioning, history=res.history, search=search_result, device=device,
                 memory_limit=memory_limit, donate_argnums=donate_argnums,
                 schedule_text=[str(t) for t in schedule], jax_mesh=jax_mesh, key=key)
 
@@ -67,7 +74,7 @@ def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, stat
     def make(*args) -> Plan:
         sched = _schedule(schedule, device, memory_limit, budget_s, seed)
         prog = partir.lift(fn, *args, static_argnums=static_argnums)
-        key = fingerprint(prog, mesh_spec, [str(t) for t in sched], _device_text(device), str(memory_limit))
+        key = fingerprint(prog, mesh_spec, schedule_key(sched), _device_text(device), str(memory_limit))
         return plan_program(prog, mesh_spec, sched, device=device, memory_limit=memory_limit,
                             donate_argnums=donate_argnums, jax_mesh=jax_mesh, key=key)
 
@@ -113,7 +120,7 @@ class AutomapFunction:
             return plan
         sched = _schedule(self.schedule, self.device, self.memory_limit, self.budget_s, self.seed)
         prog = partir.lift(self.fn, *args, static_argnums=self.static_argnums)
-        key = fingerprint(prog, self.mesh_spec, [str(t) for t in sched], _device_text(self.device),
+        key = fingerprint(prog, self.mesh_spec, schedule_key(sched), _device_text(self.device),
                           f"{self.memory_limit}|{self.donate_argnums}")
         path = self.cache_dir / f"{key}.json"
         plan = None

@@ -66,8 +66,8 @@ def alternatives(plan):
                                                                  memory_limit=plan.memory_limit).cost()))
     except partir.PartitioningError:
         pass
-    if plan.search is not None and plan.search[0].alternatives:
-        result, groups = plan.search
+    if plan.search is not None and plan.search.alternatives:
+        result, groups = plan.search, plan.search.groups
         actions, t, _ = result.alternatives[0]
         out.append(("best rejected by the search: " + "; ".join(a.describe(groups) for a in actions) or "stop", t))
     return out

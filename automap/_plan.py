@@ -24,13 +24,13 @@ class PlanError(PartitioningError):
     """A plan that does not fit the program, mesh or file it is used with."""
 
 
-def fingerprint(program, mesh: MeshSpec, schedule_text, device_text, extra="") -> str:
-    """A key for a plan: the program's jaxpr, the mesh, the schedule, the device and the
-    library version. Object addresses in the jaxpr text are left out (they differ
-    between processes)."""
+def fingerprint(program, mesh: MeshSpec, schedule_key: str, device_text, extra="") -> str:
+    """A key for a plan: the program's jaxpr, the mesh, the schedule (`schedule_key`: its
+    tactics' identities, serialised), the device and the library version. Object
+    addresses in the jaxpr text are left out (they differ between processes)."""
     text = re.sub(r"0x[0-9a-f]+", "0x", str(program.closed_jaxpr))
     h = hashlib.sha256()
-    for part in (text, str(mesh), repr(schedule_text), device_text, extra, __version__):
+    for part in (text, str(mesh), schedule_key, device_text, extra, __version__):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -52,7 +52,7 @@ class Plan:
         self.program = partitioning.program
         self.mesh = partitioning.mesh
         self.history = tuple(history)
-        self.search = search  # (SearchResult, groups) when a search ran
+        self.search = search  # the first search's SearchResult, when a search ran
         self.device = device
         self.memory_limit = memory_limit
         self.donate_argnums = tuple(donate_argnums)
@@ -164,7 +164,7 @@ class Plan:
                                              for k, (n, b, t) in c.by_axis().items()}},
         }
         if self.search is not None:
-            result, groups = self.search
+            result, groups = self.search, self.search.groups
             out["search"] = {"episodes": result.stats.episodes, "states": result.stats.states,
                              "cache_hits": result.stats.cache_hits, "elapsed_s": result.stats.elapsed,
                              "stopped": result.stats.stopped, "root_step_time_s": result.root_step_time,

@@ -60,22 +60,19 @@ def run(layers: int, mesh_text: str, budget: float, seed: int, exact_depth: int)
     prog = partir.lift(step, *args)
     ename, etime = expert(prog, mesh)
     t0 = time.perf_counter()
-    res = tactics.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=budget, seed=seed)])
+    auto = search.AutomaticPartition(budget_s=budget, seed=seed)
+    res = tactics.apply_schedule(prog, mesh, [auto])
     wall = time.perf_counter() - t0
-    result, _ = next(iter(res.context.search.values()))
+    (result,) = res.context.search
     stats = result.stats
     found = search.CostModel(res.partitioning.copy(), "h100").cost().step_time
     reach = next((t for t, _, st in stats.trace if st <= etime * (1 + 1e-9)), None)
     row = {"layers": layers, "mesh": mesh_text, "expert": ename, "ratio": found / etime, "reach": reach,
            "wall": wall, "episodes": stats.episodes, "states": stats.states, "exact": None}
     if exact_depth and layers <= 6:
-        part = partir.Partitioning(prog, mesh)
-        r = tactics.roles(prog)
-        grp = search.input_groups(prog, r.params + r.batch)
-        macros = tuple(m for a in mesh.names if mesh.size(a) > 1
-                       for m in (tactics.DataParallel(a), tactics.Megatron(a), tactics.FSDP(a, leave_room=False)))
-        ex = search.exhaustive(part, search.CostModel(part, "h100"), grp, mesh.names, max_depth=exact_depth,
-                               max_states=200_000, macros=macros)
+        # The same search state and macros as the search's, walked exhaustively.
+        state, macros = auto.search_space(partir.Partitioning(prog, mesh), tactics.Context())
+        ex = search.exhaustive(state, max_depth=exact_depth, max_states=200_000, macros=macros)
         row["exact"] = found / ex.step_time
         row["exact_states"] = ex.states
     return row

@@ -16,9 +16,10 @@ __all__ = ["PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "Dev
            "bytes_str", "collectives_table", "get_device", "link_levels", "time_str"]
 from ._validate import Fidelity, compare_with_xla  # noqa: E402
 from ._actions import STOP, Action, Group, input_groups, valid_actions  # noqa: E402
-from ._mcts import SearchResult, SearchStats, mcts  # noqa: E402
+from ._state import SearchState  # noqa: E402
+from ._mcts import SearchResult, SearchStats, TreeSearch, mcts  # noqa: E402
 from ._auto import AutomaticPartition  # noqa: E402
 from ._exact import ExactResult, exhaustive  # noqa: E402
 
 __all__ += ["Fidelity", "compare_with_xla", "STOP", "Action", "Group", "input_groups", "valid_actions",
-            "SearchResult", "SearchStats", "mcts", "AutomaticPartition", "ExactResult", "exhaustive"]
+            "SearchState", "SearchResult", "SearchStats", "TreeSearch", "mcts", "AutomaticPartition", "ExactResult", "exhaustive"]

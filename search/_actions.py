@@ -15,25 +15,51 @@ from partir import PartitioningError
 from tactics import Group, input_groups  # noqa: F401  (re-exported for the search API)
 
 
+#: The kinds of search action.
+KINDS = ("tile", "macro", "stop")
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
-    """`tile(group, dim, axis)`; `group == -1` is STOP; `macro` names a tactic instead."""
+    """One step of the search, of a `kind`: `tile` (split every input of group `group`
+    on `dim` over mesh `axis`), `macro` (apply a whole `tactic`) or `stop`. Build them
+    with `Action.tile`, `Action.macro` and `Action.stop` (or `STOP`)."""
 
-    group: int
-    dim: int
-    axis: str
-    macro: object = None
+    kind: str
+    group: int | None = None
+    dim: int | None = None
+    axis: str | None = None
+    tactic: object = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind {self.kind!r} is not one of {', '.join(KINDS)}")
+
+    @classmethod
+    def tile(cls, group: int, dim: int, axis: str) -> Action:
+        """Split every member of input group `group` on `dim` over `axis`."""
+        return cls("tile", group, dim, axis)
+
+    @classmethod
+    def macro(cls, tactic) -> Action:
+        """Apply `tactic` (e.g. `Megatron("model")`) as one action."""
+        return cls("macro", tactic=tactic)
+
+    @classmethod
+    def stop(cls) -> Action:
+        """Stop here: the plan is what has been applied so far."""
+        return cls("stop")
 
     def describe(self, groups) -> str:
         """Readable form, e.g. `tile params['layers'][*]['mlp']['w1'] dim 1 over model`."""
-        if self.macro is not None:
-            return str(self.macro)
-        if self.group < 0:
+        if self.kind == "macro":
+            return str(self.tactic)
+        if self.kind == "stop":
             return "stop"
         return f"tile {groups[self.group].label} dim {self.dim} over {self.axis}"
 
 
-STOP = Action(-1, -1, "")
+STOP = Action.stop()
 
 
 def valid_actions(part, groups, axes) -> list[Action]:
@@ -52,20 +78,29 @@ def valid_actions(part, groups, axes) -> list[Action]:
                 continue
             for d in range(val.rank):
                 if val.shape[d] % part.mesh.devices_along((axis, *t.dims[d])) == 0:
-                    out.append(Action(gi, d, axis))
+                    out.append(Action.tile(gi, d, axis))
     return out
 
 
-def apply_action(part, groups, action: Action, source: str) -> bool:
+def apply_action(part, groups, action: Action, source: str, ctx, notes: list | None = None) -> bool:
     """Apply `action` to `part` (every member of its group); False, and nothing changed,
-    if it cannot apply."""
-    mark = part.mark()
+    if it cannot apply. A macro's tactic applies with `ctx` (the schedule's context, or
+    a twin's), and its notes are appended to `notes` when given."""
+    if action.kind == "stop":
+        raise ValueError("the stop action does not apply to a partitioning")
+    mark, ctx_mark = part.mark(), ctx.mark()
     try:
-        if action.macro is not None:
-            from tactics import Context
-
-            action.macro.apply(part, Context())
-            return part.mark() != mark
+        if action.kind == "macro":
+            after, said = action.tactic.apply(part, ctx)
+            if after is not part:
+                raise TypeError(f"{action.tactic} returned a new partitioning (it detaches values): "
+                                "only tactics that act in place can be search macros")
+            if part.mark() == mark:
+                ctx.rollback(ctx_mark)
+                return False
+            if notes is not None:
+                notes.extend(said)
+            return True
         done = False
         for v in groups[action.group].members:
             if action.axis in part.tiling(v).dims[action.dim]:
@@ -79,4 +114,5 @@ def apply_action(part, groups, action: Action, source: str) -> bool:
         return done
     except PartitioningError:
         part.rollback(mark)
+        ctx.rollback(ctx_mark)
         return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,13 +28,15 @@ class AutomaticPartition(Tactic):
     tiles only. `memory_limit` (bytes per device;
     the device's HBM by default) is a hard constraint. Stops at `budget_s` seconds,
     after `max_episodes`, or on convergence; `progress(episodes, best step time,
-    elapsed)` is called as it goes. The result is kept in `result` of the schedule's
-    context (`Context.search[...]`).
+    elapsed)` is called as it goes. The `SearchResult` is appended to the schedule's
+    context (`Context.search`), with how the search ran (`twins`, `why`). Macro actions
+    apply with the schedule's context: a Megatron the search chose leaves its blocks
+    for a later `SequenceParallel`, and its notes follow the action's in the history.
 
     A model with a list of 8 or more alike layers in its arguments is searched on two
     shallow twins with costs extrapolated to its depth (`search._twins`), so
-    the search takes no longer for 48 layers than for 8; the first note of the history
-    says whether it was, and why not.
+    the search takes no longer for 48 layers than for 8; the result's `twins` and `why`
+    (and the first note of the history) say whether it was, and why not.
     """
 
     axes: tuple[str, ...] | None = None
@@ -48,33 +51,14 @@ class AutomaticPartition(Tactic):
 
     def apply(self, part, ctx: Context):
         start = time.perf_counter()
-        prog = part.program
-        axes = tuple(part.mesh.names) if self.axes is None else tuple(self.axes)
-        for a in axes:
-            part.mesh.size(a)
-        if self.budget_s <= 0:
-            raise TacticError(f"budget_s must be positive, got {self.budget_s}")
-        r = roles(prog)
-        groups = input_groups(prog, r.params + r.batch, group=self.group)
-        macros = ()
-        if self.macros:
-            # FSDP without ZeRO's trial Megatron: the search tries both orders itself.
-            macros = tuple(m for a in axes if part.mesh.size(a) > 1
-                           for m in (DataParallel(a), Megatron(a), FSDP(a, leave_room=False)))
-        state, why = None, "group=False decides layers one by one"
-        if self.group:
-            state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
-                                    source=str(self))
+        axes, groups, macros = self._setup(part)
+        state, why = self._state(part, groups, axes, ctx)
         while True:
-            if state is None:
-                state = SearchState(part, CostModel(part, self.device, memory_limit=self.memory_limit), groups,
-                                    axes, str(self))
             result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
                                         max_episodes=self.max_episodes, macros=macros, progress=self.progress,
                                         start=start)
-            mark = part.mark()
-            for action in result.actions:
-                apply_action(part, groups, action, str(self))
+            mark, ctx_mark = part.mark(), ctx.mark()
+            said = self._apply_plan(part, groups, result.actions, ctx)
             differs = state.mismatch(part, result.actions)
             if differs is None:
                 break
@@ -82,16 +66,65 @@ class AutomaticPartition(Tactic):
             # group tile alternates column and row splits from layer to layer, which one
             # middle layer cannot show. Search the program itself, with a budget of its own.
             part.rollback(mark)
-            state, why, start = None, f"the twins' plan splits {differs} differently in the program", None
-        ctx.search[str(self)] = (result, groups)
+            ctx.rollback(ctx_mark)
+            why = f"the twins' plan splits {differs} differently in the program"
+            state, start = self._program_state(part, groups, axes, ctx), None
+        result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
+        ctx.search.append(result)
         st = result.stats
         notes = [state.describe() + (f" ({why})" if why else ""),
                  f"{len(groups)} groups over axes {', '.join(axes)}; {st.episodes} episodes, {st.states} states, "
                  f"{st.cache_hits} cache hits in {st.elapsed:.1f} s ({st.stopped})",
                  f"modeled step {result.step_time * 1e3:.3f} ms vs {result.root_step_time * 1e3:.3f} ms before"
                  + ("" if result.fits else " (does not fit the memory limit)")]
-        notes += [f"action: {a.describe(groups)}" for a in result.actions]
-        return part, notes
+        return part, notes + said
+
+    def search_space(self, part, ctx: Context):
+        """What this search walks from `part`: `(state, macros)`, the search state
+        (shallow twins where they are sound, else `part` itself, with `ctx` for the
+        macros) and the macro tactics; e.g. for `exhaustive` to walk the same space."""
+        axes, groups, macros = self._setup(part)
+        return self._state(part, groups, axes, ctx)[0], macros
+
+    def _state(self, part, groups, axes, ctx):
+        """`(state, why not on twins)`: twins where they are sound, else `part` itself."""
+        if not self.group:
+            return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
+        state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
+                                source=str(self), ctx=ctx)
+        return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
+
+    def _program_state(self, part, groups, axes, ctx) -> SearchState:
+        return SearchState(part, CostModel(part, self.device, memory_limit=self.memory_limit), groups, axes,
+                           str(self), ctx)
+
+    def _setup(self, part):
+        """The axes searched, the input groups and the macro tactics; checks the settings."""
+        axes = tuple(part.mesh.names) if self.axes is None else tuple(self.axes)
+        for a in axes:
+            part.mesh.size(a)
+        if self.budget_s <= 0:
+            raise TacticError(f"budget_s must be positive, got {self.budget_s}")
+        r = roles(part.program)
+        groups = input_groups(part.program, r.params + r.batch, group=self.group)
+        macros = ()
+        if self.macros:
+            # FSDP without ZeRO's trial Megatron: the search tries both orders itself.
+            macros = tuple(m for a in axes if part.mesh.size(a) > 1
+                           for m in (DataParallel(a), Megatron(a), FSDP(a, leave_room=False)))
+        return axes, groups, macros
+
+    def _apply_plan(self, part, groups, actions, ctx) -> list[str]:
+        """Apply the searched plan to the program's `part` with the schedule's context
+        (so that e.g. a Megatron's blocks are there for a later SequenceParallel); the
+        notes that say what each action did."""
+        notes = []
+        for action in actions:
+            said = []
+            apply_action(part, groups, action, str(self), ctx, notes=said)
+            notes.append(f"action: {action.describe(groups)}")
+            notes += [f"  {n}" for n in said]
+        return notes
 
     def __str__(self) -> str:
         axes = "all axes" if self.axes is None else ", ".join(self.axes)

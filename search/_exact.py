@@ -2,9 +2,10 @@
 
 With `max_depth`, the optimum among plans of at most that many actions.
 
-A depth-first walk over the same action space and cost model as the tree search, with
-a table of states already seen (the partitioning's hash), so each distinct plan is
-costed once however many action orders reach it. It is exponential in the number of
+A depth-first walk through the same search state as the tree search (`SearchState`, or
+`TwinState` for a deep model): the same actions, the same cost model. A table of states
+already seen (the state's hash) costs each distinct plan once however many action
+orders reach it. It is exponential in the number of
 groups and meant for small problems, to measure how far the tree search is from the
 optimum of its own cost model; `max_states` guards against a problem too large.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from partir import PartitioningError
 
-from ._actions import Action, apply_action, valid_actions
+from ._actions import Action
 
 
 @dataclass(frozen=True)
@@ -31,44 +32,41 @@ class ExactResult:
     elapsed: float
 
 
-def exhaustive(part, model, groups, axes, *, memory_limit: float | None = None, max_depth: int | None = None,
-               max_states: int = 20_000, macros=(), source: str = "exact") -> ExactResult:
-    """The best plan over all states reachable from `part` (left unchanged) in at most
-    `max_depth` actions (any number when None), tiles and the given macro tactics: the
-    fastest that fits the memory limit, or the smallest peak if none does."""
-    limit = model.memory_limit if memory_limit is None else memory_limit
+def exhaustive(state, *, max_depth: int | None = None, max_states: int = 20_000, macros=()) -> ExactResult:
+    """The best plan over all states reachable from `state` (a `SearchState` or a
+    `TwinState`, left as it was) in at most `max_depth` actions (any number when None),
+    its tiles and the given macro tactics: the fastest that fits its memory limit, or
+    the smallest peak if none does."""
+    limit = state.memory_limit
     start = time.perf_counter()
-    seen: set[int] = set()
-    best = [None]
-
-    def consider(actions):
-        t, peak = model.evaluate()
-        key = (peak > limit, peak if peak > limit else t)
-        if best[0] is None or key < best[0][0]:
-            best[0] = (key, tuple(actions), t, peak)
-
-    depth_of: dict[int, int] = {}
+    macro_actions = [Action.macro(m) for m in macros]
+    best = None
+    depth_of: dict[int, int] = {}  # the fewest actions each state seen was reached in
 
     def visit(actions):
-        key = part.key()
+        nonlocal best
+        key = state.key()
         # A state is expanded again only when reached in fewer actions than before
         # (depth-limited search must not miss what a shorter path could still reach).
         if key in depth_of and depth_of[key] <= len(actions):
             return
         if key not in depth_of:
-            seen.add(key)
-            if len(seen) > max_states:
-                raise PartitioningError(f"more than {max_states} states: too large for exhaustive search")
-            consider(actions)
+            if len(depth_of) >= max_states:
+                raise PartitioningError(f"more than {max_states} states: too large for exhaustive search "
+                                        "(lower max_depth, or raise max_states)")
+            t, peak = state.evaluate()
+            rank = (peak > limit, peak if peak > limit else t)
+            if best is None or rank < best[0]:
+                best = (rank, tuple(actions), t, peak)
         depth_of[key] = len(actions)
         if max_depth is not None and len(actions) >= max_depth:
             return
-        for a in valid_actions(part, groups, axes) + [Action(-2, -1, "", m) for m in macros]:
-            mark = part.mark()
-            if apply_action(part, groups, a, source):
+        for a in state.actions() + macro_actions:
+            mark = state.mark()
+            if state.apply(a):
                 visit(actions + [a])
-            part.rollback(mark)
+            state.rollback(mark)
 
     visit([])
-    (_, actions, t, peak) = best[0]
-    return ExactResult(actions, t, peak, peak <= limit, len(seen), time.perf_counter() - start)
+    _, actions, t, peak = best
+    return ExactResult(actions, t, peak, peak <= limit, len(depth_of), time.perf_counter() - start)

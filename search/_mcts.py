@@ -27,6 +27,11 @@ action orders that reach the same plan share statistics. The search stops at its
 budget, at `max_episodes`, or when the best plan has not improved for `patience`
 episodes; it returns the best plan seen. All randomness comes from `seed`: with the same
 seed a search that stops by episodes or convergence makes the same plan.
+
+`TreeSearch` holds the tree, the transposition table, the statistics and the best plans;
+its steps are methods by name: `seed_macros`, then per episode `select` (UCT among tried
+actions) and `expand` (one untried action) on the way down, `rollout`, `evaluate`,
+`backup`, and now and then `polish`; `run` loops until a stopping rule holds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ._actions import STOP, Action
 
@@ -77,7 +83,11 @@ class SearchStats:
 @dataclass
 class SearchResult:
     """The best plan found: its actions (in order), modeled step time and peak memory,
-    whether it fits, the search statistics, and the runners-up it rejected."""
+    whether it fits, the search statistics, and the runners-up it rejected.
+
+    `AutomaticPartition` fills in how it ran: the input `groups` that tile actions name,
+    the depths of the shallow `twins` it searched on (None: on the program itself) and
+    `why` not on twins, or why searched again on the program ("" when on twins)."""
 
     actions: tuple[Action, ...]
     step_time: float
@@ -86,6 +96,14 @@ class SearchResult:
     root_step_time: float
     stats: SearchStats
     alternatives: tuple = ()  # the next best distinct plans seen: (actions, step time, peak)
+    groups: tuple = ()
+    twins: tuple[int, int] | None = None
+    why: str = ""
+
+    @property
+    def macros(self) -> tuple:
+        """The tactics the plan applies as macro actions, in order."""
+        return tuple(a.tactic for a in self.actions if a.kind == "macro")
 
 
 class _Node:
@@ -98,283 +116,356 @@ class _Node:
         self.children: dict[Action, tuple] = {}
 
 
-def mcts(state, *, budget_s: float, seed: int = 0, memory_limit: float | None = None,
-         max_episodes: int | None = None, patience: int | None = None, macros=(), progress=None,
-         start: float | None = None) -> SearchResult:
+class _Scored(NamedTuple):
+    """A plan and its score."""
+
+    reward: float
+    actions: tuple[Action, ...]
+    time: float
+    peak: float
+
+
+@dataclass
+class _Walk:
+    """One episode's way down the tree: the key of the node it is at, the nodes passed
+    (backed up into), the actions applied, and whether it ended by stopping."""
+
+    key: object
+    path: list
+    applied: list = field(default_factory=list)
+    stopped: bool = False
+
+
+class TreeSearch:
+    """The tree search (see the module docstring) from `state`'s current point, which
+    it leaves as it was: the tree of `_Node`s by state key (a transposition table), the
+    evaluation cache, the statistics, the best plan and the best distinct plans seen.
+    Times count from `start` (a `time.perf_counter()` reading); `macros` are tactics
+    offered as single actions; `progress(episodes, best step time, elapsed)` is called
+    every 16 episodes and at the end."""
+
+    def __init__(self, state, *, budget_s: float, seed: int, macros, start: float, max_episodes: int | None,
+                 patience: int | None, progress):
+        self.state, self.rng = state, random.Random(seed)
+        self.macros = tuple(Action.macro(m) for m in macros)
+        self.limit = state.memory_limit
+        self.start, self.budget_s, self.deadline = start, budget_s, start + budget_s
+        self.max_episodes, self.progress = max_episodes, progress
+        self.stats = SearchStats()
+        self.cache: dict[int, tuple[float, float]] = {}
+        t, peak = self.evaluate()
+        self.root_time = t
+        self.t_ideal = state.compute_time() / state.mesh.devices_along(state.axes)
+        self.root_key = state.key()
+        self.tree: dict[object, _Node] = {self.root_key: _Node()}
+        self.best = _Scored(self.reward(t, peak), (), t, peak)
+        self.stats.trace.append((0.0, 0, t))
+        self.patience = patience if patience is not None else max(1000, 30 * len(self.actions_here()))
+        self.since_best = 0
+        self.top: dict[int, _Scored] = {}  # the best distinct plans, by state key
+        self.held: list[tuple[Action, object]] = []  # the tree path now applied, with undo marks
+        self.polished: set = set()  # best plans (action tuples) already hill-climbed from
+
+    # -- scoring ---------------------------------------------------------------------
+    def evaluate(self) -> tuple[float, float]:
+        """Modeled `(step time, peak memory)` of the state, each state costed once."""
+        key = self.state.key()
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.stats.cache_hits += 1
+            return hit
+        self.stats.evaluations += 1
+        self.cache[key] = hit = self.state.evaluate()
+        return hit
+
+    def reward(self, t: float, peak: float) -> float:
+        """The objective of the module docstring."""
+        if peak > self.limit:
+            return 0.5 * self.limit / peak
+        return 0.5 + 0.5 * math.exp(-K_REWARD * max(0.0, t / self.t_ideal - 1.0))
+
+    def score(self, actions) -> _Scored:
+        """The current state, reached by `actions`, scored."""
+        t, peak = self.evaluate()
+        return _Scored(self.reward(t, peak), tuple(actions), t, peak)
+
+    def remember(self, scored: _Scored) -> None:
+        """Keep `scored` (the current state's plan) among the best distinct plans."""
+        key = self.state.key()
+        if key not in self.top or self.top[key].reward < scored.reward:
+            self.top[key] = scored
+            if len(self.top) > 2 * TOP_KEPT:
+                for k in sorted(self.top, key=lambda k: self.top[k].reward)[:len(self.top) - TOP_KEPT]:
+                    del self.top[k]
+
+    def improve(self, scored: _Scored) -> bool:
+        """Take `scored` as the best plan if it is better; whether it was."""
+        if scored.reward <= self.best.reward + 1e-12:
+            return False
+        self.best = scored
+        self.stats.trace.append((time.perf_counter() - self.start, self.stats.episodes, scored.time))
+        return True
+
+    def backup(self, path, reward: float) -> None:
+        """Count a visit to every node on `path` and raise its value to `reward` (max
+        backup: the best plan below a node is what it is worth)."""
+        for n in path:
+            n.visits += 1
+            if reward > n.value:
+                n.value = reward
+
+    # -- the tree --------------------------------------------------------------------
+    def actions_here(self) -> list[Action]:
+        """The actions of a new node: stop, the tiles, then the macros (last: they are
+        popped first, in reverse order)."""
+        return [STOP] + self.state.actions() + list(reversed(self.macros))
+
+    def select(self, node: _Node) -> Action:
+        """UCT among the actions tried at `node`: unvisited children first, then the
+        best value plus the exploration bonus."""
+        log_n = math.log(max(1, node.visits))
+        best, best_score = None, -1.0
+        for a, key in node.children.items():
+            child = self.tree[key]
+            if child.visits == 0:
+                score = math.inf
+            else:
+                score = child.value + C_UCT * math.sqrt(log_n / child.visits)
+            if score > best_score:
+                best, best_score = a, score
+        return best
+
+    def expand(self, node: _Node) -> Action:
+        """Take an untried action of `node`: a macro if any is left (whole tactics reach
+        the textbook plans in one step, which then anchor the search), else one at
+        random."""
+        if node.untried[-1].kind == "macro":
+            return node.untried.pop()
+        return node.untried.pop(self.rng.randrange(len(node.untried)))
+
+    def follow(self, action: Action, depth: int) -> bool:
+        """Have `action` applied as the `depth`-th step of the walk; False if it does not
+        apply. Episodes mostly retrace the previous one's path: what is applied up to
+        where they part is kept, and only the rest undone."""
+        held = self.held
+        if depth < len(held) and held[depth][0] == action:
+            return True
+        if depth < len(held):
+            self.state.rollback(held[depth][1])
+            del held[depth:]
+        mark = self.state.mark()
+        if not self.state.apply(action):
+            return False
+        held.append((action, mark))
+        return True
+
+    def release(self, depth: int) -> None:
+        """Undo the held path below its first `depth` actions."""
+        if len(self.held) > depth:
+            self.state.rollback(self.held[depth][1])
+            del self.held[depth:]
+
+    def descend(self) -> _Walk:
+        """Walk down from the root: `select` while a node's actions are all tried,
+        `expand` one untried action and end there, or end at a stop (a leaf of its own,
+        so UCT learns how good stopping is) or where no action is left."""
+        walk = _Walk(self.root_key, [self.tree[self.root_key]])
+        node = walk.path[0]
+        while True:
+            if node.untried is None:
+                node.untried = self.actions_here()
+            if node.untried:
+                a, expanding = self.expand(node), True
+            elif node.children:
+                a, expanding = self.select(node), False
+            else:
+                break
+            if a == STOP:
+                node.children[STOP] = ("stop", walk.key)
+                walk.path.append(self.tree.setdefault(("stop", walk.key), _Node()))
+                walk.stopped = True
+                break
+            if not self.follow(a, len(walk.applied)):
+                node.children.pop(a, None)
+                continue
+            walk.applied.append(a)
+            walk.key = self.state.key()
+            child = self.tree.get(walk.key)
+            if child is None:
+                child = self.tree[walk.key] = _Node()
+            else:
+                self.stats.cache_hits += 1
+            node.children[a] = walk.key
+            node = child
+            walk.path.append(node)
+            if expanding:
+                break
+        self.release(len(walk.applied))
+        return walk
+
+    def rollout(self) -> list[Action]:
+        """A short random completion from the current state; the actions that applied.
+        Half its steps apply a whole tactic: with max backup, one good completion lifts
+        a branch whose single tiles alone look poor."""
+        done = []
+        for _ in range(ROLLOUT_DEPTH):
+            if self.rng.random() < ROLLOUT_STOP:
+                break
+            if self.macros and self.rng.random() < ROLLOUT_MACRO:
+                a = self.macros[self.rng.randrange(len(self.macros))]
+            else:
+                acts = self.state.actions()
+                if not acts:
+                    break
+                a = acts[self.rng.randrange(len(acts))]
+            if self.state.apply(a):
+                done.append(a)
+        return done
+
+    def episode(self) -> None:
+        """One episode: descend, roll out, score, back up; then polish the best plan if
+        the search has stalled, and report progress."""
+        walk = self.descend()
+        mark = self.state.mark()
+        rollout = [] if walk.stopped else self.rollout()
+        scored = self.score(walk.applied + rollout)
+        self.remember(scored)
+        self.backup(walk.path, scored.reward)
+        self.stats.episodes += 1
+        self.since_best += 1
+        if self.improve(scored):
+            self.since_best = 0
+        self.state.rollback(mark)
+        if self.since_best >= POLISH_AFTER and self.best.actions not in self.polished:
+            self.polished.add(self.best.actions)
+            self.release(0)
+            better = self.polish()
+            if better is not None and self.improve(better):
+                self.since_best = 0
+        if self.progress is not None and self.stats.episodes % 16 == 0:
+            self.progress(self.stats.episodes, self.best.time, time.perf_counter() - self.start)
+
+    # -- seeding and polishing -------------------------------------------------------
+    def seed_path(self, seq) -> None:
+        """Walk `seq` from the root as the tree would (creating its nodes), score where
+        it ends and back the reward up."""
+        mark = self.state.mark()
+        node, path, applied = self.tree[self.root_key], [self.tree[self.root_key]], []
+        for a in seq:
+            if node.untried is None:
+                node.untried = self.actions_here()
+            if a not in node.children and a not in node.untried:
+                break
+            if not self.state.apply(a):
+                break
+            if a in node.untried:
+                node.untried.remove(a)
+            applied.append(a)
+            node.children[a] = key = self.state.key()
+            node = self.tree.setdefault(key, _Node())
+            path.append(node)
+        scored = self.score(applied)
+        self.remember(scored)
+        self.backup(path, scored.reward)
+        self.stats.episodes += 1
+        self.improve(scored)
+        self.state.rollback(mark)
+
+    def seed_macros(self) -> None:
+        """Seed every macro action, then every ordered pair of them, best singles first:
+        two tactics on two axes are the textbook plans (data parallel + Megatron, FSDP +
+        Megatron, ...), and this costs len(macros)**2 episodes."""
+        for a in self.macros:
+            self.seed_path([a])
+        root = self.tree[self.root_key]
+        ranked = sorted(self.macros, key=lambda a: -self.tree[root.children[a]].value if a in root.children else 0.0)
+        for first in ranked:
+            for second in ranked:
+                if second != first and time.perf_counter() - self.start < self.budget_s:
+                    self.seed_path([first, second])
+
+    def polish(self) -> _Scored | None:
+        """Hill-climb from the best plan; a better plan or None. The state must be at the
+        root; it is left there.
+
+        Each round tries every single action appended to the plan, then every single tile
+        put *before* it (decisions are ordered: an early tile can change what a later
+        tactic does, e.g. a vocabulary-split embedding that FSDP would otherwise gather),
+        and keeps the best improvement; it stops when a round improves nothing."""
+        root = self.state.mark()
+        current, improved = self.best, False
+        while time.perf_counter() < self.deadline:
+            top = None
+            for cand in self.neighbours(current.actions, root):
+                if time.perf_counter() >= self.deadline:
+                    break
+                mark = self.state.mark()
+                if all(self.state.apply(a) for a in cand):
+                    scored = self.score(cand)
+                    if scored.reward > current.reward + 1e-12 and (top is None or scored.reward > top.reward):
+                        top = scored
+                self.state.rollback(mark)
+            if top is None:
+                break
+            current, improved = top, True
+        self.state.rollback(root)
+        return current if improved else None
+
+    def neighbours(self, actions, root) -> list[list[Action]]:
+        """The plans one action away from `actions` (from the root state `root`): each
+        action or macro appended, each tile not in it put first."""
+        seq = list(actions)
+        for a in seq:
+            self.state.apply(a)
+        out = [seq + [a] for a in self.state.actions() + list(self.macros)]
+        self.state.rollback(root)
+        return out + [[a] + seq for a in self.state.actions() if a not in seq]
+
+    # -- the whole search ------------------------------------------------------------
+    def stop_reason(self) -> str | None:
+        """Why the search stops now (time budget, episode limit, convergence), or None."""
+        if time.perf_counter() - self.start > self.budget_s:
+            return "time budget"
+        if self.max_episodes is not None and self.stats.episodes >= self.max_episodes:
+            return "episode limit"
+        if self.since_best >= self.patience:
+            return f"converged (no better plan in {self.patience} episodes)"
+        return None
+
+    def run(self) -> SearchResult:
+        """Seed the macros, run episodes until a stopping rule holds, and return the best
+        plan with the runners-up; the state is back where it started."""
+        self.seed_macros()
+        while (why := self.stop_reason()) is None:
+            self.episode()
+        self.stats.stopped = why
+        self.release(0)
+        self.stats.states = len(self.tree)
+        self.stats.elapsed = time.perf_counter() - self.start
+        if self.progress is not None:
+            self.progress(self.stats.episodes, self.best.time, self.stats.elapsed)
+        best = self.best
+        return SearchResult(best.actions, best.time, best.peak, best.peak <= self.limit, self.root_time, self.stats,
+                            tuple((s.actions, s.time, s.peak) for s in self.runners_up()))
+
+    def runners_up(self) -> list[_Scored]:
+        """The best plans built from other tactics than the best one's (another set of
+        macro actions), else any other plans, best first."""
+        def macro_set(actions):
+            return frozenset(a for a in actions if a.kind == "macro")
+
+        best = self.best
+        others = [s for s in self.top.values() if s.actions != best.actions and s.time > best.time * (1 + 1e-9)]
+        distinct = [s for s in others if macro_set(s.actions) != macro_set(best.actions)]
+        return sorted(distinct or others, key=lambda s: -s.reward)[:TOP_PLANS]
+
+
+def mcts(state, *, budget_s: float, seed: int = 0, max_episodes: int | None = None, patience: int | None = None,
+         macros=(), progress=None, start: float | None = None) -> SearchResult:
     """Search for the best sequence of actions from `state`'s current point (a
     `SearchState`, or a `TwinState`); `state` is left as it was. Times (the budget, the
     trace) count from `start` (a `time.perf_counter()` reading; now by default), so a
     caller can include its own set-up."""
-    rng = random.Random(seed)
-    limit = state.memory_limit if memory_limit is None else memory_limit
     start = time.perf_counter() if start is None else start
-    stats = SearchStats()
-    cache: dict[int, tuple[float, float]] = {}
-
-    def evaluate() -> tuple[float, float]:
-        key = state.key()
-        hit = cache.get(key)
-        if hit is not None:
-            stats.cache_hits += 1
-            return hit
-        stats.evaluations += 1
-        cache[key] = hit = state.evaluate()
-        return hit
-
-    t_root, _ = evaluate()
-
-    t_ideal = state.compute_time() / state.mesh.devices_along(state.axes)
-
-    def reward(t, peak):
-        if peak > limit:
-            return 0.5 * limit / peak
-        return 0.5 + 0.5 * math.exp(-K_REWARD * max(0.0, t / t_ideal - 1.0))
-
-    def actions_here():
-        # Macros last in the list: they are popped first, in reverse order.
-        return [STOP] + state.actions() + [Action(-2, -1, "", m) for m in reversed(macros)]
-
-    root_key = state.key()
-    tree: dict[int, _Node] = {root_key: _Node()}
-    t0, m0 = evaluate()
-    best = (reward(t0, m0), (), t0, m0)
-    stats.trace.append((0.0, 0, t0))
-    patience = patience if patience is not None else max(1000, 30 * len(actions_here()))
-    since_best = 0
-    top: dict[int, tuple] = {}  # the best distinct plans by state: (reward, actions, time, peak)
-
-    def remember(r, actions, t, peak) -> None:
-        key = state.key()
-        if key not in top or top[key][0] < r:
-            top[key] = (r, tuple(actions), t, peak)
-            if len(top) > 2 * TOP_KEPT:
-                for k in sorted(top, key=lambda k: top[k][0])[:len(top) - TOP_KEPT]:
-                    del top[k]
-
-    held: list[tuple[Action, int]] = []  # the tree path currently applied, with undo marks
-    polished: set = set()  # best plans (action tuples) already hill-climbed from
-
-    def seed_path(seq) -> None:
-        """Walk `seq` from the root as the tree would (creating its nodes), score where
-        it ends and back the reward up: the macro pairs are seeded so, in order."""
-        nonlocal best
-        mark = state.mark()
-        key, node, path, applied = root_key, tree[root_key], [tree[root_key]], []
-        for a in seq:
-            if node.untried is None:
-                node.untried = actions_here()
-            if a in node.children:
-                if not state.apply(a):
-                    break
-            else:
-                if a not in node.untried or not state.apply(a):
-                    break
-                node.untried.remove(a)
-            applied.append(a)
-            key = state.key()
-            node.children[a] = key
-            node = tree.setdefault(key, _Node())
-            path.append(node)
-        t, peak = evaluate()
-        r = reward(t, peak)
-        remember(r, applied, t, peak)
-        for n in path:
-            n.visits += 1
-            n.value = max(n.value, r)
-        stats.episodes += 1
-        if r > best[0] + 1e-12:
-            best = (r, tuple(applied), t, peak)
-            stats.trace.append((time.perf_counter() - start, stats.episodes, t))
-        state.rollback(mark)
-
-    # Every pair of macro actions first: two tactics on two axes are the textbook plans
-    # (data parallel + Megatron, FSDP + Megatron, ...), and this costs len(macros)**2.
-    # Singles first, then pairs starting from the best singles.
-    macro_actions = [Action(-2, -1, "", m) for m in macros]
-    for first in macro_actions:
-        seed_path([first])
-    root = tree[root_key]
-    ranked = sorted(macro_actions, key=lambda a: -tree[root.children[a]].value if a in root.children else 0.0)
-    for first in ranked:
-        for second in ranked:
-            if second != first and time.perf_counter() - start < budget_s:
-                seed_path([first, second])
-
-    while True:
-        elapsed = time.perf_counter() - start
-        if elapsed > budget_s:
-            stats.stopped = "time budget"
-            break
-        if max_episodes is not None and stats.episodes >= max_episodes:
-            stats.stopped = "episode limit"
-            break
-        if since_best >= patience:
-            stats.stopped = f"converged (no better plan in {patience} episodes)"
-            break
-        key = root_key
-        node, path, applied = tree[key], [tree[key]], []
-        stopped = False
-        while True:
-            if node.untried is None:
-                node.untried = actions_here()
-            if node.untried:
-                # Macro actions (whole tactics) are tried before single tiles: they reach
-                # the textbook plans in one step, which then anchor the search.
-                last = node.untried[-1]
-                a = node.untried.pop() if last.macro is not None else node.untried.pop(rng.randrange(len(node.untried)))
-                expanding = True
-            elif node.children:
-                a = _uct(node, tree)
-                expanding = False
-            else:
-                break  # no action left here at all
-            if a == STOP:
-                # "Stop here" is a leaf of its own, so UCT learns how good stopping is.
-                skey = ("stop", key)
-                node.children[STOP] = skey
-                path.append(tree.setdefault(skey, _Node()))
-                stopped = True
-                break
-            # Episodes mostly retrace the previous one's path: keep what is applied up to
-            # where they part, and undo only the rest.
-            depth = len(applied)
-            if depth < len(held) and held[depth][0] == a:
-                applied.append(a)
-            else:
-                if depth < len(held):
-                    state.rollback(held[depth][1])
-                    del held[depth:]
-                mark = state.mark()
-                if not state.apply(a):
-                    node.children.pop(a, None)
-                    continue
-                held.append((a, mark))
-                applied.append(a)
-            key = state.key()
-            child = tree.get(key)
-            if child is None:
-                child = tree[key] = _Node()
-            else:
-                stats.cache_hits += 1
-            node.children[a] = key
-            node = child
-            path.append(node)
-            if expanding:
-                break
-        if len(held) > len(applied):
-            state.rollback(held[len(applied)][1])
-            del held[len(applied):]
-        rollout_mark = state.mark()
-        rollout = []
-        if not stopped:
-            for _ in range(ROLLOUT_DEPTH):
-                if rng.random() < ROLLOUT_STOP:
-                    break
-                # Half the rollout steps apply a whole tactic: with max backup, one good
-                # completion lifts a branch whose single tiles alone look poor.
-                if macros and rng.random() < ROLLOUT_MACRO:
-                    a = Action(-2, -1, "", macros[rng.randrange(len(macros))])
-                else:
-                    acts = state.actions()
-                    if not acts:
-                        break
-                    a = acts[rng.randrange(len(acts))]
-                if state.apply(a):
-                    rollout.append(a)
-        t, peak = evaluate()
-        r = reward(t, peak)
-        remember(r, applied + rollout, t, peak)
-        for n in path:
-            n.visits += 1
-            if r > n.value:
-                n.value = r
-        stats.episodes += 1
-        since_best += 1
-        if r > best[0] + 1e-12:
-            best = (r, tuple(applied + rollout), t, peak)
-            since_best = 0
-            stats.trace.append((time.perf_counter() - start, stats.episodes, t))
-        state.rollback(rollout_mark)
-        if since_best >= POLISH_AFTER and best[1] not in polished:
-            polished.add(best[1])
-            if held:
-                state.rollback(held[0][1])
-                held.clear()
-            better = _polish(state, macros, best, reward, evaluate, deadline=start + budget_s)
-            if better is not None:
-                best = better
-                since_best = 0
-                stats.trace.append((time.perf_counter() - start, stats.episodes, best[2]))
-        if progress is not None and stats.episodes % 16 == 0:
-            progress(stats.episodes, best[2], time.perf_counter() - start)
-    if held:
-        state.rollback(held[0][1])
-    stats.states = len(tree)
-    stats.elapsed = time.perf_counter() - start
-    if progress is not None:
-        progress(stats.episodes, best[2], stats.elapsed)
-    # Runners-up: the best plans built from other tactics than the best one's (a
-    # different set of macro actions), else any other plans, best first.
-    def macro_set(actions):
-        return frozenset(a for a in actions if a.macro is not None)
-
-    others = [v for v in top.values() if v[1] != best[1] and v[2] > best[2] * (1 + 1e-9)]
-    distinct = [v for v in others if macro_set(v[1]) != macro_set(best[1])]
-    runners = sorted(distinct or others, key=lambda v: -v[0])[:TOP_PLANS]
-    return SearchResult(best[1], best[2], best[3], best[3] <= limit, t_root, stats,
-                        tuple((a, t, p) for _, a, t, p in runners))
-
-
-def _polish(state, macros, best, reward, evaluate, *, deadline: float):
-    """Hill-climb from the best plan; a better `(reward, actions, time, peak)` or None.
-    `state` must be at the root; it is left there.
-
-    Each round tries every single action appended to the plan, then every single tile
-    put *before* it (decisions are ordered: an early tile can change what a later
-    tactic does, e.g. a vocabulary-split embedding that FSDP would otherwise gather),
-    and keeps the best improvement; it stops when a round improves nothing."""
-    root = state.mark()
-    current, improved = best, False
-
-    def score(seq):
-        mark = state.mark()
-        ok = all(state.apply(a) for a in seq)
-        t, peak = evaluate() if ok else (math.inf, math.inf)
-        state.rollback(mark)
-        return (reward(t, peak), tuple(seq), t, peak) if ok else None
-
-    while time.perf_counter() < deadline:
-        seq = list(current[1])
-        candidates = []
-        for a in seq:
-            state.apply(a)
-        for a in state.actions() + [Action(-2, -1, "", m) for m in macros]:
-            candidates.append(seq + [a])
-        state.rollback(root)
-        candidates += [[a] + seq for a in state.actions() if a not in seq]
-        top = None
-        for cand in candidates:
-            if time.perf_counter() >= deadline:
-                break
-            scored = score(cand)
-            if scored is not None and scored[0] > current[0] + 1e-12 and (top is None or scored[0] > top[0]):
-                top = scored
-        if top is None:
-            break
-        current, improved = top, True
-    state.rollback(root)
-    return current if improved else None
-
-
-def _uct(node: _Node, tree) -> Action:
-    log_n = math.log(max(1, node.visits))
-    best, best_score = None, -1.0
-    for a, key in node.children.items():
-        child = tree[key]
-        if child.visits == 0:
-            score = math.inf
-        else:
-            score = child.value + C_UCT * math.sqrt(log_n / child.visits)
-        if score > best_score:
-            best, best_score = a, score
-    return best
+    return TreeSearch(state, budget_s=budget_s, seed=seed, macros=macros, start=start, max_episodes=max_episodes,
+                      patience=patience, progress=progress).run()

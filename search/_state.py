@@ -8,11 +8,17 @@ from ._actions import Action, apply_action, valid_actions
 class SearchState:
     """A partitioning being searched: `part` with its incremental `model` (a
     `CostModel` on it), the input `groups` that tile actions decide and the mesh `axes`
-    they may use. Decisions are recorded under `source`. `mcts` only talks to this
-    interface, so `TwinState` (shallow twins of a deep program) can stand in for it."""
+    they may use. Decisions are recorded under `source`; macro actions apply with `ctx`
+    (the schedule's `tactics.Context`, or a twin's own), which backs out with the
+    partitioning. `mcts` and `exhaustive` only talk to this interface, so `TwinState`
+    (shallow twins of a deep program) can stand in for it."""
 
-    def __init__(self, part, model, groups, axes, source: str):
+    #: The layer counts of the twins searched on (a `TwinState`'s); None: the program itself.
+    depths: tuple[int, int] | None = None
+
+    def __init__(self, part, model, groups, axes, source: str, ctx):
         self.part, self.model, self.groups, self.axes, self.source = part, model, groups, tuple(axes), source
+        self.ctx = ctx
 
     @property
     def mesh(self):
@@ -30,11 +36,12 @@ class SearchState:
 
     def mark(self):
         """A point to `rollback` to."""
-        return self.part.mark()
+        return self.part.mark(), self.ctx.mark()
 
     def rollback(self, mark) -> None:
-        """Undo every action since `mark`."""
-        self.part.rollback(mark)
+        """Undo every action since `mark` (in the partitioning and the context)."""
+        self.part.rollback(mark[0])
+        self.ctx.rollback(mark[1])
 
     def actions(self) -> list[Action]:
         """The tile actions that would change the state (see `valid_actions`)."""
@@ -42,7 +49,7 @@ class SearchState:
 
     def apply(self, action: Action) -> bool:
         """Apply `action`; False, and nothing changed, if it cannot apply."""
-        return apply_action(self.part, self.groups, action, self.source)
+        return apply_action(self.part, self.groups, action, self.source, self.ctx)
 
     def evaluate(self) -> tuple[float, float]:
         """Modeled `(step time, peak memory)` of the current state."""

@@ -245,9 +245,10 @@ class TwinState:
                 "costs extrapolated linearly in the layer count")
 
 
-def twin_state(part, groups, axes, *, device, memory_limit, source: str):
+def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx):
     """`(TwinState, None)` standing in for `part` (whose input `groups` are searched over
-    `axes`), or `(None, why not)`."""
+    `axes`), or `(None, why not)`. Each twin's macros apply with a context of its own,
+    `ctx.child()` (`ctx` is the schedule's)."""
     prog = part.program
     origin = getattr(prog, "origin", None)
     if origin is None:
@@ -295,7 +296,7 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str):
         for depth in depths:
             canon = _canonical_names(keys, layers, depth, head, tail)
             state, why = _twin(part, groups, axes, progs[depth], canon, depth, device=device,
-                               memory_limit=memory_limit, source=source)
+                               memory_limit=memory_limit, source=source, ctx=ctx.child())
             if state is None:
                 break
             states.append(state)
@@ -305,7 +306,7 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str):
     return None, why
 
 
-def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, source):
+def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, source, ctx):
     prog = part.program
     r = roles(tprog)
     by_first = {tprog.name(g.members[0]): g for g in input_groups(tprog, r.params + r.batch)}
@@ -328,4 +329,4 @@ def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, sour
         if part.tiling(v) != tpart.tiling(tv) or part.is_pinned(v) != tpart.is_pinned(tv):
             return None, f"earlier decisions differ between layers ({prog.name(v)})"
     model = CostModel(tpart, device, memory_limit=memory_limit)
-    return SearchState(tpart, model, aligned, axes, source), None
+    return SearchState(tpart, model, aligned, axes, source, ctx), None

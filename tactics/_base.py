@@ -11,7 +11,10 @@ as skipped instead.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from jax.sharding import PartitionSpec
 
 import partir
 from partir import Decision, MeshSpec, Partitioning, PartitioningError, Program
@@ -24,25 +27,76 @@ class TacticError(PartitioningError):
 @dataclass
 class Context:
     """What tactics learn and leave for later ones in the same schedule: the Megatron
-    blocks found per axis (for sequence parallelism), search results by tactic."""
+    blocks found per axis (for sequence parallelism), and the search results, in
+    schedule order. Both only grow, so `mark()`/`rollback()` undo what was added since
+    a point (a search backing out of a state, a tactic that failed)."""
 
     blocks: dict = field(default_factory=dict)
-    search: dict = field(default_factory=dict)
+    search: list = field(default_factory=list)
+
+    def mark(self) -> tuple:
+        """A point to `rollback` to."""
+        return tuple((axis, len(found)) for axis, found in self.blocks.items()), len(self.search)
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget what was added since `mark`."""
+        blocks, searches = mark
+        kept = dict(blocks)
+        for axis in [a for a in self.blocks if a not in kept]:
+            del self.blocks[axis]
+        for axis, n in kept.items():
+            del self.blocks[axis][n:]
+        del self.search[searches:]
+
+    def child(self) -> "Context":
+        """An empty context for tactics applied to another program derived from this
+        one's (a shallow twin): what this one holds names this program's values."""
+        return Context()
+
+
+def _identify(value, where: str):
+    """`value` as plain JSON data (see `Tactic.identity`)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Tactic):
+        return value.identity()
+    if isinstance(value, PartitionSpec):
+        return {"PartitionSpec": [_identify(p, where) for p in value]}
+    if isinstance(value, (tuple, list)):
+        return [_identify(v, where) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _identify(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if callable(getattr(value, "to_dict", None)):  # e.g. a search.DeviceSpec
+        return {type(value).__name__: _identify(value.to_dict(), where)}
+    raise TacticError(f"{where} is a {type(value).__name__} ({value!r}), which a tactic's identity cannot hold: "
+                      "use None, numbers, strings, tuples, dicts with string keys, PartitionSpecs, tactics "
+                      "or objects with a to_dict() method")
 
 
 class Tactic:
     """Base class: a tactic rewrites a partitioning through `tile`/`replicate`/`pin`
     actions. `apply` returns the partitioning to continue with (it may be a new one,
-    e.g. after `Partitioning.detach`) and notes for the history."""
+    e.g. after `Partitioning.detach`) and notes for the history.
+
+    `identity()` says which tactic it is (plan cache keys); `str()` is for people."""
 
     def apply(self, part: Partitioning, ctx: Context) -> tuple[Partitioning, list[str]]:
         """Apply to `part`; raise `TacticError` if it cannot."""
         raise NotImplementedError
 
+    def identity(self) -> dict:
+        """What makes this tactic the one it is, as JSON data: the class name and every
+        dataclass field that takes part in comparison (settings such as a progress
+        callback do not). Equal tactics have equal identities; serialise it with
+        `json.dumps(..., sort_keys=True)` for a canonical key."""
+        if not dataclasses.is_dataclass(self):
+            raise TacticError(f"{type(self).__name__} is not a dataclass: override Tactic.identity()")
+        name = type(self).__name__
+        return {"tactic": name, "fields": {f.name: _identify(getattr(self, f.name), f"{name}.{f.name}")
+                                           for f in dataclasses.fields(self) if f.compare}}
+
     def __str__(self) -> str:
         # Required fields by position; others only where they differ from the default.
-        import dataclasses
-
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -110,16 +164,18 @@ def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: b
     history = []
     for tactic in schedule:
         before = len(part.decisions)
-        mark = part.mark()
+        mark, ctx_mark = part.mark(), ctx.mark()
         try:
             new, notes = tactic.apply(part, ctx)
         except PartitioningError as e:
             part.rollback(mark)
+            ctx.rollback(ctx_mark)
             if not best_effort:
                 raise TacticError(f"{tactic}: {e}") from e
             history.append(Step(tactic, part.copy(), (), (), skipped=str(e)))
             continue
         part = new
-        decisions = tuple(d for d in part.decisions[before:] if d.source == str(tactic)) if new is not None else ()
-        history.append(Step(tactic, part.copy(), decisions, tuple(notes)))
+        # The step's decisions are those its `apply` added (a detached partitioning
+        # replays the earlier ones first, one for one), whichever tactic it delegated to.
+        history.append(Step(tactic, part.copy(), tuple(part.decisions[before:]), tuple(notes)))
     return Partitioned(program, part, tuple(history), ctx)

@@ -92,6 +92,24 @@ def test_replan_forces_a_new_search(tmp_path):
     assert again.stats["disk_hits"] == 1 and forced.stats["planned"] == 1
 
 
+def test_the_cache_key_holds_every_setting_of_the_schedule(tmp_path):
+    step, args = gpt.make_train_step(SMALL, abstract=True)
+
+    def stats(**settings):
+        auto = search.AutomaticPartition(budget_s=600, max_episodes=5, device="cpu", **settings)
+        fn = automap.jit(step, mesh="data=2,model=4", schedule=[auto], cache_dir=tmp_path)
+        fn.plan_for(*args)
+        return fn.stats
+
+    assert stats()["planned"] == 1
+    assert stats(progress=lambda *a: None)["disk_hits"] == 1  # a callback is no setting
+    # Settings that str(tactic) does not show make another plan.
+    assert str(search.AutomaticPartition(memory_limit=1e9)) == str(search.AutomaticPartition())
+    assert stats(memory_limit=1e9)["planned"] == 1
+    assert stats(group=False)["planned"] == 1
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
 def test_partition_returns_a_plan():
     step, args = gpt.make_train_step(SMALL)
     plan = automap.partition(step, mesh="data=2,model=4", schedule=[T.DataParallel("data"), T.Megatron("model")],

@@ -1,7 +1,6 @@
-"""The search recovers expert strategies by itself, and behaves: budget, determinism,
-progress, distance to the exact optimum, schedules with manual tactics."""
-
-import time
+"""The search recovers expert strategies by itself, and behaves: determinism, progress,
+distance to the exact optimum, schedules with manual tactics and later tactics. Searches
+stop by episode count (timing lives in benchmarks/search.py)."""
 
 import pytest
 
@@ -16,10 +15,9 @@ COL, ROW = Tiling(((), ("model",))), Tiling((("model",), ()))
 
 
 def _search(step, args, mesh, schedule, **kw):
-    t0 = time.perf_counter()
     res = T.apply_schedule(partir.lift(step, *args), mesh, schedule, **kw)
-    result, groups = next(iter(res.context.search.values()))
-    return res, result, time.perf_counter() - t0
+    (result,) = res.context.search
+    return res, result
 
 
 def _equivalent(res, step, args):
@@ -29,16 +27,17 @@ def _equivalent(res, step, args):
 def test_mlp_megatron_from_single_tiles():
     cfg = mlp.MLPConfig(d_in=256, d_hidden=1024, d_out=256, batch=8, adam_eps=EPS)
     step, args = mlp.make_train_step(cfg)
-    budget = 5.0
-    res, result, wall = _search(step, args, MeshSpec.of(model=8),
-                                [search.AutomaticPartition(budget_s=budget, device="cpu", macros=False)])
+    res, result = _search(step, args, MeshSpec.of(model=8),
+                          [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu", macros=False)])
     part = res.partitioning
     assert part.tiling("params['w1']") == COL and part.tiling("params['w2']") == ROW
-    assert all(a.macro is None for a in result.actions)  # found from single tiles alone
-    assert result.stats.elapsed <= budget + 1 and wall < budget + 10
+    assert all(a.kind == "tile" for a in result.actions)  # found from single tiles alone
     _equivalent(res, step, args)
 
 
+#: Episodes enough for the search to find Megatron in every layer of the small GPT (on
+#: 2x4 it first takes Megatron on 'data', a near tie, and finds the better plan at 420).
+MEGATRON_EPISODES = 600
 GPT_SMALL = dict(n_layers=4, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, adam_eps=EPS)
 
 
@@ -59,21 +58,19 @@ def _assert_megatron(part, prog, n_layers):
 
 def test_gpt_megatron_on_a_model_axis():
     step, args = gpt.make_train_step(gpt.GPTConfig(batch=2, **GPT_SMALL))
-    res, result, _ = _search(step, args, MeshSpec.of(model=8),
-                             [search.AutomaticPartition(budget_s=10, device="cpu")])
+    res, result = _search(step, args, MeshSpec.of(model=8),
+                          [search.AutomaticPartition(budget_s=600, max_episodes=MEGATRON_EPISODES, device="cpu")])
     _assert_megatron(res.partitioning, res.program, 4)
-    assert result.stats.elapsed <= 11
     _equivalent(res, step, args)
 
 
 def test_gpt_data_parallel_plus_megatron_on_2x4():
     step, args = gpt.make_train_step(gpt.GPTConfig(batch=4, **GPT_SMALL))
-    res, result, _ = _search(step, args, MeshSpec.of(data=2, model=4),
-                             [search.AutomaticPartition(budget_s=10, device="cpu")])
+    res, result = _search(step, args, MeshSpec.of(data=2, model=4),
+                          [search.AutomaticPartition(budget_s=600, max_episodes=MEGATRON_EPISODES, device="cpu")])
     part = res.partitioning
     _assert_megatron(part, res.program, 4)  # Megatron on 'model' (ZeRO may shard over 'data' too)
     assert part.tiling("batch['tokens']").dims[0] == ("data",)
-    assert result.stats.elapsed <= 11
     _equivalent(res, step, args)
 
 
@@ -86,11 +83,11 @@ def test_memory_limit_makes_it_shard_parameters():
     dp_cost = search.CostModel(dp, "cpu").cost()
     limit = dp_cost.argument_bytes * 0.6  # replicated parameters and Adam state do not fit
     assert dp_cost.memory_peak > limit
-    budget = 5.0
     res = T.apply_schedule(prog, mesh, [T.DataParallel("data"),
-                                        search.AutomaticPartition(budget_s=budget, memory_limit=limit, device="cpu")])
-    result, _ = res.context.search[str(res.history[-1].tactic)]
-    assert result.fits and result.stats.elapsed <= budget + 1
+                                        search.AutomaticPartition(budget_s=600, max_episodes=300, memory_limit=limit,
+                                                                  device="cpu")])
+    (result,) = res.context.search
+    assert result.fits
     cost = search.CostModel(res.partitioning, "cpu", memory_limit=limit).cost()
     assert cost.fits
     sharded = [n for v, n in zip(prog.inputs, prog.input_names) if n.startswith("params['w")
@@ -102,9 +99,8 @@ def test_memory_limit_makes_it_shard_parameters():
 def test_pure_data_parallel_wins_for_a_wide_batch():
     cfg = mlp.MLPConfig(d_in=64, d_hidden=128, d_out=64, batch=8192, adam_eps=EPS)
     step, args = mlp.make_train_step(cfg)
-    res, result, _ = _search(step, args, MeshSpec.of(data=2, model=4),
-                             [search.AutomaticPartition(budget_s=5, device="cpu")])
-    assert result.stats.elapsed <= 6
+    res, result = _search(step, args, MeshSpec.of(data=2, model=4),
+                          [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu")])
     part, prog = res.partitioning, res.program
     # Data parallelism over all 8 devices; no matmul is split on a feature dim (no tensor
     # parallelism). ZeRO-style sharding of the small weights over a data axis is allowed.
@@ -139,22 +135,25 @@ def test_within_two_percent_of_the_exact_optimum():
     part = partir.Partitioning(prog, mesh)
     roles = T.roles(prog)
     groups = search.input_groups(prog, roles.params + roles.batch)
-    exact = search.exhaustive(part, search.CostModel(part, "cpu"), groups, mesh.names)
-    res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=5, device="cpu")])
+    state = search.SearchState(part, search.CostModel(part, "cpu"), groups, mesh.names, "exact", T.Context())
+    exact = search.exhaustive(state)
+    assert not part.decisions  # left as it was
+    res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu")])
     found = search.CostModel(res.partitioning, "cpu").cost().step_time
     assert found <= exact.step_time * 1.02, (found, exact.step_time, exact.states)
 
 
-def test_progress_reports_and_budget():
+def test_progress_reports():
     calls = []
     step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
     res = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=4),
-                           [search.AutomaticPartition(budget_s=2.0, progress=lambda *a: calls.append(a))])
-    result, _ = next(iter(res.context.search.values()))
+                           [search.AutomaticPartition(budget_s=600, max_episodes=100,
+                                                      progress=lambda *a: calls.append(a))])
+    (result,) = res.context.search
     assert calls and all(len(c) == 3 for c in calls)
-    episodes, best, elapsed = calls[-1]
-    assert episodes == result.stats.episodes and best == result.step_time
-    assert result.stats.elapsed < 3.5
+    episodes, best, _ = calls[-1]
+    assert episodes == result.stats.episodes == 100 and best == result.step_time
+    assert result.stats.stopped == "episode limit"
     times = [t for t, _, _ in result.stats.trace]
     steps = [s for _, _, s in result.stats.trace]
     assert times == sorted(times) and steps == sorted(steps, reverse=True)
@@ -164,7 +163,8 @@ def test_search_decides_only_what_earlier_tactics_left_open():
     step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
     prog = partir.lift(step, *args)
     mesh = MeshSpec.of(data=2, model=4)
-    res = T.apply_schedule(prog, mesh, [T.Megatron("model"), search.AutomaticPartition(axes=("data",), budget_s=3)])
+    res = T.apply_schedule(prog, mesh, [T.Megatron("model"),
+                                        search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=100)])
     meg = res.history[0].partitioning
     for v in prog.inputs:  # the model axis stays exactly as Megatron left it
         assert [("model" in d) for d in res.partitioning.tiling(v).dims] == [("model" in d) for d in meg.tiling(v).dims]
@@ -178,3 +178,36 @@ def test_bad_axes_and_budget():
         T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(axes=("modle",))])
     with pytest.raises(T.TacticError, match="budget_s must be positive"):
         T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(budget_s=0)])
+
+
+def test_a_later_sequence_parallel_uses_the_megatron_the_search_chose():
+    step, args = gpt.make_train_step(gpt.GPTConfig(batch=2, **GPT_SMALL), abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(model=8)
+    res = T.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, max_episodes=100, device="cpu"),
+                                        T.SequenceParallel("model")])
+    (result,) = res.context.search
+    assert T.Megatron("model") in result.macros
+    searched, seq = res.history
+    # The search's step holds what its Megatron decided, and Megatron's own notes.
+    assert any(d.source == "Megatron('model')" for d in searched.decisions)
+    assert "action: Megatron('model')" in searched.notes
+    # The schedule's context holds the blocks of the plan's Megatron, and only those
+    # (none of the Megatrons the search tried and backed out of).
+    alone = T.apply_schedule(prog, mesh, [T.Megatron("model")])
+    assert res.context.blocks == alone.context.blocks
+    # SequenceParallel split the blocks' [batch, sequence, hidden] outputs on the sequence.
+    assert seq.skipped is None and seq.decisions
+    assert all(d.action == "tile" and d.dim == 1 and d.axis == "model" and prog.values[d.value].rank == 3
+               for d in seq.decisions)
+
+
+def test_equal_searches_in_one_schedule_keep_their_own_results():
+    step, args = mlp.make_train_step(mlp.MLPConfig(), abstract=True)
+    auto = search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=20, device="cpu")
+    res = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=4),
+                           [auto, T.Megatron("model"), auto])
+    first, second = res.context.search  # in schedule order, the second where Megatron left off
+    for result, before in ((first, partir.Partitioning(res.program, res.mesh)), (second, res.history[1].partitioning)):
+        assert result.root_step_time == pytest.approx(search.CostModel(before.copy(), "cpu").cost().step_time)
+    assert first.root_step_time != second.root_step_time

@@ -1,6 +1,8 @@
 """Tactics and schedules: each tactic's plan is equivalent to the original program and
 compiles to its textbook collectives; compositions too."""
 
+import json
+
 import jax
 import optax
 import pytest
@@ -129,11 +131,15 @@ def test_dp_and_megatron_reduce_gradients_over_data_only():
 def test_data_parallel_infers_the_batch_and_all_reduces_gradients():
     step, args = mlp.make_train_step(mlp.MLPConfig(adam_eps=EPS))
     res = _plan(step, args, MeshSpec.of(data=8), [T.DataParallel("data")])
-    assert "batch['x'], batch['y']" in res.history[0].notes[0]
+    prog, part = res.program, res.partitioning
+    found, _ = T.batch_inputs(partir.Partitioning(prog, part.mesh))
+    assert [prog.name(v) for v in found] == ["batch['x']", "batch['y']"]
+    assert all(part.tiling(v).dims[0] == ("data",) for v in found)
     cols = _check(res, step, args, steps=2)
     assert {(c.kind, c.axes) for c in cols} == {("all-reduce", ("data",))}
+    assert T.batch_inputs(part, batch_argnums=2)[0] == found
     given = _plan(step, args, MeshSpec.of(data=8), [T.DataParallel("data", batch_argnums=2)])
-    assert "batch_argnums=2" in given.history[0].notes[0]
+    assert given.partitioning.key() == part.key()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -252,7 +258,8 @@ def test_shard_by_glob_and_regex_and_specs():
     res = T.apply_schedule(prog, mesh, [T.Shard("params/layers/*/mlp/w1", 1, "model"),
                                         T.Shard(r"re:\['attn'\]\['wq'\]$", 1, "model")])
     assert res.partitioning.tiling("params['layers'][1]['mlp']['w2']") == partir.Tiling((("model",), ()))
-    assert "2 input(s) match" in res.history[0].notes[0]
+    assert [prog.name(d.value) for d in res.history[0].decisions] == [
+        "params['layers'][0]['mlp']['w1']", "params['layers'][1]['mlp']['w1']"]
     specs = {"layers": [{"mlp": {"w1": P(None, "model")}}, {"mlp": {"w1": P(None, "model")}}]}
     from_specs = T.apply_schedule(prog, mesh, [T.Specs(specs, arg="params")])
     for v in prog.match_inputs("params/layers/*/mlp/*"):
@@ -307,3 +314,41 @@ def test_schedule_rejects_non_tactics():
     step, args = mlp.make_train_step(mlp.MLPConfig())
     with pytest.raises(T.TacticError, match="must be tactics"):
         _plan(step, args, MeshSpec.of(model=8), ["megatron"])
+
+
+def test_a_steps_decisions_include_those_of_the_tactics_it_delegates_to():
+    step, args = mlp.make_train_step(mlp.MLPConfig(n_layers=2), abstract=True)
+    res = _plan(step, args, MeshSpec.of(data=8), [T.FSDP("data")])
+    sources = {d.source for d in res.history[0].decisions}
+    assert sources == {"DataParallel('data')", "ZeRO('data')"}  # FSDP is DataParallel then ZeRO
+    assert len(res.history[0].decisions) == len(res.partitioning.decisions)
+
+
+# -- identity and context ------------------------------------------------------------------
+def test_tactic_identity_holds_every_compared_setting():
+    auto = search.AutomaticPartition
+    assert auto().identity() == auto(progress=print).identity()  # a callback is no setting
+    assert auto(memory_limit=1).identity() != auto().identity()
+    assert auto(max_episodes=5).identity() != auto().identity()  # str() shows neither
+    assert str(auto(max_episodes=5)) == str(auto())
+    dev = search.get_device("h100")
+    assert auto(device=dev).identity()["fields"]["device"] == {"DeviceSpec": json.loads(json.dumps(dev.to_dict()))}
+    specs = T.Specs({"w": P("data", ("x", "y"), None)}, arg="params")
+    assert specs.identity() == {"tactic": "Specs", "fields": {
+        "specs": {"w": {"PartitionSpec": ["data", ["x", "y"], None]}}, "arg": "params"}}
+    assert specs.identity() != T.Specs({"w": P("model")}, arg="params").identity()
+    json.dumps(specs.identity(), sort_keys=True)
+    with pytest.raises(T.TacticError, match=r"Shard.pattern is a object .* tactic's identity cannot hold"):
+        T.Shard(object(), 0, "data").identity()
+
+
+def test_context_rolls_back_what_was_added():
+    ctx = T.Context()
+    ctx.blocks["model"] = ["a"]
+    mark = ctx.mark()
+    ctx.blocks["model"].append("b")
+    ctx.blocks["data"] = ["c"]
+    ctx.search.append("result")
+    ctx.rollback(mark)
+    assert ctx.blocks == {"model": ["a"]} and ctx.search == []
+    assert ctx.child() == T.Context()

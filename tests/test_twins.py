@@ -2,8 +2,6 @@
 program's, the plan they find applies to it, and where twins would not be faithful the
 search says why and searches the program itself."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +24,11 @@ def _gpt(layers):
     return step, args, partir.lift(step, *args)
 
 
-def _notes(res):
-    return "\n".join(res.history[-1].notes)
+def _searched(prog, schedule):
+    """The schedule's result and its one search's result."""
+    res = T.apply_schedule(prog, MESH, schedule)
+    (result,) = res.context.search
+    return res, result
 
 
 def test_layer_sequences_are_found_and_cut_in_params_and_optimizer_state():
@@ -51,11 +52,12 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     part = partir.Partitioning(prog, MESH)
     r = T.roles(prog)
     groups = search.input_groups(prog, r.params + r.batch)
-    twins, why = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=None, source="test")
+    twins, why = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=None, source="test",
+                                   ctx=T.Context())
     assert why is None
-    full = search._state.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test")
+    full = search.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test", T.Context())
     macro = {"dp": T.DataParallel("data"), "megatron": T.Megatron("model"), "fsdp": T.FSDP("data", leave_room=False)}
-    actions = [search.Action(-2, -1, "", macro[m]) for m in plan.split("+") if m in macro]
+    actions = [search.Action.macro(macro[m]) for m in plan.split("+") if m in macro]
     if plan.endswith("tile"):
         actions.append(next(a for a in twins.actions() if a.axis == "model"))
     for a in actions:
@@ -67,12 +69,28 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     np.testing.assert_allclose([t, peak, twins.compute_time()], [tf, peakf, full.compute_time()], rtol=1e-9)
 
 
+def test_the_exact_baseline_walks_the_twins_to_the_programs_optimum():
+    _, _, prog = _gpt(8)
+    part = partir.Partitioning(prog, MESH)
+    twins, macros = search.AutomaticPartition().search_space(part, T.Context())
+    assert twins.depths is not None and macros
+    r = T.roles(prog)
+    groups = search.input_groups(prog, r.params + r.batch)
+    full = search.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test", T.Context())
+    on_twins = search.exhaustive(twins, max_depth=1, macros=macros)
+    on_program = search.exhaustive(full, max_depth=1, macros=macros)
+    assert on_twins.actions == on_program.actions and on_twins.states == on_program.states
+    assert on_twins.step_time == pytest.approx(on_program.step_time, rel=1e-9)
+    assert not part.decisions
+
+
 def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
     # The config of the recovery tests in test_search.py, 8 layers deep.
     cfg = gpt.GPTConfig(n_layers=8, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4, adam_eps=1e-3)
     step, args = gpt.make_train_step(cfg)
-    res = T.apply_schedule(partir.lift(step, *args), MESH, [search.AutomaticPartition(budget_s=10, device="cpu")])
-    assert re.search(r"searched on (\d)- and (\d)-layer twins of the 8-layer program", _notes(res))
+    res, result = _searched(partir.lift(step, *args),
+                            [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu")])
+    assert result.twins is not None and max(result.twins) < 8 and result.why == ""
     part = res.partitioning
     # Megatron over one axis in every layer (on the CPU cost model the two axes are
     # near ties), the batch split over the other, and no worse than the hand-written plan.
@@ -93,13 +111,8 @@ def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
 def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
     _, _, prog = _gpt(8)
 
-    def run(group):
-        res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=40, group=group)])
-        result, _ = next(iter(res.context.search.values()))
-        return res, result
-
-    res, result = run(True)
-    assert "twins" in _notes(res)
+    res, result = _searched(prog, [search.AutomaticPartition(budget_s=600, max_episodes=40)])
+    assert result.twins is not None
     # The extrapolated step time of the plan is its cost on the deep program.
     real = search.CostModel(res.partitioning.copy(), "h100").cost()
     assert real.step_time == pytest.approx(result.step_time, rel=1e-9)
@@ -108,17 +121,17 @@ def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
 
 def test_earlier_tactics_are_replayed_on_the_twins():
     _, _, prog = _gpt(8)
-    res = T.apply_schedule(prog, MESH, [T.DataParallel("data"),
-                                        search.AutomaticPartition(axes=("model",), budget_s=600, max_episodes=30)])
-    assert "twins" in _notes(res)
+    res, result = _searched(prog, [T.DataParallel("data"),
+                                   search.AutomaticPartition(axes=("model",), budget_s=600, max_episodes=30)])
+    assert result.twins is not None
     assert res.partitioning.tiling("batch['tokens']").dims[0][0] == "data"  # DataParallel stays first
 
 
 def test_twins_step_aside_when_layers_are_decided_apart():
     _, _, prog = _gpt(8)
-    res = T.apply_schedule(prog, MESH, [T.Shard("params/layers/3/mlp/w1", dim=1, axis="model"),
-                                        search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=20)])
-    assert "searched on the program itself (earlier decisions differ between layers" in _notes(res)
+    res, result = _searched(prog, [T.Shard("params/layers/3/mlp/w1", dim=1, axis="model"),
+                                   search.AutomaticPartition(axes=("data",), budget_s=600, max_episodes=20)])
+    assert result.twins is None and result.why.startswith("earlier decisions differ between layers")
     assert res.partitioning.tiling("params['layers'][3]['mlp']['w1']").dims[1] == ("model",)
 
 
@@ -133,8 +146,8 @@ def test_twins_step_aside_when_the_layer_count_is_not_the_list_length():
 
     params = {"layers": [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * n}
     prog = partir.lift(jax.grad(step), params, jax.ShapeDtypeStruct((16, 64), jnp.float32))
-    res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
-    assert re.search(r"searched on the program itself \(tracing a \d-layer twin failed \(IndexError", _notes(res))
+    _, result = _searched(prog, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
+    assert result.twins is None and "IndexError" in result.why
 
 
 def test_a_plan_the_program_does_not_follow_is_searched_again_on_the_program(monkeypatch):
@@ -142,9 +155,9 @@ def test_a_plan_the_program_does_not_follow_is_searched_again_on_the_program(mon
     # actions, the search is redone on the program itself: never a plan no one costed.
     monkeypatch.setattr(_twins.TwinState, "mismatch", lambda self, part, actions: "params['embed']['tokens']")
     _, _, prog = _gpt(8)
-    res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
-    assert ("searched on the program itself (the twins' plan splits params['embed']['tokens'] differently "
-            "in the program)") in _notes(res)
+    _, result = _searched(prog, [search.AutomaticPartition(budget_s=600, max_episodes=10)])
+    assert result.twins is None
+    assert result.why == "the twins' plan splits params['embed']['tokens'] differently in the program"
 
 
 def test_equinox_layers_in_a_module_field_get_twins():
@@ -174,10 +187,11 @@ def test_equinox_layers_in_a_module_field_get_twins():
     part = partir.Partitioning(prog, MESH)
     r = T.roles(prog)
     groups = search.input_groups(prog, r.params + r.batch)
-    twins, why = _twins.twin_state(part, groups, MESH.names, device="cpu", memory_limit=None, source="test")
+    twins, why = _twins.twin_state(part, groups, MESH.names, device="cpu", memory_limit=None, source="test",
+                                   ctx=T.Context())
     assert why is None and twins.layers == 12
-    full = search._state.SearchState(part, search.CostModel(part, "cpu"), groups, MESH.names, "test")
-    dp = search.Action(-2, -1, "", T.DataParallel("data"))
+    full = search.SearchState(part, search.CostModel(part, "cpu"), groups, MESH.names, "test", T.Context())
+    dp = search.Action.macro(T.DataParallel("data"))
     assert twins.apply(dp) and full.apply(dp)
     np.testing.assert_allclose(twins.evaluate(), full.evaluate(), rtol=1e-9)
 
@@ -186,8 +200,8 @@ def test_same_seed_same_plan_through_twins():
     _, _, prog = _gpt(8)
 
     def plan():
-        res = T.apply_schedule(prog, MESH, [search.AutomaticPartition(budget_s=600, max_episodes=60, seed=3)])
-        assert "twins" in _notes(res)
+        res, result = _searched(prog, [search.AutomaticPartition(budget_s=600, max_episodes=60, seed=3)])
+        assert result.twins is not None
         return [(d.action, d.value, d.dim, d.axis, d.axes) for d in res.partitioning.decisions]
 
     assert plan() == plan()
