@@ -131,7 +131,7 @@ class Liveness:
                          np.concatenate([temp[temps], sizes]), self.defined[outs], buf[outs])
         else:
             size = float(np.max(live - self._unwritten(buf), initial=0.0))
-        return held + size, t, np.concatenate([buf, sizes])
+        return float(held + size), t, np.concatenate([buf, sizes])
 
     def _unwritten(self, buf) -> np.ndarray:
         """Per op index, the bytes of output allocations not written yet, which can hold
