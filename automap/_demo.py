@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 #: The demo's model: big enough that partitioning pays on the CPU cost model.
-CONFIG = dict(n_layers=4, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4)
+CONFIG = dict(n_layers=4, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=2)
 STEPS = 3
 BUDGET_S = 10.0
 

@@ -36,12 +36,15 @@ class ConvNetConfig:
     channels1: int = 8
     channels2: int = 16
     n_classes: int = 10
+    second_pool: str = "max"  # "max" or "avg"
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
 
     def __post_init__(self):
         if self.height % 4 or self.width % 4:
             raise ValueError("height and width must be divisible by 4 (two 2x2 pools)")
+        if self.second_pool not in ("max", "avg"):
+            raise ValueError(f"second_pool={self.second_pool!r}: use 'max' or 'avg'")
 
     @property
     def flat_features(self) -> int:
@@ -89,17 +92,18 @@ def max_pool(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, _POOL, _POOL, "VALID")
 
 
-def forward(params: dict, images: jax.Array) -> jax.Array:
+def forward(params: dict, images: jax.Array, config: ConvNetConfig) -> jax.Array:
     """Class logits ``[B, n_classes]``."""
     x = avg_pool(jax.nn.gelu(conv(params["conv1"], images), approximate=True))
-    x = max_pool(jax.nn.gelu(conv(params["conv2"], x), approximate=True))
+    pool = max_pool if config.second_pool == "max" else avg_pool
+    x = pool(jax.nn.gelu(conv(params["conv2"], x), approximate=True))
     x = x.reshape(x.shape[0], -1)
     return x @ params["dense"]["w"] + params["dense"]["b"]
 
 
 def loss_fn(params: dict, batch: dict, config: ConvNetConfig | None = None) -> jax.Array:
-    """Mean softmax cross-entropy against integer labels (``config`` is unused)."""
-    logp = jax.nn.log_softmax(forward(params, batch["images"]), axis=-1)
+    """Mean softmax cross-entropy against integer labels."""
+    logp = jax.nn.log_softmax(forward(params, batch["images"], config or ConvNetConfig()), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][:, None], axis=-1))
 
 

@@ -4,8 +4,28 @@ expert baselines that tactics and search are checked against."""
 
 from __future__ import annotations
 
+import random
+
 import partir
+from examples.convnet import ConvNetConfig
+from examples.gpt import GPTConfig
+from examples.mlp import MLPConfig
+from examples.moe import MoEConfig
 from partir import PartitioningError
+
+#: Example -> the config at which the cost model is held to XLA (`tests/test_cost.py`,
+#: `benchmarks/cost_fidelity.py`): big enough that the model's terms (matmuls,
+#: activations, parameters) dominate XLA's fixed overheads (buffer alignment, scalars),
+#: small enough to compile in seconds on the CPU. The convnet's second pool averages:
+#: XLA:CPU has no native select-and-scatter and expands a max pool's gradient into index
+#: iotas, a variadic reduce-window and a scatter, buffers GPU and TPU XLA never make.
+FIDELITY_CONFIGS = {
+    "mlp": MLPConfig(batch=64, d_in=256, d_hidden=1024, d_out=256, n_layers=3),
+    "gpt": GPTConfig(d_model=128, d_ff=512, n_heads=8, seq_len=32, vocab=512, batch=8),
+    "convnet": ConvNetConfig(batch=32, height=16, width=16, in_channels=8, channels1=32, channels2=64,
+                             n_classes=16, second_pool="avg"),
+    "moe": MoEConfig(groups=8, group_size=32, d_in=64, d_model=128, d_ff=512, d_out=32),
+}
 
 #: Per example, the (input name glob, dim) whose split over the model axis yields
 #: Megatron-style tensor parallelism once propagated (everything else follows).
@@ -65,3 +85,38 @@ STRATEGIES = {
     "fsdp": lambda p, m, data, model: fsdp(p, data, model),
     "dp+megatron": lambda p, m, data, model: (data_parallel(p, data), megatron(p, m, model)),
 }
+
+
+def searched_plan(program, mesh, *, episodes: int = 150, seed: int = 0) -> partir.Partitioning:
+    """The partitioning the automatic search returns for `program` on `mesh` (CPU cost
+    model, stopped after `episodes` so that it is deterministic)."""
+    import search
+    import tactics
+
+    tactic = search.AutomaticPartition(budget_s=600, max_episodes=episodes, seed=seed, device="cpu")
+    return tactics.apply_schedule(program, mesh, [tactic]).partitioning
+
+
+def random_plan(program, mesh, *, seed: int, actions: int = 3) -> partir.Partitioning:
+    """A random valid plan: up to `actions` tile actions on groups of parameters and batch
+    inputs, each drawn among those that apply (the search's action space)."""
+    import search
+    import tactics
+
+    part = partir.Partitioning(program, mesh)
+    r = tactics.roles(program)
+    groups = search.input_groups(program, r.params + r.batch)
+    rng = random.Random(seed)
+    for _ in range(actions):
+        choices = search.valid_actions(part, groups, mesh.names)
+        if not choices:
+            break
+        action = choices[rng.randrange(len(choices))]
+        mark = part.mark()
+        try:
+            for v in groups[action.group].members:
+                if action.axis not in part.tiling(v).dims[action.dim]:
+                    part.tile(v, action.dim, action.axis)
+        except PartitioningError:
+            part.rollback(mark)
+    return part

@@ -2,7 +2,8 @@
 
 `compare_with_xla(part, args)` lowers the partitioning, compiles it, and sets side by
 side per collective kind the count and bytes per device that the model predicts and
-that the compiled HLO contains, plus per-device flops and argument bytes. Collectives
+that the compiled HLO contains, plus per-device flops, argument bytes and peak memory
+(XLA's: temp + arguments + outputs - aliased, from `compiled.memory_analysis()`). Collectives
 are compared per occurrence in the program text (a loop body counted once on both
 sides, as the HLO shows it once), and per kind in total, because XLA combines several
 all-reduces into one tuple-shaped all-reduce.
@@ -28,11 +29,18 @@ class Fidelity:
     flops_xla: float
     args_model: float
     args_xla: float
+    memory_model: float = 0.0
+    memory_xla: float = 0.0
 
     def bytes_error(self, kind: str) -> float:
         """Relative error of the model's total bytes for `kind` (0 when both are 0)."""
         _, mb, _, xb = self.kinds[kind]
         return abs(mb - xb) / max(xb, mb, 1.0) if (mb or xb) else 0.0
+
+    @property
+    def memory_ratio(self) -> float:
+        """Modeled peak memory over XLA's (temp + arguments + outputs - aliased)."""
+        return self.memory_model / self.memory_xla if self.memory_xla else 1.0
 
     def rows(self):
         """(kind, model count, model bytes, xla count, xla bytes, relative error) rows."""
@@ -56,10 +64,14 @@ def compare_with_xla(part, args, *, device="cpu", mesh=None) -> Fidelity:
         e[3] += c.result_bytes
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
+    mem = compiled.memory_analysis()
     return Fidelity(
         kinds={k: tuple(v) for k, v in kinds.items()},
         flops_model=cost.flops_loops_once,
         flops_xla=float(analysis.get("flops", 0.0)),
         args_model=cost.argument_bytes,
-        args_xla=float(compiled.memory_analysis().argument_size_in_bytes),
+        args_xla=float(mem.argument_size_in_bytes),
+        memory_model=cost.memory_peak,
+        memory_xla=float(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+                         - mem.alias_size_in_bytes),
     )
