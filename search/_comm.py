@@ -1,11 +1,12 @@
 """Collectives of a layout change, with bytes and alpha-beta ring time.
 
 A reshard point `src -> dst` (see `partir.transition`) becomes collectives applied in
-this order, the shard size per device tracked along the way:
+this order, the shard size per device tracked along the way (what shrinks the buffer
+first, as XLA orders them):
 
-    all-reduce        partial over axes dst does not split        buffer B
     reduce-scatter    partial over axes dst splits a dim over     B -> B/n
     slice             axes dst splits and src did not             B -> B/n  (free)
+    all-reduce        partial over axes dst does not split        buffer B
     all-to-all        an axis moves from one dim to another       B
     all-gather        axes src splits and dst does not            B -> B*n
 
@@ -102,7 +103,7 @@ class LinkModel:
         out = []
         # Size-1 axes move nothing: leave them out of every collective.
         steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
-        for kind in ("all-reduce", "reduce-scatter", "slice", "all-to-all", "all-gather"):
+        for kind in ("reduce-scatter", "slice", "all-reduce", "all-to-all", "all-gather"):
             axes = steps.get(kind)
             if not axes:
                 continue

@@ -58,6 +58,10 @@ CALL_LINKS = frozenset((Link.CALL_IN, Link.CALL_OUT))
 #: has one cost (XLA today stacks them all: a scan may need more than modeled).
 STACKS = frozenset((Link.SCAN_YS, Link.SCAN_XS))
 
+#: A body value this many times smaller than a residual it helps re-derive is taken along
+#: as it is (a norm's per-token statistics beside the normalized activations).
+SMALL = 16
+
 #: Links into a loop body: a `while` loop's operands are buffers, so a value made from
 #: scalars that a scan takes as a constant (JAX hoists loop-invariant residuals out of
 #: the body) is materialized once before the loop.
@@ -138,16 +142,24 @@ class _Stacks:
         self.stacked: dict[int, int] = {}  # forward body value -> its stacked output
         self.sliced: dict[tuple[int, int], int] = {}  # (stacked value, body) -> the slice
         self.readers: dict[int, list[int]] = {}  # stacked value -> bodies slicing it
+        self.stacks: set[int] = set()  # the stacked outputs
+        self.alias = list(range(len(program.values)))  # union-find over call boundaries
+        for op in program.ops:
+            if op.link and op.primitive in CALL_LINKS and op.operands[0] >= 0 and op.results[0] >= 0:
+                a, b = self._root(op.operands[0]), self._root(op.results[0])
+                self.alias[max(a, b)] = min(a, b)
         for op in program.ops:
             if not op.link or op.operands[0] < 0 or op.results[0] < 0:
                 continue
             a, b = op.operands[0], op.results[0]
             if op.primitive == Link.SCAN_YS:
                 self.stacked[a] = b
+                self.stacks.add(b)
             elif op.primitive == Link.SCAN_XS:
                 body = program.values[b].region
                 self.sliced[(a, body)] = b
                 self.readers.setdefault(a, []).append(body)
+        self.stacked_alias = {self._root(a): a for a in self.stacked}
 
     def fused(self, op, virtual, scalar_made, sources):
         """(made from scalars, sources) if the stack or slice is fused, else None."""
@@ -155,31 +167,47 @@ class _Stacks:
         if v < 0 or not virtual[v]:
             return None
         if op.primitive == Link.SCAN_YS:
-            outer = self._express(v, virtual, set())
+            outer = self._express(v, virtual, set(), self.values[v].nbytes)
             bodies = self.readers.get(op.results[0], ())
-            if outer is None or any((s, b) not in self.sliced for s in outer for b in bodies):
+            if outer is None or any((s, b) not in self.sliced for s in outer if s in self.stacks for b in bodies):
                 return None
             return bool(scalar_made[v]), outer
         body = self.values[op.results[0]].region
-        return bool(scalar_made[v]), tuple(self.sliced[(s, body)] for s in sources.get(v, ()))
+        return bool(scalar_made[v]), tuple(self.sliced.get((s, body), s) for s in sources.get(v, ()))
 
-    def _express(self, v, virtual, seen) -> tuple[int, ...] | None:
-        """The stacked outputs a fused body value can be re-derived from: the stacks of its
-        operands, or of theirs where an operand is fused and not stacked itself; None if
-        some operand is a buffer the loop does not stack."""
+    def _through_calls(self, u: int) -> int:
+        """The stacked value among `u`'s aliases through call boundaries (a call's
+        argument and result only rename a value), else `u`."""
+        return self.stacked_alias.get(self._root(u), u)
+
+    def _root(self, u: int) -> int:
+        while self.alias[u] != u:
+            self.alias[u] = self.alias[self.alias[u]]
+            u = self.alias[u]
+        return u
+
+    def _express(self, v, virtual, seen, nbytes) -> tuple[int, ...] | None:
+        """What a fused body value of `nbytes` can be re-derived from in the backward loop:
+        the stacks of its operands, or of theirs where an operand is fused and not stacked
+        itself, or a body value much smaller than it (a norm's statistics: its stack would
+        cost next to nothing); None if some other operand is a buffer the loop does not
+        stack."""
         out: dict[int, None] = {}
         producer = self.producer[v]
         for u in self.ops[producer].operands if producer >= 0 else ():
             if u < 0 or not self.values[u].shape or u in seen:
                 continue
             seen.add(u)
+            u = self._through_calls(u)
             if u in self.stacked:
                 out[self.stacked[u]] = None
             elif virtual[u] and self.producer[u] >= 0 and not self.ops[self.producer[u]].link:
-                more = self._express(u, virtual, seen)
+                more = self._express(u, virtual, seen, nbytes)
                 if more is None:
                     return None
                 out.update(dict.fromkeys(more))
+            elif not virtual[u] and self.values[u].nbytes * SMALL <= nbytes:
+                out[u] = None
             elif not virtual[u]:
                 return None
         return tuple(out)

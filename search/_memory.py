@@ -41,9 +41,12 @@ from ._arena import arena
 #: Buffer kinds: a temporary (in the arena), an argument, an output's allocation.
 TEMPORARY, ARGUMENT, OUTPUT = 0, 1, 2
 
-#: Link kinds that make a new buffer rather than rename one: the per-iteration slice of
-#: a scan's stacked input, and the stacked output a scan writes.
-COPYING_LINKS = (Link.SCAN_XS, Link.SCAN_YS)
+#: Link kinds that make a new buffer rather than rename one: none. Every link renames,
+#: a scan's stacked links included: an iteration reads its slice of a stacked input in
+#: place (XLA fuses the dynamic slice into its readers) and writes its slice of a stacked
+#: output in place (a dynamic-update-slice into the stack, allocated before the loop), as
+#: an unrolled layer reads and writes its own buffers.
+COPYING_LINKS = ()
 
 
 class Liveness:
@@ -84,17 +87,23 @@ class Liveness:
         start = np.full(nb, end_of_program, dtype=np.int64)
         end = np.zeros(nb, dtype=np.int64)
         last = _last_reads(program, mat)
+        loops = _Loops(program)
+        home = np.zeros(nb, dtype=np.int64)  # the region of a buffer's first member
+        for v in range(len(program.values)):
+            if mat.virtual[v]:
+                continue
+            p, users, b = program.producer[v], program.users[v], self.buffer[v]
+            first = p if p >= 0 else (users[0] if users else 0)
+            if first < start[b]:
+                start[b], home[b] = first, program.values[v].region
         for v in range(len(program.values)):
             if mat.virtual[v]:
                 for s in mat.sources.get(v, ()):  # re-derived where read: its sources stay live
                     end[self.buffer[s]] = max(end[self.buffer[s]], last[v])
                 continue
-            p = program.producer[v]
-            users = program.users[v]
-            b = self.buffer[v]
-            start[b] = min(start[b], p if p >= 0 else (users[0] if users else 0))
+            users, b = program.users[v], self.buffer[v]
             if users:
-                end[b] = max(end[b], users[-1])
+                end[b] = max(end[b], loops.last_read(int(home[b]), users))
         self.kind = np.zeros(nb, dtype=np.int8)
         self.kind[self.buffer[[v for v in program.outputs if v >= 0]]] = OUTPUT
         self.kind[self.buffer[list(program.inputs)]] = ARGUMENT
@@ -150,6 +159,45 @@ class Liveness:
             return static
         more = np.nonzero((extra[0] <= t) & (extra[1] >= t))[0] + self.num_buffers
         return np.concatenate([static, more])
+
+
+class _Loops:
+    """Where a read inside a loop really ends: a loop body's ops are in line once, but a
+    buffer made outside the loop and read inside it (a stacked residual, a loop
+    constant) is read by every iteration, so it lives until the loop's last op."""
+
+    def __init__(self, program):
+        self.regions = program.regions
+        self.region_of = [op.region for op in program.ops]
+        self.end = [0] * len(program.regions)
+        for op in program.ops:
+            r = op.region
+            while r >= 0:
+                self.end[r] = max(self.end[r], op.id)
+                r = program.regions[r].parent
+
+    def _loop(self, r: int) -> bool:
+        return self.regions[r].trip_count != 1
+
+    def _inside(self, r: int, outer: int) -> bool:
+        while r >= 0:
+            if r == outer:
+                return True
+            r = self.regions[r].parent
+        return False
+
+    def last_read(self, home: int, users) -> int:
+        """The last op index at which a value of region `home` read by `users` is needed."""
+        last = users[-1]
+        for o in users:
+            r, loop = self.region_of[o], None
+            while r >= 0 and not self._inside(home, r):
+                if self._loop(r):
+                    loop = r
+                r = self.regions[r].parent
+            if loop is not None:
+                last = max(last, self.end[loop])
+        return last
 
 
 def _donations(program, donated: set) -> list[tuple[int, int]]:
