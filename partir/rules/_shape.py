@@ -218,6 +218,28 @@ def split(in_shapes, out_shapes, params):
     return factor_rule([ins], outs, in_shapes, out_shapes, blocked=[ins[ax]] + [o[ax] for o in outs])
 
 
+@register("stack")
+def stack(in_shapes, out_shapes, params):
+    """Operands share their dims with the result's other dims; the new dim they are
+    stacked along is blocked: `([i, j], [i, j]) -> ([i, j, k]) blocked={k}`."""
+    name = Namer()
+    ax = params["axis"]
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    new = name("new")
+    return factor_rule([dims] * len(in_shapes), [dims[:ax] + [new] + dims[ax:]], in_shapes, out_shapes, blocked=[new])
+
+
+@register("unstack")
+def unstack(in_shapes, out_shapes, params):
+    """The inverse of `stack`: the dim taken apart is blocked, the others pass to every
+    result: `([i, j]) -> ([j], [j]) blocked={i}`."""
+    name = Namer()
+    ax = params["axis"]
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    rest = dims[:ax] + dims[ax + 1:]
+    return factor_rule([dims], [rest] * len(out_shapes), in_shapes, out_shapes, blocked=[dims[ax]])
+
+
 @register("iota", "empty", "empty2")
 def creation(in_shapes, out_shapes, params):
     """No array operands: every result dim is free to split (each device makes its own
