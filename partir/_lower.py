@@ -86,6 +86,11 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         val = prog.values[v]
         if not val.shape or not _numeric(val.dtype):
             return x
+        made = part.produced(v)
+        if not made.partial and made.dims != part.tiling(v).dims:
+            # Made in one layout, kept in another (a slice cut whole, then split): say
+            # both, else XLA reshards the op's operand to the kept layout first.
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
     regather = _Regather(part)
