@@ -85,3 +85,31 @@ def weight_root(program, v: int):
         if v < 0:
             return None
     return None
+
+
+def weight_dims(program, v: int):
+    """Like `weight_root`, also through transposes (a kernel stored `[out, in]` and used
+    as `x @ w.T`): `(input, dims)` where `dims[d]` is the input's dim that dim `d` of `v`
+    is, or None."""
+    dims = list(range(program.values[v].rank))
+    inputs = program.input_set
+    for _ in range(64):
+        if v in inputs:
+            return v, tuple(dims)
+        p = program.producer[v]
+        if p < 0:
+            return None
+        op = program.ops[p]
+        if op.link:
+            if op.primitive == "scan.xs":
+                dims = [d + 1 for d in dims]
+            elif op.primitive == "scan.ys":
+                return None
+        elif op.primitive == "transpose":
+            dims = [op.eqn.params["permutation"][d] for d in dims]
+        elif op.primitive not in TRANSPARENT:
+            return None
+        v = op.operands[0]
+        if v < 0:
+            return None
+    return None
