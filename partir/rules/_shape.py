@@ -240,10 +240,29 @@ def unstack(in_shapes, out_shapes, params):
     return factor_rule([dims], [rest] * len(out_shapes), in_shapes, out_shapes, blocked=[dims[ax]])
 
 
-@register("iota", "empty", "empty2")
+@register("tile")
+def tile(in_shapes, out_shapes, params):
+    """Result dim d is `reps[d]` copies of operand dim d, the copies major: the operand's
+    factor is shared and the copies are a factor of the result alone, free to split
+    (each device makes its own copies): `([i, j]) -> ([k*i, l*j])`."""
+    name = Namer()
+    (a,), reps = in_shapes, params["reps"]
+    ins = [name(("a", d)) for d in range(len(a))]
+    outs, sizes = [], {f: n for f, n in zip(ins, a)}
+    for d, f in enumerate(ins):
+        if reps[d] == 1:
+            outs.append([f])
+        else:
+            copies = name(("copies", d))
+            sizes[copies] = reps[d]
+            outs.append([copies, f])
+    return factor_rule([ins], [outs], in_shapes, out_shapes, sizes=sizes)
+
+
+@register("iota", "empty", "empty2", "platform_index", "create_token")
 def creation(in_shapes, out_shapes, params):
-    """No array operands: every result dim is free to split (each device makes its own
-    block): `() -> ([i, j])`."""
+    """No array operands (an iota, an empty buffer, which platform runs, a token): every
+    result dim is free to split (each device makes its own block): `() -> ([i, j])`."""
     name = Namer()
     ins = [[name(("in", k, d)) for d in range(len(s))] for k, s in enumerate(in_shapes)]
     return factor_rule(ins, [[name(d) for d in range(len(s))] for s in out_shapes], in_shapes, out_shapes)
