@@ -136,6 +136,12 @@ def _structured():
     yield "random fold_in", lambda: jax.random.fold_in(jax.random.key(0), 3), ()
     yield "random split", lambda: jax.random.split(jax.random.key(0), 4), ()
     yield "random clone", lambda: jax.random.clone(jax.random.key(0)), ()
+    yield from _structured_more(x)
+
+
+def _structured_more(x):
+    """More calls with structured arguments: attention, odd linear algebra, ragged and
+    approximate ops, composites, and the collectives over a `vmap` axis."""
     yield "nn.dot_product_attention", lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True), (
         jnp.ones((2, 4, 2, 8)),)
     yield "lax.linalg.householder_product", lambda a, t: jax.lax.linalg.householder_product(a, t), (x, x[0])
