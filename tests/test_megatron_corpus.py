@@ -48,11 +48,13 @@ class Case:
 #: backward each column-parallel projection's input gradient is all-reduced (one per
 #: block when Q/K/V or gate/up are one matmul: XLA:CPU reduces the partial gradients of
 #: separate projections one by one, before adding them). The embedding's lookup is
-#: reduced once; the LM head's input gradient once.
-def _collectives(fwd, bwd, lookups=1, gathered=None):
+#: reduced once; the LM head's input gradient once. All-gathers (`gathered`) count by
+#: kind alone: XLA names them after the op or after the constraint that asks for them.
+def _collectives(fwd, bwd, lookups=1, gathered=0):
     out = {("all-reduce", "forward", "dot_general"): fwd, ("all-reduce", "forward", "gather"): lookups,
            ("all-reduce", "backward", "dot_general"): bwd}
-    out.update({("all-gather", "backward", prim): n for prim, n in (gathered or {}).items()})
+    if gathered:
+        out["all-gather"] = gathered
     return out
 
 
@@ -106,10 +108,11 @@ CASES = [
            {"params/embed": 0, "params/layers/*/wo": 0, "params/layers/*/[wb]1": -1, "params/layers/*/w2": 0,
             "params/head": 1},
            # The projection runs whole; its pieces' gradients are gathered in the backward
-           # (where the split's transpose concatenates them, or each slice's pads it).
+           # (once per layer where the split's transpose concatenates them, once per piece
+           # where each slice's transpose pads it).
            _collectives(4, 1 + 2, gathered=gathered), why={"params/layers/*/qkv": {"gather", "cut"}},
            fast=cut == "split")
-      for cut, how, gathered in (("split", "jnp.split", {"concatenate": 2}), ("slices", "slicing", {"pad": 6}))),
+      for cut, how, gathered in (("split", "jnp.split", 2), ("slices", "slicing", 6))),
     Case("gqa_group", "grouped-query attention, 8 query heads over 4 KV heads (queries reshaped to groups)",
          C.grouped(4, 8, "group"),
          {"params/embed": 0, "params/layers/*/[qkv]": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
@@ -120,7 +123,7 @@ CASES = [
          {"params/embed": 0, "params/layers/*/q": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
           "params/layers/*/up": 1, "params/layers/*/down": 0, "params/head": 1},
          # K/V run whole and are sliced by heads: their gradients are gathered back.
-         _collectives(2, 1 + 1 + 2, gathered={"reshape": 2}),
+         _collectives(2, 1 + 1 + 2, gathered=2),
          why={"params/layers/*/[kv]": {"cannot-tile", "gather"}}),
     Case("gqa_group_few_kv", "grouped-query attention, 2 KV heads (fewer than the axis), queries reshaped to groups",
          C.grouped(2, 8, "group"),
@@ -241,15 +244,20 @@ def _op_names(c) -> list[str]:
 
 
 def _big_buffers(cols) -> dict:
-    """(kind, pass, primitive) -> count of collective buffers over 'model' of at least one
-    activation's size; `transpose(` in an op name marks the backward pass."""
+    """(kind, pass, primitive) -> count of all-reduce buffers over 'model' of at least
+    one activation's size (`transpose(` in an op name marks the backward pass), and
+    kind -> count of the other collectives' buffers of that size."""
     counts = Counter()
     for c in cols:
         if c.axes != ("model",):
             continue
         for (_, shape), n in zip(c.shapes, _op_names(c)):
-            if math.prod(shape) >= ACTIVATION:
+            if math.prod(shape) < ACTIVATION:
+                continue
+            if c.kind == "all-reduce":
                 counts[c.kind, "backward" if "transpose(" in n else "forward", n.rsplit("/", 1)[-1]] += 1
+            else:
+                counts[c.kind] += 1
     return dict(counts)
 
 
