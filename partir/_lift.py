@@ -98,7 +98,10 @@ class _Builder:
 
     def value(self, aval, region, name=None) -> int:
         vid = len(self.values)
-        self.values.append(Value(vid, tuple(aval.shape), aval.dtype, region))
+        # A token (of ordered effects) has no shape and carries no data: a scalar of
+        # JAX's zero-size dtype.
+        shape, dtype = (tuple(aval.shape), aval.dtype) if hasattr(aval, "shape") else ((), jax.dtypes.float0)
+        self.values.append(Value(vid, shape, dtype, region))
         if name is not None:
             self.names[vid] = name
         return vid
@@ -181,7 +184,7 @@ class _Builder:
                 region.eqn_ops.append(-1)
                 continue
             in_shapes = tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)
-            out_shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
+            out_shapes = tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
             rule = self.rule(eqn, in_shapes, out_shapes)
             region.eqn_ops.append(self.op(eqn.primitive.name, ins, outs, rule, rid, False, eqn))
         return [-1 if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]

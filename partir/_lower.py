@@ -30,6 +30,9 @@ CONSTRAIN_MODES = ("all", "boundary")
 #: constraints replace them.
 LAYOUT_ONLY = ("sharding_constraint", "reshard", "mesh_cast")
 
+#: Primitives that cut pieces out of a value (along dims their rules block).
+CUTS = ("split", "slice")
+
 _BACKENDS: dict[str, Callable] = {}
 
 
@@ -86,6 +89,13 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         val = prog.values[v]
         if not val.shape or not _numeric(val.dtype):
             return x
+        p = prog.producer[v]
+        if p >= 0 and prog.ops[p].primitive in CUTS:
+            made = part.produced(v)
+            if not made.partial and made.dims != part.tiling(v).dims:
+                # A piece cut whole and kept split: say both, else XLA reshards the
+                # operand to the kept layout first and exchanges halos to cut it.
+                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
     regather = _Regather(part)

@@ -192,7 +192,7 @@ def _eval_remat(eqn, children, ins: CallOperands, run):
 # Calls and custom-derivative calls run their one jaxpr once, as is, on their operands.
 register_nested(NestedPrimitive(CallOperands, _no_counts, _lift_call, _eval_call),
                 "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                "custom_vjp_call_jaxpr")
+                "custom_vjp_call_jaxpr", "composite")
 register_nested(NestedPrimitive(CallOperands, _no_counts, _lift_call, _eval_remat), "remat2", "checkpoint")
 
 

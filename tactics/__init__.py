@@ -14,11 +14,11 @@ from ._data import DataParallel, batch_inputs
 from ._groups import Group, input_groups
 from ._expert import ExpertParallel, expert_activations, expert_weights
 from ._manual import Replicate, Shard, Specs
-from ._megatron import Block, Megatron, weight_uses
-from ._roles import Roles, roles, weight_root
+from ._megatron import WHY, Block, LeftOut, Megatron, Use, weight_uses
+from ._roles import Roles, roles, weight_dims, weight_root
 from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
-__all__ = ["Group", "input_groups", "FSDP", "Block", "Context", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Replicate",
+__all__ = ["Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Replicate",
            "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "apply_schedule",
-           "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_root", "weight_uses"]
+           "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]

@@ -27,31 +27,42 @@ class TacticError(PartitioningError):
 @dataclass
 class Context:
     """What tactics learn and leave for later ones in the same schedule: the Megatron
-    blocks found per axis (for sequence parallelism), and the search results, in
-    schedule order. Both only grow, so `mark()`/`rollback()` undo what was added since
-    a point (a search backing out of a state, a tactic that failed)."""
+    blocks found per axis (for sequence parallelism), the parameters Megatron left whole
+    per axis (with why), and the search results, in schedule order. All only grow, so
+    `mark()`/`rollback()` undo what was added since a point (a search backing out of a
+    state, a tactic that failed)."""
 
     blocks: dict = field(default_factory=dict)
+    left_out: dict = field(default_factory=dict)
     search: list = field(default_factory=list)
 
     def mark(self) -> tuple:
         """A point to `rollback` to."""
-        return tuple((axis, len(found)) for axis, found in self.blocks.items()), len(self.search)
+        return _lengths(self.blocks), _lengths(self.left_out), len(self.search)
 
     def rollback(self, mark: tuple) -> None:
         """Forget what was added since `mark`."""
-        blocks, searches = mark
-        kept = dict(blocks)
-        for axis in [a for a in self.blocks if a not in kept]:
-            del self.blocks[axis]
-        for axis, n in kept.items():
-            del self.blocks[axis][n:]
+        blocks, left_out, searches = mark
+        _truncate(self.blocks, blocks)
+        _truncate(self.left_out, left_out)
         del self.search[searches:]
 
     def child(self) -> "Context":
         """An empty context for tactics applied to another program derived from this
         one's (a shallow twin): what this one holds names this program's values."""
         return Context()
+
+
+def _lengths(per_axis: dict) -> tuple:
+    return tuple((axis, len(found)) for axis, found in per_axis.items())
+
+
+def _truncate(per_axis: dict, lengths: tuple) -> None:
+    kept = dict(lengths)
+    for axis in [a for a in per_axis if a not in kept]:
+        del per_axis[axis]
+    for axis, n in kept.items():
+        del per_axis[axis][n:]
 
 
 def _identify(value, where: str):

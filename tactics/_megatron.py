@@ -3,31 +3,73 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from partir import PartitioningError, transition
 
 from ._base import Context, Tactic, TacticError
 from ._groups import input_groups
-from ._roles import roles, weight_root
+from ._roles import roles, weight_dims
+
+#: Why Megatron left a parameter whole over its axis (`LeftOut.why`).
+WHY = {
+    "no-contraction": "no matmul, convolution or gather reads it",
+    "no-free-dim": "the matmuls that read it contract or batch every dim of it",
+    "cannot-tile": "the dim cannot be split over the axis",
+    "input-split": "the matmul's input would be split",
+    "gather": "an activation would need an all-gather or all-to-all",
+    "spreads": "the split reaches several weights on their contracting dims",
+    "no-partial-sums": "no contraction turns the split into partial sums",
+    "activation-contraction": "its partial sums come from a contraction of two computed activations",
+    "cut": "the matmul's result is cut into pieces along the dim",
+}
 
 
 @dataclass(frozen=True)
 class Block:
     """One tensor-parallel block: the weight split on its output features (column
-    parallel) and the ops where the block's partial sums are reduced (row parallel)."""
+    parallel), the op that reads it, the forward ops where the block's partial sums are
+    reduced (row parallel) and the parameters the split reached (`members`). A fused
+    projection whose result is cut into pieces (`[q; k; v]` then `jnp.split`) stays
+    whole: `pieces` are the activations split after the cut (`op` is the cut)."""
 
     weight: int
     dim: int
     op: int
     reductions: tuple[int, ...]
+    members: tuple[int, ...] = ()
+    pieces: tuple[int, ...] = ()
 
 
-def weight_uses(prog, params, forward_end):
-    """Each forward read of a parameter by a matmul, convolution or gather, in op order:
-    `(weight input, op, operand, free dims, contracting dims)` in the weight's own dims
-    (a scan's stacked weight is offset by its layer dim). Free dims are a matmul
-    operand's output features, a kernel's output features, a gather table's indexed
-    (vocabulary) dim."""
+@dataclass(frozen=True)
+class LeftOut:
+    """A parameter Megatron left whole over its axis: the dim it tried (None when it
+    tried none), why (a key of `WHY`) and the detail in the program's names."""
+
+    weight: int
+    dim: int | None
+    why: str
+    detail: str
+
+
+class Use(NamedTuple):
+    """A forward read of a parameter by a matmul, convolution or gather. `free` and
+    `contracting` are in the weight's own dims; `dims[d]` is the weight dim that the
+    op's operand dim `d` is."""
+
+    weight: int
+    op: int
+    operand: int
+    free: tuple[int, ...]
+    contracting: tuple[int, ...]
+    dims: tuple[int, ...]
+
+
+def weight_uses(prog, params, forward_end) -> list[Use]:
+    """Each forward read of a parameter by a matmul, convolution or gather, in op order.
+    Free dims are a matmul operand's output features, a kernel's output features, a
+    gather table's indexed (vocabulary) dim. The parameter may reach the op through
+    casts, transposes and a scan's slicing of stacked layers."""
     out = []
     for op in prog.ops[:forward_end]:
         if op.link:
@@ -42,13 +84,15 @@ def weight_uses(prog, params, forward_end):
             spec = op.eqn.params["dimension_numbers"].rhs_spec
             picks.append((1, [spec[0]], [spec[1]]))
         elif op.primitive == "gather":
-            dn = op.eqn.params["dimension_numbers"]
-            picks.append((0, [d for d in dn.collapsed_slice_dims if d in dn.start_index_map], []))
+            dn, sizes = op.eqn.params["dimension_numbers"], op.eqn.params["slice_sizes"]
+            shape = prog.values[op.operands[0]].shape
+            rows = [d for d in dn.start_index_map if sizes[d] == 1 and shape[d] > 1 and d not in dn.operand_batching_dims]
+            picks.append((0, rows, []))
         for k, free, contracting in picks:
-            root = weight_root(prog, op.operands[k])
+            root = weight_dims(prog, op.operands[k]) if op.operands[k] >= 0 else None
             if root is not None and root[0] in params:
-                w, off = root
-                out.append((w, op.id, k, tuple(d + off for d in free), tuple(d + off for d in contracting)))
+                w, dims = root
+                out.append(Use(w, op.id, k, tuple(dims[d] for d in free), tuple(dims[d] for d in contracting), dims))
     return out
 
 
@@ -57,16 +101,24 @@ class Megatron(Tactic):
     """Megatron-LM tensor parallelism over `axis`, found from the dataflow graph.
 
     For each weight a forward matmul reads (in program order), it tries splitting the
-    weight's output features over `axis` and keeps the split only if propagation closes
-    a tensor-parallel block: the matmul's input stays whole, no activation must be
-    gathered over `axis`, and some contraction downstream (the row-parallel matmul, a
-    softmax over a split vocabulary) turns the split into partial sums. Weights the
-    block reaches are split by propagation and not tried again. Names play no part.
+    weight's output features over `axis` (each free dim in turn, for a kernel with
+    several, such as `[embed, heads, head_dim]`) and keeps the first split with which
+    propagation closes a tensor-parallel block: the matmul's input stays whole, no
+    activation must be gathered over `axis`, and some contraction downstream (the
+    row-parallel matmul, a softmax over a split vocabulary) turns the split into partial
+    sums, other than a contraction of two computed activations (attention scores over a
+    split head_dim: that would cut the attention in the middle). Weights the block
+    reaches are split by propagation and not tried again. Where a matmul's result is cut
+    into pieces along the split dim (a fused `[q; k; v]` projection and `jnp.split`), a
+    split of the weight would cross the pieces' boundaries: the weight stays whole and
+    the pieces are split after the cut. Names play no part.
 
     Textbook pattern: MLP = column-parallel then row-parallel matmul, one all-reduce in
     the forward and one in the backward; attention = Q/K/V split by heads, output
     projection row-parallel, likewise; embedding and LM head split on the vocabulary
     (a partial lookup reduced once; softmax statistics reduced over `axis`).
+    The blocks found are left in `ctx.blocks[axis]`, the parameters left whole and why
+    in `ctx.left_out[axis]`.
     """
 
     axis: str
@@ -74,80 +126,266 @@ class Megatron(Tactic):
     def apply(self, part, ctx: Context):
         prog = part.program
         r = roles(prog)
-        size = part.mesh.size(self.axis)
-        blocks, rejected = [], []
         uses = weight_uses(prog, set(r.params), r.forward_end)
+        search = _Search(self, part, r, uses)
+        for use in uses:
+            search.visit(use)
+        if not search.blocks:
+            tried = [x for x in search.trials if x.why != "no-contraction"]
+            detail = "; ".join(f"{prog.name(x.weight)}: {x.detail}" for x in tried[:4]) or WHY["no-contraction"]
+            raise TacticError(f"found no tensor-parallel block over {self.axis!r} "
+                              f"(size {part.mesh.size(self.axis)}): {detail}")
+        left_out = search.left_out()
+        ctx.blocks.setdefault(self.axis, []).extend(search.blocks)
+        ctx.left_out.setdefault(self.axis, []).extend(left_out)
+        return part, search.notes(left_out)
+
+
+class _Search:
+    """One pass of `Megatron` over a program's weight uses."""
+
+    def __init__(self, tactic: Megatron, part, roles, uses):
+        self.axis, self.source = tactic.axis, str(tactic)
+        self.part, self.prog, self.roles, self.uses = part, part.program, roles, uses
+        self.params = set(roles.params)
         # Layers built alike behave alike: a block found in one layer is taken for every
         # weight of its group (see `input_groups`) without trying each again.
-        group_of = {v: g for g in input_groups(prog, r.params) for v in g.members}
-        tried = set()
-        for w, oid, k, free, _ in uses:
-            if len(free) != 1 or (w, free[0]) in tried:
+        self.groups = input_groups(self.prog, roles.params)
+        self.group_of = {v: g for g in self.groups for v in g.members}
+        self.blocks: list[Block] = []
+        self.trials: list[LeftOut] = []
+        self.tried: set = set()
+        self._derived = None
+
+    def visit(self, use: Use) -> None:
+        """Try the free dims of one weight use in order; keep the first block found."""
+        w = use.weight
+        for dim in use.free:
+            if self.axis in self.part.tiling(w).axes():
+                return  # split already, by a block found earlier
+            if (w, dim) in self.tried:
                 continue
-            dim = free[0]
-            tried.add((w, dim))
-            t = part.tiling(w)
-            if self.axis in t.axes():
-                continue  # split already, by a block found earlier
+            self.tried.add((w, dim))
+            block = self._try_weight(use, dim)
+            if block is None:
+                block = self._try_cut(use, dim)
+            if block is not None:
+                self.blocks.append(block)
+                if not block.pieces:
+                    self._spread(block)
+                return
+
+    def _try_weight(self, use: Use, dim: int):
+        part, w = self.part, use.weight
+        mark = part.mark()
+        try:
+            part.tile(w, dim, self.axis, source=self.source)
+        except PartitioningError as e:
+            self.trials.append(LeftOut(w, dim, "cannot-tile", str(e)))
+            return None
+        op = self.prog.ops[use.op]
+        act = op.operands[1 - use.operand] if op.primitive in ("dot_general", "conv_general_dilated") else op.operands[1]
+        return self._check(mark, w, dim, op.id, act, ())
+
+    def _try_cut(self, use: Use, dim: int):
+        """Where the weight's split failed because the matmul's result is cut into pieces
+        along that dim, split the pieces instead (the projection stays whole)."""
+        cut = _cut(self.prog, self.prog.ops[use.op], use, dim)
+        if cut is None:
+            return None
+        cut_op, pieces, piece_dim = cut
+        prog, part = self.prog, self.part
+        where = prog.name(prog.ops[cut_op].results[0]).split("#")[0]
+        note = f"cut into {len(pieces)} pieces by {where}: a split of it would cross their boundaries"
+        mark = part.mark()
+        try:
+            for v in pieces:
+                if self.axis not in part.tiling(v).axes():
+                    part.tile(v, piece_dim, self.axis, source=self.source)
+        except PartitioningError as e:
+            part.rollback(mark)
+            self.trials.append(LeftOut(use.weight, dim, "cannot-tile", f"{note}, and the pieces cannot be split: {e}"))
+            return None
+        block = self._check(mark, use.weight, dim, cut_op, prog.ops[cut_op].operands[0], pieces)
+        if block is not None:
+            self.trials.append(LeftOut(use.weight, dim, "cut", f"{note}, so it stays whole and the pieces are split "
+                                                               "after the cut"))
+        return block
+
+    def _check(self, mark, w, dim, op, act, pieces):
+        """The block that the tiling since `mark` closes, or None (rolled back, with why)."""
+        why = _closes(self, mark, act)
+        if why is not None:
+            self.part.rollback(mark)
+            self.trials.append(LeftOut(w, dim, *why))
+            return None
+        return self._block(mark, w, dim, op, pieces)
+
+    def _block(self, mark, w, dim, op, pieces):
+        vals, ops = self.part.changed_since(mark)
+        reductions = sorted({rs.op for rs in self.part.reshards(ops)
+                             if self.axis in rs.src.partial and rs.op < self.roles.forward_end})
+        members = tuple(sorted(v for v in vals if v in self.params and self.axis in self.part.tiling(v).axes()))
+        return Block(w, dim, op, tuple(reductions), members, tuple(pieces))
+
+    def _spread(self, block: Block) -> None:
+        part = self.part
+        for other in self.group_of[block.weight].members:
+            self.tried.add((other, block.dim))
+            if other == block.weight or self.axis in part.tiling(other).axes():
+                continue
             mark = part.mark()
             try:
-                part.tile(w, dim, self.axis, source=str(self))
+                part.tile(other, block.dim, self.axis, source=self.source)
             except PartitioningError as e:
-                rejected.append(f"{prog.name(w)}: {e}")
+                self.trials.append(LeftOut(other, block.dim, "cannot-tile", str(e)))
                 continue
-            problem, reductions = self._closes(part, mark, prog.ops[oid], k, r.forward_end, uses)
-            if problem:
-                part.rollback(mark)
-                rejected.append(f"{prog.name(w)} dim {dim}: {problem}")
-                continue
-            blocks.append(Block(w, dim, oid, reductions))
-            for other in group_of[w].members:
-                tried.add((other, dim))
-                if other == w or self.axis in part.tiling(other).axes():
-                    continue
-                try:
-                    part.tile(other, dim, self.axis, source=str(self))
-                    blocks.append(Block(other, dim, -1, ()))
-                except PartitioningError as e:
-                    rejected.append(f"{prog.name(other)}: {e}")
-        if not blocks:
-            detail = "; ".join(rejected[:4]) or "no parameter is read by a matmul"
-            raise TacticError(f"found no tensor-parallel block over {self.axis!r} (size {size}): {detail}")
-        ctx.blocks.setdefault(self.axis, []).extend(blocks)
-        notes = [f"{len(blocks)} block(s) split over {self.axis!r}: "
-                 + ", ".join(f"{prog.name(b.weight)}[dim {b.dim}]" for b in blocks)]
-        if rejected:
-            notes.append(f"{len(rejected)} weight(s) left out, e.g. {rejected[0]}")
-        return part, notes
+            self.blocks.append(self._block(mark, other, block.dim, -1, ()))
 
-    def _closes(self, part, mark, op, k, forward_end, uses):
-        """Why tiling since `mark` is not a tensor-parallel block (None if it is), and the
-        forward ops where its partial sums are reduced."""
-        prog = part.program
-        act = op.operands[1 - k] if op.primitive in ("dot_general", "conv_general_dilated") else op.operands[1]
-        if act >= 0 and self.axis in part.tiling(act).axes():
-            return f"its input {prog.name(act)} would be split over {self.axis!r}", ()
-        vals, ops = part.changed_since(mark)
-        # A block ends in one row-parallel weight (or in reductions alone, as a softmax
-        # over a split vocabulary does); a split that reaches several weights on their
-        # contracting dims has escaped into the activations that all layers share.
-        rows = {w for w, _, _, _, contracting in uses if w in vals
-                and any(self.axis in part.tiling(w).dims[d] for d in contracting)}
-        if len(rows) > 1:
-            names = ", ".join(sorted(prog.name(w) for w in rows)[:3])
-            return f"the split spreads into the shared activations (row-split weights: {names})", ()
-        reductions, closed = [], False
-        for rs in part.reshards(ops):
-            if self.axis in rs.src.partial:
-                closed = True
-                if rs.op < forward_end:
-                    reductions.append(rs.op)
+    def derived(self, v: int) -> bool:
+        """Is `v` computed from a parameter?"""
+        if self._derived is None:
+            prog, flags = self.prog, bytearray(len(self.prog.values))
+            for p in self.params:
+                flags[p] = 1
+            for op in prog.ops:
+                if any(u >= 0 and flags[u] for u in op.operands):
+                    for r in op.results:
+                        if r >= 0:
+                            flags[r] = 1
+            self._derived = flags
+        return bool(self._derived[v])
+
+    def left_out(self) -> list[LeftOut]:
+        """Every parameter the axis does not split, with the reasons of its trials."""
+        part, out = self.part, []
+        read = {u.weight for u in self.uses}
+        by_weight: dict = {}
+        for x in self.trials:
+            by_weight.setdefault(x.weight, []).append(x)
+        for w in self.roles.params:
+            if self.axis in part.tiling(w).axes():
                 continue
-            if prog.rematerializable(rs.value):
-                continue
-            for step in transition(rs.src, rs.dst, part.mesh):
-                if step.kind in ("all-gather", "all-to-all") and self.axis in step.axes:
-                    return f"{prog.name(rs.value)} would need an {step.kind} over {self.axis!r}", ()
-        if not closed:
-            return "no contraction turns the split into partial sums (not a block)", ()
-        return None, tuple(sorted(set(reductions)))
+            if w in by_weight:
+                out += by_weight[w]
+            else:
+                why = "no-free-dim" if w in read else "no-contraction"
+                out.append(LeftOut(w, None, why, WHY[why]))
+        return out
+
+    def notes(self, left_out) -> list[str]:
+        """Readable notes: the blocks, the cut projections, the weights left out (a line
+        per group of alike weights), the parameters no contraction reads."""
+        prog = self.prog
+        notes = [f"{len(self.blocks)} block(s) split over {self.axis!r}: "
+                 + ", ".join(f"{prog.name(b.weight)}[dim {b.dim}]" + (" (after the cut)" if b.pieces else "")
+                             for b in self.blocks)]
+        why_of: dict = {}
+        for x in left_out:
+            why_of.setdefault(x.weight, []).append(x)
+        unread = [prog.name(x.weight) for x in left_out if x.why == "no-contraction"]
+        for g in self.groups:
+            tried = [why_of[v] for v in g.members if v in why_of and why_of[v][0].why != "no-contraction"]
+            if tried:
+                # A cut says what happened instead; the failed split before it, why.
+                shown = [x for x in tried[0] if x.why == "cut"] or tried[0]
+                reasons = "; ".join(f"dim {x.dim}: {x.detail}" for x in shown)
+                count = f" (x{len(tried)})" if len(tried) > 1 else ""
+                notes.append(f"left whole over {self.axis!r}: {g.label}{count}: {reasons}")
+        if unread:
+            more = f", and {len(unread) - 6} more" if len(unread) > 6 else ""
+            notes.append(f"{len(unread)} parameter(s) stay whole over {self.axis!r}, read by no matmul, convolution "
+                         f"or gather (norm scales, biases of whole activations): {', '.join(unread[:6])}{more}")
+        return notes
+
+
+def _closes(search: _Search, mark, act: int):
+    """Why tiling since `mark` is not a tensor-parallel block (None if it is):
+    `(why, detail)`. `act` is the input of the op that reads the split weight (or that
+    cuts the fused projection into pieces)."""
+    part, prog, axis = search.part, search.prog, search.axis
+    if act >= 0 and axis in part.tiling(act).axes():
+        return "input-split", f"its input {prog.name(act)} would be split over {axis!r}"
+    vals, ops = part.changed_since(mark)
+    # A block ends in one row-parallel weight (or in reductions alone, as a softmax
+    # over a split vocabulary does); a split that reaches several weights on their
+    # contracting dims has escaped into the activations that all layers share.
+    rows = {u.weight for u in search.uses if u.weight in vals
+            and any(axis in part.tiling(u.weight).dims[d] for d in u.contracting)}
+    if len(rows) > 1:
+        names = ", ".join(sorted(prog.name(w) for w in rows)[:3])
+        return "spreads", f"the split spreads into the shared activations (row-split weights: {names})"
+    forward_end = search.roles.forward_end
+    closed, gathers, sliced = False, [], set()
+    for rs in part.reshards(ops):
+        if axis in rs.src.partial:
+            closed = True
+            if _inner(search, prog.ops[rs.op]):
+                return "activation-contraction", (f"its partial sums come from {prog.name(rs.value)}, a contraction of "
+                                                  "two computed activations (the split would cut the attention in the "
+                                                  "middle)")
+            continue
+        if prog.rematerializable(rs.value):
+            continue
+        step = next((s for s in transition(rs.src, rs.dst, part.mesh)
+                     if axis in s.axes and s.kind in ("all-gather", "all-to-all")), None)
+        if step is not None:
+            gathers.append((rs, step))
+        elif rs.op < forward_end and axis in rs.dst.axes() and axis not in rs.src.axes():
+            sliced.add((prog.values[rs.value].shape, rs.src, rs.dst))
+    # A whole value that the forward slices onto the axis (the pieces of a cut fused
+    # projection, keys repeated for grouped queries) has its gradient gathered back in
+    # the backward: that is the price of the slice. Any other gather means a leak.
+    for rs, step in gathers:
+        if rs.op < forward_end or (prog.values[rs.value].shape, rs.dst, rs.src) not in sliced:
+            return "gather", f"{prog.name(rs.value)} would need an {step.kind} over {axis!r}"
+    if not closed:
+        return "no-partial-sums", "no contraction turns the split into partial sums (not a block)"
+    return None
+
+
+def _inner(search: _Search, op) -> bool:
+    """A contraction of two activations the model computes from its parameters (not of a
+    weight, not of a one-hot of the labels): attention's scores or its weighted sum."""
+    if op.primitive not in ("dot_general", "conv_general_dilated"):
+        return False
+    prog = search.prog
+    for v in op.operands:
+        root = weight_dims(prog, v) if v >= 0 else None
+        if v < 0 or (root is not None and root[0] in search.params) or not search.derived(v):
+            return False
+    return True
+
+
+def _cut(prog, op, use: Use, dim: int):
+    """`(cut op, pieces, piece dim)` when the result of `op` (or an elementwise function
+    of it, such as a bias add) is cut along the dim that weight dim `dim` becomes, by a
+    `split` or by slices; None otherwise."""
+    if op.primitive != "dot_general" or op.results[0] < 0:
+        return None
+    rule = op.rule
+    factor = rule.operands[use.operand][use.dims.index(dim)]
+    out_dim = next((d for d, fs in enumerate(rule.results[0]) if fs == factor), None)
+    if out_dim is None:
+        return None
+    classes = prog.classes
+    for v in classes.members[classes.of[op.results[0]]]:
+        slices = []
+        for u in prog.users[v]:
+            user = prog.ops[u]
+            if user.primitive == "split" and user.eqn.params["axis"] == out_dim:
+                return u, tuple(r for r in user.results if r >= 0), out_dim
+            if user.primitive == "slice" and _slices_only(user, out_dim):
+                slices.append(u)
+        if len(slices) > 1:
+            return slices[0], tuple(prog.ops[u].results[0] for u in slices), out_dim
+    return None
+
+
+def _slices_only(op, dim: int) -> bool:
+    """Does this slice take a contiguous range of `dim` and every other dim whole?"""
+    p = op.eqn.params
+    shape = op.eqn.invars[0].aval.shape
+    strides = p.get("strides") or (1,) * len(shape)
+    return all((p["start_indices"][d], p["limit_indices"][d]) == (0, shape[d]) or d == dim for d in range(len(shape))) \
+        and strides[dim] == 1 and p["limit_indices"][dim] - p["start_indices"][dim] < shape[dim]

@@ -65,11 +65,26 @@ def _roles(program) -> Roles:
 def weight_root(program, v: int):
     """The program input that `v` is, through links (a scan slices stacked weights: the
     input's dims are then offset by one) and dtype casts: `(input, dim offset)` or None."""
+    found = _root(program, v, transposes=False)
+    return None if found is None else (found[0], found[2])
+
+
+def weight_dims(program, v: int):
+    """Like `weight_root`, also through transposes (a kernel stored `[out, in]` and used
+    as `x @ w.T`): `(input, dims)` where `dims[d]` is the input's dim that dim `d` of `v`
+    is, or None."""
+    found = _root(program, v, transposes=True)
+    return None if found is None else found[:2]
+
+
+def _root(program, v: int, *, transposes: bool):
+    # (input, dims of v in the input, scan layer dims passed) or None.
+    dims = list(range(program.values[v].rank))
     offset = 0
     inputs = program.input_set
     for _ in range(64):
         if v in inputs:
-            return v, offset
+            return v, tuple(dims), offset
         p = program.producer[v]
         if p < 0:
             return None
@@ -77,8 +92,11 @@ def weight_root(program, v: int):
         if op.link:
             if op.primitive == Link.SCAN_XS:
                 offset += 1
+                dims = [d + 1 for d in dims]
             elif op.primitive == Link.SCAN_YS:
                 return None
+        elif transposes and op.primitive == "transpose":
+            dims = [op.eqn.params["permutation"][d] for d in dims]
         elif op.primitive not in TRANSPARENT:
             return None
         v = op.operands[0]

@@ -2,12 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from partir.rules import get_rule
 
 X = jnp.ones((4, 6))
 I23 = jnp.ones((2, 3), jnp.int32)
+B = jnp.ones((3, 4, 4))  # a batch of matrices
 
 
 def _rule(fn, *args, prim):
@@ -73,12 +75,19 @@ CASES = [
      "dynamic_update_slice", "([i, j], [i, k], [], []) -> ([i, j]) blocked={j, k}"),
     ("rev", lambda a: a[:, ::-1], (X,), "rev", "([i, j]) -> ([i, j]) blocked={j}"),
     ("split", lambda a: jnp.split(a, 2, 1), (X,), "split", "([i, j]) -> ([i, k], [i, l]) blocked={j, k, l}"),
+    ("stack", lambda a: jnp.stack([a, a], 1), (X,), "stack", "([i, j], [i, j]) -> ([i, k, j]) blocked={k}"),
+    ("unstack", lambda a: jnp.unstack(a[:, :2], axis=1), (X,), "unstack", "([i, j]) -> ([i], [i]) blocked={j}"),
     ("iota", lambda: jax.lax.broadcasted_iota(jnp.int32, (4, 6), 1), (), "iota", "() -> ([i, j])"),
     # indexing
     ("embedding lookup", lambda t, i: t[i], (jnp.ones((10, 6)), I23), "gather",
      "([i, j], [k, l, m]) -> ([k, l, j]) reduction={i} blocked={m}"),
     ("take_along_axis", lambda a, i: jnp.take_along_axis(a, i[..., None], -1), (jnp.ones((2, 3, 10)), I23), "gather",
      "([l, m, k], [l, m, n, o]) -> ([l, m, n]) reduction={k} blocked={o}"),
+    ("lookup under vmap", lambda t, i: jax.vmap(lambda j: t[j])(i), (jnp.ones((10, 6)), jnp.ones(3, jnp.int32)),
+     "gather", "([i, j], [k, l]) -> ([k, m, j]) reduction={i} blocked={l}"),
+    ("lookup gradient under vmap", lambda t, i: jax.grad(lambda t: jax.vmap(lambda j: t[j])(i).sum())(t),
+     (jnp.ones((10, 6)), jnp.ones(3, jnp.int32)), "scatter-add",
+     "([i, j], [k, l], [k, n, j]) -> ([i, j]) reduction={k} blocked={l}"),
     ("embedding gradient", lambda t, i: jax.grad(lambda t: t[i].sum())(t), (jnp.ones((10, 6)), I23), "scatter-add",
      "([i, j], [k, l, m], [k, l, j]) -> ([i, j]) reduction={k, l} blocked={m}"),
     ("scatter set", lambda a, u: a.at[jnp.array([1, 3])].set(u), (X, jnp.ones((2, 6))), "scatter",
@@ -93,6 +102,39 @@ CASES = [
     ("sort", lambda a: jnp.sort(a, 1), (X,), "sort", "([i, j]) -> ([i, j]) blocked={j}"),
     ("top_k", lambda a: jax.lax.top_k(a, 2), (X,), "top_k", "([i, j]) -> ([k, l], [k, l]) blocked={i, j, k, l}"),
     ("random_bits", lambda k: jax.random.normal(k, (4, 6)), (jax.random.key(0),), "random_bits", "([]) -> ([i, j])"),
+    ("random_gamma", lambda k: jax.random.gamma(k, jnp.ones((4, 6))), (jax.random.key(0),), "random_gamma",
+     "([], [i, j]) -> ([i, j])"),
+    ("mulhi", lambda a: jax.lax.mulhi(a, a), (I23,), "mulhi", "([i, j], [i, j]) -> ([i, j])"),
+    ("tile", lambda a: jnp.tile(a, (2, 1)), (X,), "tile", "([i, j]) -> ([k*i, j])"),
+    ("generic reduce", lambda a: jax.lax.reduce(a, 0.0, lambda p, q: p * q + q, (1,)), (X,), "reduce",
+     "([i, j], []) -> ([i]) blocked={j}"),
+    # linear algebra and Fourier transforms: batched, whole per problem
+    ("cholesky", jnp.linalg.cholesky, (B,), "cholesky", "([i, j, k]) -> ([i, l, m]) blocked={j, k, l, m}"),
+    ("svd", jnp.linalg.svd, (B,), "svd", "([i, j, k]) -> ([i, l], [i, m, n], [i, o, p]) blocked={j, k, l, m, n, o, p}"),
+    ("triangular_solve", lambda a, b: jax.lax.linalg.triangular_solve(a, b, left_side=True), (B, jnp.ones((3, 4, 2))),
+     "triangular_solve", "([i, j, k], [i, l, m]) -> ([i, n, o]) blocked={j, k, l, m, n, o}"),
+    ("fft", jnp.fft.fft, (X,), "fft", "([i, j]) -> ([i, k]) blocked={j, k}"),
+    ("rfft2", jnp.fft.rfft2, (B,), "fft", "([i, j, k]) -> ([i, l, m]) blocked={j, k, l, m}"),
+    # contractions with scales or groups
+    ("scaled_dot", lambda a, b, s, t: jax.lax.scaled_dot(a, b, lhs_scale=s, rhs_scale=t),
+     (jnp.ones((4, 8)), jnp.ones((8, 6)), jnp.ones((4, 2), jnp.float8_e8m0fnu), jnp.ones((2, 6), jnp.float8_e8m0fnu)),
+     "scaled_dot", "([i, j*k], [j*k, l], [i, j], [j, l]) -> ([i, l]) reduction={j, k}"),
+    ("ragged_dot", lambda a, b: jax.lax.ragged_dot(a, b, jnp.array([2, 2], jnp.int32)),
+     (jnp.ones((4, 6)), jnp.ones((2, 6, 3))), "ragged_dot_general",
+     "([i, j], [k, j, m], [n]) -> ([i, m]) reduction={j} blocked={i, k, n}"),
+    # collectives over a vmapped axis
+    ("psum under vmap", lambda a: jax.vmap(lambda r: jax.lax.psum(r, "i"), axis_name="i")(a), (X,), "psum",
+     "([i, j]) -> ([j]) reduction={i}"),
+    ("pmax under vmap", lambda a: jax.vmap(lambda r: jax.lax.pmax(r, "i"), axis_name="i")(a), (X,), "pmax",
+     "([i, j]) -> ([j]) reduction max={i}"),
+    # ops that run whole
+    ("pure_callback", lambda a: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(a.shape, a.dtype), a), (X,),
+     "pure_callback", "([i, j]) -> ([k, l]) blocked={i, j, k, l}"),
+    ("rng_bit_generator", lambda k: jax.lax.rng_bit_generator(k, (4, 6)), (jnp.zeros(4, jnp.uint32),),
+     "rng_bit_generator", "([i]) -> ([j], [k, l]) blocked={i, j, k, l}"),
+    ("approx_max_k", lambda a: jax.lax.approx_max_k(a, 2), (X,), "approx_top_k",
+     "([i, j]) -> ([k, l], [k, l]) blocked={i, j, k, l}"),
+    ("dce_sink", jax.lax.dce_sink, (X,), "dce_sink", "([i, j]) -> ()"),
 ]
 
 

@@ -6,13 +6,14 @@ from .._rule import factor_rule
 from ._registry import Namer, register
 
 UNARY = """abs acos acosh asin asinh atan atanh bessel_i0e bessel_i1e cbrt ceil clz conj cos cosh
-digamma erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite lgamma log log1p logistic
+digamma erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite lgamma log log1p log2 logistic
 neg not population_count real reduce_precision round rsqrt sign sin sinh sqrt square tan tanh
 convert_element_type copy copy_p stop_gradient sharding_constraint one_minus_square reshard mesh_cast""".split()
 
 NARY = """add add_any sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
 shift_left shift_right_arithmetic shift_right_logical complex igamma igammac igamma_grad_a
-random_gamma_grad polygamma zeta select_n clamp threefry2x32""".split()
+random_gamma_grad polygamma zeta select_n clamp threefry2x32 mulhi lt_to le_to regularized_incomplete_beta
+polynomial""".split()
 
 #: Identity ops over several values: operand i is result i.
 IDENTITY_N = ["optimization_barrier", "device_put"]

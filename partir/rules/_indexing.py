@@ -11,15 +11,21 @@ OTHER_SCATTERS = ["scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatt
                   "scatter-max", "scatter_max", "scatter_apply"]
 
 
+#: Gather modes under which a start index into a dim taken whole can only be 0.
+_CLAMPED = ("CLIP", "PROMISE_IN_BOUNDS")
+
+
 @register("gather")
 def gather(in_shapes, out_shapes, params):
     """Index dims of the indices pass to the result's batch dims, whole slice dims of the
     operand pass to its offset dims, batching dims are shared by all three. An indexed
-    operand dim gathered one row at a time is a reduction: each device looks up the rows
-    it holds (zeros elsewhere) and the partial results are summed; this is the
+    operand dim gathered one row at a time (collapsed, or kept as a size-1 offset dim as
+    an indexing under `vmap` does) is a reduction: each device looks up the rows it
+    holds (zeros elsewhere) and the partial results are summed; this is the
     vocab-parallel embedding. An embedding lookup is `([i, j], [k, l, m]) -> ([k, l, j]) reduction={i} blocked={m}`."""
     dn = params["dimension_numbers"]
     slice_sizes = params["slice_sizes"]
+    clamped = getattr(params.get("mode"), "name", "") in _CLAMPED
     (op_shape, idx_shape), (out_shape,) = in_shapes, out_shapes
     name = Namer()
     op = [name(("op", d)) for d in range(len(op_shape))]
@@ -29,18 +35,24 @@ def gather(in_shapes, out_shapes, params):
     reduction = []
     for o, i in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
         op[o] = idx[i]
+
+    def row_lookup(d):  # one row of an indexed dim: split, it leaves partial sums
+        return d in dn.start_index_map and slice_sizes[d] == 1 and op_shape[d] > 1
+
     window = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
     for d, r in zip(window, dn.offset_dims):
-        whole = slice_sizes[d] == op_shape[d] and d not in dn.start_index_map
+        whole = slice_sizes[d] == op_shape[d] and (d not in dn.start_index_map or clamped)
         out[r] = op[d] if whole else name(("out", r))
-        if not whole:
+        if row_lookup(d):
+            reduction.append(op[d])
+        elif not whole:
             blocked += [op[d], out[r]]
     batch_out = [r for r in range(len(out_shape)) if r not in dn.offset_dims]
     for r, i in zip(batch_out, range(len(idx_shape) - 1)):
         out[r] = idx[i]
     out = [f if f is not None else name(("out", r)) for r, f in enumerate(out)]
     for d in dn.collapsed_slice_dims:
-        if d in dn.start_index_map and slice_sizes[d] == 1 and op_shape[d] > 1:
+        if row_lookup(d):
             reduction.append(op[d])
         elif op_shape[d] > 1:
             blocked.append(op[d])
@@ -58,10 +70,12 @@ def _scatter(in_shapes, out_shapes, params, *, additive: bool):
     for o, i in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims):
         op[o] = idx[i]
     window = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    clamped = getattr(params.get("mode"), "name", "") in _CLAMPED
+    indexed = dn.scatter_dims_to_operand_dims
     for d, u in zip(window, dn.update_window_dims):
-        if upd_shape[u] == op_shape[d] and d not in dn.scatter_dims_to_operand_dims:
+        if upd_shape[u] == op_shape[d] and (d not in indexed or clamped):
             upd[u] = op[d]
-        else:
+        elif not (d in indexed and upd_shape[u] == 1):  # one row per index: as an inserted dim
             blocked += [op[d], upd[u]]
     scatter_dims = [u for u in range(len(upd_shape)) if u not in dn.update_window_dims]
     for u, i in zip(scatter_dims, range(len(idx_shape) - 1)):

@@ -1,9 +1,11 @@
-"""Sorting, windows (pooling and its gradients) and random numbers."""
+"""Sorting, windows (pooling and its gradients), random numbers, and the ops that run
+whole: host callbacks, stateful generators, solves through user-given jaxprs."""
 
 from __future__ import annotations
 
 from .._rule import factor_rule
-from ._registry import Namer, register
+from ._elementwise import elementwise
+from ._registry import Namer, conservative_rule, register
 
 WINDOWED = ["reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
             "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"]
@@ -47,7 +49,7 @@ def sort(in_shapes, out_shapes, params):
                        blocked=[dims[params["dimension"]]])
 
 
-@register("top_k")
+@register("top_k", "approx_top_k")
 def top_k(in_shapes, out_shapes, params):
     """Every dim blocked: `([i, j]) -> ([k, l], [k, l]) blocked={i, j, k, l}`. Mathematically
     the leading dims could pass through, but XLA's SPMD partitioner replicates the TopK
@@ -70,9 +72,10 @@ def random_expand(in_shapes, out_shapes, params):
     return factor_rule([key], [out], in_shapes, out_shapes)
 
 
-@register("random_seed", "random_fold_in")
+@register("random_seed", "random_fold_in", "random_clone", "random_gamma")
 def random_elementwise(in_shapes, out_shapes, params):
-    """Seeds (and folded-in data) map one-to-one to keys."""
+    """Seeds (and folded-in data) map one-to-one to keys, keys to keys (a clone), keys and
+    shape parameters to gamma samples."""
     name = Namer()
     out = [name(d) for d in range(len(out_shapes[0]))]
     ins = [out if len(s) == len(out) else [name(("x", k, d)) for d in range(len(s))] for k, s in enumerate(in_shapes)]
@@ -89,3 +92,64 @@ def random_wrap(in_shapes, out_shapes, params):
     ins = shared + [word] * (len(a) - len(shared))
     outs = shared + [word] * (len(b) - len(shared))
     return factor_rule([ins], [outs], in_shapes, out_shapes, blocked=[word])
+
+
+@register("pure_callback", "io_callback", "debug_callback", "debug_print")
+def host_callback(in_shapes, out_shapes, params):
+    """Every dim blocked: a host callback sees whole arrays, so its operands are gathered
+    and its results made whole on every device (whatever sharding the callback asks)."""
+    return conservative_rule(in_shapes, out_shapes)
+
+
+@register("rng_bit_generator", "rng_uniform")
+def stateful_random(in_shapes, out_shapes, params):
+    """Every dim blocked: XLA's generators (RngBitGenerator, stateful RngUniform) draw a
+    stream whose values depend on the whole output shape, so each device draws it whole
+    (JAX's `jax.random` threefry keys are the partitionable way)."""
+    return conservative_rule(in_shapes, out_shapes)
+
+
+@register("custom_linear_solve")
+def custom_linear_solve(in_shapes, out_shapes, params):
+    """Every dim blocked: the solve runs through the user's `matvec` and `solve` jaxprs,
+    which lift does not enter, so it runs whole on every device."""
+    return conservative_rule(in_shapes, out_shapes)
+
+
+@register("dce_sink")
+def sink(in_shapes, out_shapes, params):
+    """Keeps values alive and computes nothing: they stay in whatever layout they have
+    (their factors have no result to make partial)."""
+    name = Namer()
+    return factor_rule([[name((k, d)) for d in range(len(s))] for k, s in enumerate(in_shapes)], [], in_shapes,
+                       out_shapes)
+
+
+#: JAX's hi-level primitives (`call_hi_primitive`, JAX 0.12), by the class of the
+#: primitive they wrap: elementwise ones, and ones whose every output depends on the
+#: whole input (the positions of the nonzeros of a mask).
+ELEMENTWISE_HI = ("Frexp", "Ldexp")
+WHOLE_HI = ("Nonzero",)
+
+
+@register("call_hi_primitive")
+def call_hi_primitive(in_shapes, out_shapes, params):
+    """Ruled by the primitive it wraps: elementwise ones (frexp, ldexp) as `elementwise`;
+    a search of queries in a sorted array (`jnp.searchsorted`) as the queries'
+    elementwise map over the whole sorted array: `([i], [j, k]) -> ([j, k]) blocked={i}`;
+    `jnp.nonzero` with every dim blocked. Any other raises, so that lift replicates it
+    and says which."""
+    prim = params["_prim"]
+    kind = type(prim).__name__
+    if kind in ELEMENTWISE_HI:
+        return elementwise(in_shapes, out_shapes, params)
+    if kind in WHOLE_HI:
+        return conservative_rule(in_shapes, out_shapes)
+    (arr, query), (out,) = in_shapes, out_shapes
+    if kind == "SearchSorted" and len(arr) == prim.batch_dims + 1 and out == query:
+        name = Namer()
+        dims = [name(d) for d in range(len(query))]
+        searched = name("searched")
+        return factor_rule([dims[:prim.batch_dims] + [searched], dims], [dims], in_shapes, out_shapes,
+                           blocked=[searched])
+    raise NotImplementedError(f"no rule for the hi-level primitive {kind}")

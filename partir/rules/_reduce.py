@@ -19,17 +19,23 @@ REDUCTIONS = {
 #: value and the index): their reduced dims are blocked, i.e. gathered before the op.
 BLOCKED_REDUCTIONS = ["argmax", "argmin", "reduce_xor", "reduce"]
 
+#: Collectives over positional axes (what `vmap` leaves of a psum, pmax or pmin over its
+#: named axis) -> the kind of partial result a split reduced dim leaves.
+COLLECTIVE_REDUCTIONS = {"psum": "sum", "pmax": "max", "pmin": "min"}
+
 #: Scans along one dim (`axis` param): that dim is blocked.
 CUMULATIVE = ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"]
 
 
 def _reduce_rule(in_shapes, out_shapes, axes, *, kind=None):
-    # All operands (variadic `reduce` has several) share factors dim by dim.
+    # All operands (variadic `reduce` has several) share factors dim by dim; the generic
+    # `reduce`'s init values (scalars, after the operands) join nothing.
     name = Namer()
     dims = [name(d) for d in range(len(in_shapes[0]))]
     kept = [f for d, f in enumerate(dims) if d not in axes]
     gone = [f for d, f in enumerate(dims) if d in axes]
-    ins, outs = [dims] * len(in_shapes), [kept] * len(out_shapes)
+    ins = [dims if len(s) == len(dims) else [] for s in in_shapes]
+    outs = [kept] * len(out_shapes)
     if kind is None:
         return factor_rule(ins, outs, in_shapes, out_shapes, blocked=gone)
     return factor_rule(ins, outs, in_shapes, out_shapes, reduction=gone, reduce_kind=kind)
@@ -61,3 +67,25 @@ def cumulative(in_shapes, out_shapes, params):
     name = Namer()
     dims = [name(d) for d in range(len(in_shapes[0]))]
     return factor_rule([dims], [dims], in_shapes, out_shapes, blocked=[dims[params["axis"]]])
+
+
+def _def_collective(prim: str, kind: str) -> None:
+    def rule(in_shapes, out_shapes, params):
+        """Each operand is reduced over the positional `axes` into its own result, as a
+        `reduce_*` would: `([i, j], [k, l]) -> ([j], [l]) reduction={i, k}`. Named axes
+        exist only inside `shard_map` bodies, which lift does not enter."""
+        axes = params["axes"]
+        if not all(isinstance(a, int) for a in axes):
+            raise ValueError(f"named axes {axes} (a collective inside shard_map or pmap)")
+        name = Namer()
+        ins = [[name((k, d)) for d in range(len(s))] for k, s in enumerate(in_shapes)]
+        outs = [[f for d, f in enumerate(spec) if d not in axes] for spec in ins]
+        gone = [spec[d] for spec in ins for d in axes]
+        return factor_rule(ins, outs, in_shapes, out_shapes, reduction=gone, reduce_kind=kind)
+
+    rule.__name__ = f"{prim}_rule"
+    register(prim)(rule)
+
+
+for _prim, _kind in COLLECTIVE_REDUCTIONS.items():
+    _def_collective(_prim, _kind)

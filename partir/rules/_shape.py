@@ -218,10 +218,51 @@ def split(in_shapes, out_shapes, params):
     return factor_rule([ins], outs, in_shapes, out_shapes, blocked=[ins[ax]] + [o[ax] for o in outs])
 
 
-@register("iota", "empty", "empty2")
+@register("stack")
+def stack(in_shapes, out_shapes, params):
+    """Operands share their dims with the result's other dims; the new dim they are
+    stacked along is blocked: `([i, j], [i, j]) -> ([i, j, k]) blocked={k}`."""
+    name = Namer()
+    ax = params["axis"]
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    new = name("new")
+    return factor_rule([dims] * len(in_shapes), [dims[:ax] + [new] + dims[ax:]], in_shapes, out_shapes, blocked=[new])
+
+
+@register("unstack")
+def unstack(in_shapes, out_shapes, params):
+    """The inverse of `stack`: the dim taken apart is blocked, the others pass to every
+    result: `([i, j]) -> ([j], [j]) blocked={i}`."""
+    name = Namer()
+    ax = params["axis"]
+    dims = [name(d) for d in range(len(in_shapes[0]))]
+    rest = dims[:ax] + dims[ax + 1:]
+    return factor_rule([dims], [rest] * len(out_shapes), in_shapes, out_shapes, blocked=[dims[ax]])
+
+
+@register("tile")
+def tile(in_shapes, out_shapes, params):
+    """Result dim d is `reps[d]` copies of operand dim d, the copies major: the operand's
+    factor is shared and the copies are a factor of the result alone, free to split
+    (each device makes its own copies): `([i, j]) -> ([k*i, l*j])`."""
+    name = Namer()
+    (a,), reps = in_shapes, params["reps"]
+    ins = [name(("a", d)) for d in range(len(a))]
+    outs, sizes = [], {f: n for f, n in zip(ins, a)}
+    for d, f in enumerate(ins):
+        if reps[d] == 1:
+            outs.append([f])
+        else:
+            copies = name(("copies", d))
+            sizes[copies] = reps[d]
+            outs.append([copies, f])
+    return factor_rule([ins], [outs], in_shapes, out_shapes, sizes=sizes)
+
+
+@register("iota", "empty", "empty2", "platform_index", "create_token")
 def creation(in_shapes, out_shapes, params):
-    """No array operands: every result dim is free to split (each device makes its own
-    block): `() -> ([i, j])`."""
+    """No array operands (an iota, an empty buffer, which platform runs, a token): every
+    result dim is free to split (each device makes its own block): `() -> ([i, j])`."""
     name = Namer()
     ins = [[name(("in", k, d)) for d in range(len(s))] for k, s in enumerate(in_shapes)]
     return factor_rule(ins, [[name(d) for d in range(len(s))] for s in out_shapes], in_shapes, out_shapes)
