@@ -98,7 +98,7 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
                 x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
-    regather = _Regather(part)
+    regather = _Reads(part, mesh)
 
     def hook(x, v: int):
         return constrain_value(x, v)
@@ -144,20 +144,26 @@ class Lowered:
         return self.jitted.lower(*args)
 
 
-class _Regather:
-    """Makes XLA move a forward value again for the backward pass, as the cost model
-    assumes (FSDP re-gathers a parameter for its backward matmuls, sequence parallelism
-    an activation): left alone, XLA would merge the backward's all-gather with the
-    forward's (common subexpression elimination) and keep the gathered buffer alive in
-    between. A backward op that reads a forward value in another layout than its
-    at-rest one reads it through an `optimization_barrier` taken together with one of
-    its backward operands, so the gather can only happen in the backward pass; readers
-    of one value in one layout within one loop body share that copy (moved once per pass)."""
+class _Reads:
+    """Makes XLA move values where the plan says, as the cost model counts them.
 
-    def __init__(self, part):
-        self.part = part
+    An op that reads a value split along a dim its rule blocks (a convolution's spatial
+    dim) reads it through a sharding constraint to the layout the plan says it computes
+    with: XLA then moves it there, instead of computing the op some other way
+    (exchanging halos). Readers of one value in one layout within one pass and one loop
+    body share one copy (moved once per pass).
+
+    And the backward pass moves a forward value again, as FSDP re-gathers a parameter
+    for its backward matmuls and sequence parallelism an activation: left alone, XLA
+    would merge the backward's all-gather with the forward's (common subexpression
+    elimination) and keep the gathered buffer alive in between. Such a read goes through
+    an `optimization_barrier` taken together with one of the op's backward operands (or
+    the latest backward value), so the move can only happen in the backward pass."""
+
+    def __init__(self, part, mesh):
+        self.part, self.mesh = part, mesh
         self.prog = part.program
-        self.made = {}
+        self.made, self.last = {}, None
 
     def clear(self) -> None:
         """Forget the copies of a previous trace."""
@@ -175,28 +181,46 @@ class _Regather:
             v = op.operands[0]
         return False
 
-    def __call__(self, oid: int, invals, rid: int):
+    def _moved(self, oid: int) -> list[int]:
         prog, part = self.prog, self.part
         op = prog.ops[oid]
-        if not prog.backward[oid] or part.classes.trivial[oid]:
+        return [k for k, v in enumerate(op.operands)
+                if v >= 0 and prog.values[v].shape and _numeric(prog.values[v].dtype)
+                and part.required(oid, k).dims != part.tiling(v).dims and not prog.rematerializable(v)]
+
+    def _pinned(self, oid: int, k: int) -> bool:
+        """Must operand `k` of op `oid` be constrained to the layout the op reads it in?
+        Where its at-rest layout splits a dim the op's rule blocks (a convolution's
+        spatial dim), XLA would otherwise compute the op its own way (exchanging halos);
+        elsewhere it reshards as the plan says on its own."""
+        op, v = self.prog.ops[oid], self.prog.ops[oid].operands[k]
+        blocked = set(op.rule.blocked)
+        return any(axes and any(f in blocked for f in op.rule.operands[k][d])
+                   for d, axes in enumerate(self.part.tiling(v).dims))
+
+    def __call__(self, oid: int, invals, rid: int):
+        prog, part = self.prog, self.part
+        if part.classes.trivial[oid]:
             return invals
-        moved = [k for k, v in enumerate(op.operands)
-                 if v >= 0 and prog.values[v].shape and part.required(oid, k).dims != part.tiling(v).dims
-                 and not prog.rematerializable(v) and self._forward(v)]
+        moved = self._moved(oid)
         if not moved:
             return invals
+        op, backward = prog.ops[oid], prog.backward[oid]
         anchor = next((k for k, v in enumerate(op.operands) if v >= 0 and k not in moved and not self._forward(v)), None)
         invals = list(invals)
         for k in moved:
-            key = (op.operands[k], part.required(oid, k).dims, prog.regions[rid].parent >= 0 and rid)
-            if key in self.made:
-                pass
-            elif anchor is not None:
-                self.made[key], invals[anchor] = jax.lax.optimization_barrier((invals[k], invals[anchor]))
-            elif self.last is not None:  # a unary reader: after the latest backward value
-                self.made[key], _ = jax.lax.optimization_barrier((invals[k], self.last))
-            else:
-                continue
+            need = part.required(oid, k)
+            key = (op.operands[k], need.dims, backward, prog.regions[rid].parent >= 0 and rid)
+            if key not in self.made:
+                x = invals[k]
+                if backward and self._forward(op.operands[k]):
+                    if anchor is not None:
+                        x, invals[anchor] = jax.lax.optimization_barrier((x, invals[anchor]))
+                    elif self.last is not None:  # a unary reader: after the latest backward value
+                        x, _ = jax.lax.optimization_barrier((x, self.last))
+                if self._pinned(oid, k):
+                    x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, need.spec()))
+                self.made[key] = x
             invals[k] = self.made[key]
         return invals
 
