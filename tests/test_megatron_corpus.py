@@ -107,12 +107,11 @@ CASES = [
            C.fused_qkv(cut),
            {"params/embed": 0, "params/layers/*/wo": 0, "params/layers/*/[wb]1": -1, "params/layers/*/w2": 0,
             "params/head": 1},
-           # The projection runs whole; its pieces' gradients are gathered in the backward
-           # (once per layer where the split's transpose concatenates them, once per piece
-           # where each slice's transpose pads it).
-           _collectives(4, 1 + 2, gathered=gathered), why={"params/layers/*/qkv": {"gather", "cut"}},
+           # The projection runs whole; its pieces' gradients are gathered in the backward,
+           # once per piece (the lowering keeps XLA from merging them with the forward's).
+           _collectives(4, 1 + 2, gathered=6), why={"params/layers/*/qkv": {"gather", "cut"}},
            fast=cut == "split")
-      for cut, how, gathered in (("split", "jnp.split", 2), ("slices", "slicing", 6))),
+      for cut, how in (("split", "jnp.split"), ("slices", "slicing"))),
     Case("gqa_group", "grouped-query attention, 8 query heads over 4 KV heads (queries reshaped to groups)",
          C.grouped(4, 8, "group"),
          {"params/embed": 0, "params/layers/*/[qkv]": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
