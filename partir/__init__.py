@@ -13,8 +13,11 @@ from ._hlo import Collective, collectives, collectives_of, summarize
 from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
 from ._lower import CONSTRAIN_MODES, lower, register_backend
+from ._layers import input_layers, layer_keys
 from ._mesh import MeshSpec
 from ._nested import Link
+from ._remat import POLICIES as REMAT_POLICIES
+from ._remat import Block, Recompute, blocks, recompute, recomputed
 from ._partitioning import Decision, Partitioning, Reshard
 from ._reshard import Transition, transition
 from ._rule import FactorRule, factor_rule
@@ -22,6 +25,7 @@ from ._tiling import Tiling
 from ._verify import check_equivalence
 
 __all__ = [
+    "Block", "REMAT_POLICIES", "Recompute", "blocks", "input_layers", "layer_keys", "recompute", "recomputed",
     "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collectives", "collectives_of", "dump",

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
-from ._propagate import _BND, _FAC, _PIN, _VAL, Propagation, _fhash, _vhash
+from ._propagate import _BND, _FAC, _PIN, _REM, _VAL, Propagation, _fhash, _vhash
 from ._tiling import Tiling
 
 
 #: The actions a `Decision` records (the `Partitioning` methods that take them).
-ACTIONS = ("tile", "replicate", "constrain", "pin")
+ACTIONS = ("tile", "replicate", "constrain", "pin", "remat")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +116,8 @@ class Partitioning(Propagation):
         self._forbid: list = [None] * len(self._cls)
         # Classes fixed by `constrain`: layout boundaries that ops do not read tilings from.
         self._boundary: set[int] = set()
+        # Residuals recomputed in the backward pass instead of kept (`remat`).
+        self._remat: set[int] = set()
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -296,8 +298,32 @@ class Partitioning(Propagation):
             self.replicate(v, source=d.source)
         elif d.action == "constrain":
             self.constrain(v, d.tiling, source=d.source)
+        elif d.action == "remat":
+            self.remat(v, source=d.source)
         else:
             self.pin(v, axes=d.axes, source=d.source)
+
+    def remat(self, value, *, source: str = "user") -> None:
+        """Do not keep residual `value` for the backward pass: recompute it there from kept
+        values (`partir._remat`). A no-op when it is recomputed already; a
+        `PartitioningError` for a value that is no residual of a block."""
+        from ._remat import blocks
+
+        v = self.program.resolve(value)
+        if v in self._remat:
+            return
+        if not any(v in b.residuals for b in blocks(self.program)):
+            raise PartitioningError(f"cannot rematerialize {self.program.name(v)}: it is not a value a layer's "
+                                    "forward pass keeps for the backward pass")
+        self._remat.add(v)
+        self._log.append((_REM, v))
+        self._hash ^= hash((_REM, v))
+        self._decide(Decision("remat", v, None, None, source))
+
+    @property
+    def rematerialized(self) -> frozenset:
+        """The residuals recomputed in the backward pass instead of kept."""
+        return frozenset(self._remat)
 
     def constrain(self, value, tiling, *, source: str = "user") -> None:
         """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)
@@ -383,6 +409,9 @@ class Partitioning(Propagation):
                 _, c, old = entry
                 h ^= hash((_PIN, c, self._forbid[c])) ^ hash((_PIN, c, old))
                 self._forbid[c] = old
+            elif kind == _REM:
+                self._remat.discard(entry[1])
+                h ^= hash((_REM, entry[1]))
             else:
                 self._decisions.pop()
         self._hash = h
@@ -432,6 +461,7 @@ class Partitioning(Propagation):
         c._d, c._f = list(self._d), list(self._f)
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
+        c._remat = set(self._remat)
         c._log, c._decisions = [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c

@@ -37,6 +37,7 @@ from ._device import get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
 from ._memory import Liveness
+from ._remat import RematView
 
 
 #: Bytes of gradient reductions XLA combines into one collective (its all-reduce
@@ -169,7 +170,9 @@ class CostModel:
         self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
         heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops])
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
+        self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
+        self._views: dict = {}  # recomputed residuals -> RematView
         self._buffer_name = {}
         self._op_cols: dict[int, list] = {}
         self._memo: dict = {}
@@ -314,58 +317,96 @@ class CostModel:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
 
+    def _view(self):
+        """The rematerialization view of the current recomputed residuals, or None."""
+        rec = self.part.rematerialized
+        if not rec:
+            return None
+        view = self._views.get(rec)
+        if view is None:
+            view = self._views[rec] = RematView(self.program, self.materialization, self._donated, rec)
+        return view
+
+    def _memory(self, value_bytes, *, exact: bool):
+        """(peak, op index, buffer bytes, liveness, keys of the extra buffers): the
+        buffers of reshards and of recomputation beside the program's."""
+        view = self._view()
+        starts, ends, sizes, keys = self._reshard_buffers()
+        if view is not None:
+            vs, ve, vz = view.buffers(value_bytes)
+            starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
+            keys = keys + [("remat", v) for _, _, v, _ in view.extra]
+        liveness = view.liveness if view is not None else self.liveness
+        peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact)
+        return peak, t, buf, liveness, (starts, ends, sizes, keys)
+
+    def _recomputed(self, times) -> tuple[float, list]:
+        """(seconds, collectives) of the forward ops the backward pass runs again."""
+        view = self._view()
+        if view is None:
+            return 0.0, []
+        cols = [c for o in view.ops.tolist() for key in self._op_cols.get(o, ()) for c in self._dedup[key][o][1]]
+        return float(times[view.ops].sum()), cols
+
     def evaluate(self) -> tuple[float, float]:
         """(step time without overlap, peak memory): the search's fast path."""
         self._sync()
         times, _ = self._op_times()
-        comm = self.links.total_time(c for e in self._dedup.values() for c in e[min(e)][1])
-        peak, _, _ = self.liveness.peak(self._nbytes / self._class_div[self._value_class], self._reshard_buffers()[:3])
-        return float(times.sum()) + comm, peak
+        again, again_cols = self._recomputed(times)
+        comm = self.links.total_time([c for e in self._dedup.values() for c in e[min(e)][1]] + again_cols)
+        peak = self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
+        return float(times.sum()) + again + comm, peak
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""
         self._sync()
         prog = self.program
         times, div = self._op_times()
+        again, again_cols = self._recomputed(times)
         firsts = sorted(((min(e), e[min(e)]) for e in self._dedup.values()), key=lambda t: (t[0], t[1][0]))
-        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs)
+        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(again_cols)
         value_bytes = self._nbytes / self._class_div[self._value_class]
-        extra = self._reshard_buffers()
-        peak, t, buf = self.liveness.peak(value_bytes, extra[:3], exact=True)
-        live = self.liveness.live_at(t, extra[:3])
+        peak, t, buf, liveness, extra = self._memory(value_bytes, exact=True)
+        live = liveness.live_at(t, extra[:3])
         live = live[np.argsort(-buf[live], kind="stable")][:top]
         order = np.argsort(-times, kind="stable")[:top]
-        runs = self.materialization.live_op
+        work = self._flops / div * self.materialization.live_op
+        view = self._view()
+        redo = float((work * self._mult)[view.ops].sum()) if view is not None else 0.0
         return Cost(
             device=self.device.name,
             mesh=str(self.part.mesh),
-            flops=float((self._flops / div * self._mult * runs).sum()) + sum(c.flops * c.count for c in cols),
-            flops_loops_once=float((self._flops / div * runs).sum()) + sum(c.flops for c in cols),
-            transcendentals=float((self._trans / div * self._mult * runs).sum()),
-            compute_time=float(times.sum()),
-            backward_compute_time=float(times[self._backward].sum()),
+            flops=float((work * self._mult).sum() + redo) + sum(c.flops * c.count for c in cols),
+            flops_loops_once=float(work.sum()) + sum(c.flops for c in cols),
+            transcendentals=float((self._trans / div * self._mult * self.materialization.live_op).sum()),
+            compute_time=float(times.sum()) + again,
+            backward_compute_time=float(times[self._backward].sum()) + again,
             comm_time=self.links.total_time(cols),
             gradient_comm_time=self.links.total_time(c for c in cols if c.gradient),
             collectives=cols,
             memory_peak=peak,
-            memory_at_peak=tuple((self._name_of_buffer(b, extra[3]), float(buf[b])) for b in live if buf[b] > 0),
+            memory_at_peak=tuple((self._name_of_buffer(b, liveness, extra[3]), float(buf[b])) for b in live
+                                 if buf[b] > 0),
             argument_bytes=float(sum(value_bytes[v] for v in prog.inputs)),
             memory_limit=self.memory_limit,
             top_ops=tuple((_op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
         )
 
-    def _name_of_buffer(self, b: int, reshards) -> str:
-        if b >= self.liveness.num_buffers:  # a reshard's buffer
-            key = reshards[b - self.liveness.num_buffers]
+    def _name_of_buffer(self, b: int, liveness, extra_keys) -> str:
+        if b >= liveness.num_buffers:  # a reshard's or a recomputation's buffer
+            key = extra_keys[b - liveness.num_buffers]
             if key[0] == "read":
                 return f"{self.program.name(key[1])} as {Tiling(key[2])}"
+            if key[0] == "remat":
+                return f"{self.program.name(key[1])} recomputed"
             return f"{_op_label(self.program, key[1])} as computed"
-        name = self._buffer_name.get(b)
+        cache = self._buffer_name.setdefault(id(liveness), {})
+        name = cache.get(b)
         if name is None:
-            members = np.nonzero(self.liveness.buffer == b)[0]
+            members = np.nonzero(liveness.buffer == b)[0]
             is_input = set(self.program.inputs)
             inputs = [v for v in members if v in is_input]
-            name = self._buffer_name[b] = self.program.name(int(inputs[0] if inputs else members[0]))
+            name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
         return name
 
 

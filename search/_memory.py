@@ -54,7 +54,7 @@ class Liveness:
     a buffer of no bytes), and per buffer its live interval `[start, end]` in op indices
     (the end index `len(ops)` is "after the last op")."""
 
-    def __init__(self, program, materialization, donated_args=()):
+    def __init__(self, program, materialization, donated_args=(), *, forward_only=frozenset(), extend=None):
         from ._fusion import view_pairs
 
         mat = materialization
@@ -78,9 +78,13 @@ class Liveness:
         self.buffer = np.array([roots.setdefault(find(v), len(roots)) for v in range(n)], dtype=np.int64)
         self.num_buffers = len(roots)
         self.length = len(program.ops) + 1
-        self.start, self.end = self._intervals(program, mat)
+        self.start, self.end = self._intervals(program, mat, forward_only)
+        for v, until in (extend or {}).items():  # kept to recompute from
+            b = self.buffer[v]
+            if self.kind[b] == TEMPORARY:
+                self.end[b] = max(self.end[b], until)
 
-    def _intervals(self, program, mat):
+    def _intervals(self, program, mat, forward_only):
         """Live intervals of the temporaries; arguments and outputs are held for the whole
         step (`kind` 1 and 2), an output being first written at `defined`."""
         nb, end_of_program = self.num_buffers, len(program.ops)
@@ -88,6 +92,8 @@ class Liveness:
         end = np.zeros(nb, dtype=np.int64)
         last = _last_reads(program, mat)
         loops = _Loops(program)
+        backward = program.backward
+        cut = {int(self.buffer[v]) for v in forward_only}
         home = np.zeros(nb, dtype=np.int64)  # the region of a buffer's first member
         for v in range(len(program.values)):
             if mat.virtual[v]:
@@ -99,9 +105,13 @@ class Liveness:
         for v in range(len(program.values)):
             if mat.virtual[v]:
                 for s in mat.sources.get(v, ()):  # re-derived where read: its sources stay live
+                    if self.buffer[s] in cut and backward[last[v]]:
+                        continue  # re-derived from the recomputed copy
                     end[self.buffer[s]] = max(end[self.buffer[s]], last[v])
                 continue
             users, b = program.users[v], self.buffer[v]
+            if b in cut:  # recomputed for the backward pass: freed after the forward's reads
+                users = [u for u in users if not backward[u]]
             if users:
                 end[b] = max(end[b], loops.last_read(int(home[b]), users))
         self.kind = np.zeros(nb, dtype=np.int8)

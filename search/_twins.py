@@ -37,6 +37,7 @@ import warnings
 import jax
 
 from partir import Partitioning, PartitioningError, lift
+from partir._layers import children, is_layers, layer_keys  # noqa: F401
 from tactics import input_groups, roles
 
 from ._cost import CostModel
@@ -49,33 +50,15 @@ TWIN_MIN_LAYERS = 8
 EXTRA_MIDDLE = 1
 
 
-def _alike(seq) -> bool:
-    def sig(e):
-        leaves, tree = jax.tree.flatten(e)
-        return tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves)
-
-    first = sig(seq[0])
-    return bool(first[1]) and all(sig(e) == first for e in seq[1:])
-
-
-def _children(tree):
-    """(rebuild, children) of a pytree node (a dict, list, named tuple, equinox module,
-    any registered node); None for a leaf."""
-    children, node = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
-    if jax.tree_util.treedef_is_leaf(node) and tree is not None:
-        return None
-    return node.unflatten, children
-
-
 def _is_layers(tree) -> bool:
-    return type(tree) in (list, tuple) and len(tree) >= TWIN_MIN_LAYERS and _alike(tree)
+    return is_layers(tree, TWIN_MIN_LAYERS)
 
 
 def layer_counts(tree) -> set[int]:
     """Lengths of the sequences of alike layers in `tree` (outermost ones only)."""
     if _is_layers(tree):
         return {len(tree)}
-    node = _children(tree)
+    node = children(tree)
     return set().union(*map(layer_counts, node[1])) if node else set()
 
 
@@ -83,7 +66,7 @@ def truncate(tree, depth: int):
     """`tree` with every sequence of alike layers cut to its first `depth` layers."""
     if _is_layers(tree):
         return type(tree)(tree[:depth])
-    node = _children(tree)
+    node = children(tree)
     return node[0]([truncate(c, depth) for c in node[1]]) if node else tree
 
 
@@ -96,42 +79,11 @@ def _twin_layer(i: int, layers: int, depth: int, head: int, tail: int) -> int:
     return min(i, depth - tail - 1)
 
 
-def _child(node, key):
-    """The child of `node` at path entry `key`, or None where it cannot be told (then no
-    layers below it are looked for: the names keep their indices)."""
-    if type(node) in (list, tuple) and isinstance(key, jax.tree_util.SequenceKey):
-        return node[key.idx]
-    if isinstance(key, jax.tree_util.DictKey):
-        try:
-            return node[key.key]
-        except (KeyError, TypeError, IndexError):
-            return None
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return getattr(node, key.name, None)
-    return None
-
-
 def _layer_keys(prog) -> dict[int, tuple] | None:
     """For each input: (argument name, pytree path, position in the path of the index
     into the outermost sequence of alike layers, or None); None if the inputs do not
     match the arguments."""
-    origin = prog.origin
-    dyn = tuple(a for i, a in enumerate(origin.args) if i not in origin.static_argnums)
-    leaves = jax.tree_util.tree_flatten_with_path(dyn)[0]
-    if len(leaves) != len(prog.inputs):
-        return None
-    is_layers: dict[int, bool] = {}
-    out = {}
-    for v, name, (path, _) in zip(prog.inputs, prog.input_names, leaves):
-        node, at = dyn, None
-        for j, k in enumerate(path):
-            if at is None and type(node) in (list, tuple):
-                if id(node) not in is_layers:
-                    is_layers[id(node)] = _is_layers(node)
-                at = j if is_layers[id(node)] else None
-            node = _child(node, k)
-        out[v] = (name[:len(name) - len(jax.tree_util.keystr(path[1:]))], path, at)
-    return out
+    return layer_keys(prog, TWIN_MIN_LAYERS)
 
 
 def _edges(keys, groups, layers: int) -> tuple[int, int] | None:

@@ -1,0 +1,344 @@
+"""Rematerialization: which forward values the backward pass reads again (the
+*residuals*) are kept, and which are recomputed from kept ones.
+
+A train step's forward pass leaves residuals for its backward pass: everything JAX's
+differentiation decided the backward reads. Keeping them all is the memory peak of a
+large model. Rematerializing a residual means not keeping it: the backward pass runs
+again the forward ops that made it, from values that are kept (the *sources*), just
+before it reads it. This module finds the program's *blocks* (one per layer: the
+forward ops of a layer, its inputs from outside, its residuals), says which residuals a
+*policy* recomputes, and derives what recomputing a set of residuals takes:
+
+    none         keep every residual
+    full         keep nothing but the block's inputs (the layer's input activation and
+                 its parameters): the whole layer runs again
+    dots         keep also the outputs of the matmuls with no batch dims (projections,
+                 MLP), as `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`
+    collectives  keep also every value an op makes after moving data between devices
+                 (a reduced partial sum, a result computed from a gathered operand), so
+                 that recomputing never repeats communication
+
+Blocks are found from the program's structure, never from names: a scan in the forward
+pass is one block per iteration (its body), and the layers of an unrolled program are
+those of its inputs (`partir._layers`): an op belongs to the last layer whose
+parameters it depends on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._errors import PartitioningError
+from ._layers import input_layers
+from ._nested import Link
+
+#: Ops that only reshape or cast what they read (a matmul's output seen through them is
+#: still a matmul's output).
+VIEWS = ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims", "copy", "copy_p")
+
+#: Rematerialization policies, from keeping everything to keeping the least.
+POLICIES = ("none", "collectives", "dots", "full")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One layer's forward pass: `ops` (op ids, in program order), `inputs` (values it
+    reads from outside: the layer's input activation, its parameters), `residuals`
+    (values it makes that the backward pass reads) and `label` (for people). `loop` is
+    the scan body region when the block is one, else -1."""
+
+    index: int
+    label: str
+    ops: tuple[int, ...]
+    inputs: frozenset
+    residuals: tuple[int, ...]
+    loop: int = -1
+
+
+def check_policy(policy: str) -> None:
+    """A clear error for an unknown policy name."""
+    if policy not in POLICIES:
+        raise PartitioningError(f"unknown rematerialization policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def blocks(program) -> tuple[Block, ...]:
+    """The program's blocks (cached with it): forward scan bodies, else its layers."""
+    return program.analysis(_find_blocks)
+
+
+def _find_blocks(program) -> tuple[Block, ...]:
+    backward = program.backward
+    late = _read_late(program, backward)
+    found = []
+    for r in program.regions:
+        if r.kind == "scan" and _forward_call(program, r, backward):
+            found.append(_scan_block(program, r, late, len(found)))
+    if not found:
+        found = _layer_blocks(program, backward, late)
+    return tuple(b for b in found if b.residuals)
+
+
+def _forward_call(program, region, backward) -> bool:
+    parent = program.regions[region.parent]
+    eqn = next(parent.jaxpr.eqns[i] for i, c in parent.children.items() if region.id in c)
+    return not any(backward[o.id] for o in program.ops if o.region == region.id) and \
+        "transpose(" not in str(getattr(eqn.source_info, "name_stack", ""))
+
+
+def _read_late(program, backward) -> list[bool]:
+    """Per value: does a backward op read it (through links)?"""
+    late = [False] * len(program.values)
+    for op in reversed(program.ops):
+        reads = any(late[r] for r in op.results if r >= 0) if op.link else backward[op.id]
+        if reads:
+            for v in op.operands:
+                if v >= 0:
+                    late[v] = True
+    return late
+
+
+def _scan_block(program, region, late, index) -> Block:
+    ops, made = _region_ops(program, region.id)
+    residuals = []
+    for op in program.ops:
+        if op.link and op.primitive == Link.SCAN_YS and op.operands[0] in made and late[op.results[0]]:
+            residuals.append(op.operands[0])
+    inputs = frozenset(region.invars) | frozenset(region.constvars)
+    return Block(index, f"scan#{region.id} body", tuple(ops), inputs, tuple(dict.fromkeys(residuals)), region.id)
+
+
+def _region_ops(program, rid: int):
+    """Non-link ops of region `rid` and the call regions inside it, and the values they make."""
+    inside = {rid}
+    for r in program.regions:
+        if r.parent in inside and r.trip_count == 1:
+            inside.add(r.id)
+    ops = [op.id for op in program.ops if op.region in inside and not op.link]
+    made = {v for o in ops for v in program.ops[o].results if v >= 0}
+    return ops, made
+
+
+def _layer_blocks(program, backward, late) -> list[Block]:
+    """Blocks of an unrolled program's layers (no layers: no blocks). Layer i runs from
+    its input activation x_i to x_(i+1): x_i is made by the op that dominates (in the
+    forward pass's dataflow) every op reading layer i's parameters, last among those
+    that depend on layer i - 1 (the residual stream's add, say), as a scan's body runs
+    from its carry in to its carry out."""
+    taint, first = _taints(program, backward)
+    layers = sorted(first)
+    if not layers:
+        return []
+    derived = _weight_derived(program, backward)
+    idom = _dominators(program, backward, derived)
+    last = _last_weight_reads(program, backward, taint, derived)
+    spine = {}
+    for i in layers[1:]:
+        s, node = None, first[i]
+        while node in idom and idom[node] != node and node >= 0:
+            node = idom[node]
+            if taint.get(node, -1) == i - 1 and node > last.get(i - 1, -1):
+                s = node  # after every read of layer i - 1's weights: its output
+            elif taint.get(node, -1) < i - 1 or node <= last.get(i - 1, -1):
+                break
+        if s is not None:
+            spine[s] = i
+    if len(spine) != len(layers) - 1:
+        return []
+    # Alike layers run alike ops in program order: layer i is what runs after x_i up to
+    # x_(i+1), and the first and last layers are as long as the others.
+    cuts = sorted(spine)
+    period = cuts[1] - cuts[0] if len(cuts) > 1 else cuts[0] - first[layers[0]] + 1
+    bounds = [cuts[0] - period] + cuts + [cuts[-1] + period]
+    out = []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        ops = list(range(lo + 1, hi + 1))  # calls' links included: a call's result is made where its body makes it
+        made = {v for o in ops for v in program.ops[o].results if v >= 0}
+        inputs = {u for o in ops for u in program.ops[o].operands if u >= 0 and u not in made}
+        residuals = tuple(v for v in sorted(made) if late[v])
+        out.append(Block(i, f"layer {layers[i]}", tuple(ops), frozenset(inputs), residuals))
+    return out
+
+
+def _taints(program, backward):
+    """Per forward non-link op, the last layer whose parameters it depends on (-1: none);
+    and per layer, the first op combining its parameters with an earlier activation."""
+    layer = [-1] * len(program.values)
+    first: dict[int, int] = {}
+    for v, i in input_layers(program).items():
+        layer[v] = i
+    taint = {}
+    end = next((o for o, b in enumerate(backward) if b), len(program.ops))  # the forward pass ends
+    for op in program.ops[:end]:
+        if op.link:
+            for r in op.results:
+                if r >= 0 and op.operands[0] >= 0:
+                    layer[r] = max(layer[r], layer[op.operands[0]])
+            continue
+        i = max((layer[u] for u in op.operands if u >= 0), default=-1)
+        taint[op.id] = i
+        reads_earlier = any(u >= 0 and layer[u] < i and not _from_input(program, u) for u in op.operands)
+        if i >= 0 and reads_earlier:  # where layer i's parameters meet an earlier activation
+            first.setdefault(i, op.id)
+        for r in op.results:
+            if r >= 0:
+                layer[r] = i
+    return taint, first
+
+
+def _from_input(program, u: int) -> bool:
+    """Is `u` an input, seen through call boundaries?"""
+    for _ in range(64):
+        if u < 0:
+            return False
+        p = program.producer[u]
+        if p < 0:
+            return True
+        op = program.ops[p]
+        if not (op.link and op.primitive == Link.CALL_IN):
+            return False
+        u = op.operands[0]
+    return False
+
+
+def _weight_derived(program, backward) -> list[bool]:
+    """Per value: is it made from layer parameters and constants alone (a weight, its
+    cast, a bias broadcast, a causal mask), off the activations' paths?"""
+    inputs = program.input_set
+    derived = [program.producer[v] < 0 and v not in inputs for v in range(len(program.values))]  # literals
+    for v in input_layers(program):
+        derived[v] = True
+    for op in program.ops:
+        if backward[op.id]:
+            continue
+        if all(u < 0 or derived[u] for u in op.operands):  # iotas and constants too
+            for r in op.results:
+                if r >= 0:
+                    derived[r] = True
+    return derived
+
+
+def _last_weight_reads(program, backward, taint, derived) -> dict:
+    """Per layer, the last forward op that reads its weights (made from its parameters
+    alone) together with an activation."""
+    last: dict[int, int] = {}
+    for op in program.ops:
+        if op.id in taint and any(u >= 0 and derived[u] for u in op.operands) and \
+                any(u >= 0 and not derived[u] for u in op.operands):
+            last[taint[op.id]] = op.id
+    return last
+
+
+def _dominators(program, backward, derived) -> dict:
+    """Immediate dominators of the forward ops in the dataflow of activations: what is
+    made from layer parameters alone is left out, and the other inputs feed their
+    readers from the start."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_node(-1)
+    for op in program.ops:
+        if backward[op.id] or (op.results and all(r < 0 or derived[r] for r in op.results)):
+            continue
+        g.add_node(op.id)
+        made = [program.producer[u] for u in op.operands if u >= 0 and not derived[u] and program.producer[u] >= 0]
+        for p in [p for p in made if p in g] or [-1]:
+            g.add_edge(p, op.id)
+    return nx.immediate_dominators(g, -1)
+
+
+def recomputed(program, block: Block, policy: str, part=None) -> tuple[int, ...]:
+    """The residuals of `block` that `policy` does not keep. Values other blocks read
+    (the next layer's input) are always kept; `collectives` needs the partitioning, to
+    know which ops move data."""
+    check_policy(policy)
+    if policy == "none":
+        return ()
+    root = program.analysis(_call_roots)
+    boundary = {root[v] for b in blocks(program) for v in b.inputs}
+    keep = {r for r in block.residuals if root[r] in boundary}
+    if policy in ("dots", "collectives"):
+        keep |= {r for r in block.residuals if _plain_dot(program, r)}
+    if policy == "collectives":
+        if part is None:
+            raise PartitioningError("the 'collectives' policy needs the partitioning (which ops move data)")
+        keep |= {r for r in block.residuals if _communicates(part, program.producer[r])}
+    return tuple(r for r in block.residuals if r not in keep)
+
+
+def _call_roots(program) -> list[int]:
+    """Per value, one value it is the same as across call boundaries (a call's argument
+    and result only rename what they carry)."""
+    root = list(range(len(program.values)))
+
+    def find(x):
+        while root[x] != x:
+            root[x] = root[root[x]]
+            x = root[x]
+        return x
+
+    for op in program.ops:
+        if op.link and op.primitive in (Link.CALL_IN, Link.CALL_OUT) and op.operands[0] >= 0 and op.results[0] >= 0:
+            a, b = find(op.operands[0]), find(op.results[0])
+            root[max(a, b)] = min(a, b)
+    return [find(v) for v in range(len(root))]
+
+
+def _plain_dot(program, v: int) -> bool:
+    """Is `v` made by a matmul with no batch dims (a projection, an MLP matmul), maybe
+    reshaped or cast after it?"""
+    p = program.producer[v]
+    while p >= 0 and program.ops[p].primitive in VIEWS and program.ops[p].operands[0] >= 0:
+        p = program.producer[program.ops[p].operands[0]]
+    if p < 0 or program.ops[p].primitive != "dot_general":
+        return False
+    (_, _), (lb, _) = program.ops[p].eqn.params["dimension_numbers"]
+    return not lb
+
+
+def _communicates(part, op: int) -> bool:
+    return op >= 0 and not part.classes.trivial[op] and bool(part.reshards([op]))
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What recomputing a set of residuals takes: per residual, the kept values it is
+    recomputed from (`sources`); the forward ops run again (`ops`, in program order);
+    and per block index, its recomputed residuals (`by_block`)."""
+
+    sources: dict
+    ops: tuple[int, ...]
+    by_block: dict
+
+
+def recompute(program, residuals: frozenset) -> Recompute:
+    """The recomputation of `residuals` (each a residual of some block)."""
+    where = {r: b for b in blocks(program) for r in b.residuals}
+    root = program.analysis(_call_roots)
+    kept = {root[v] for b in blocks(program) for v in b.inputs}  # every layer's input is kept
+    sources, ops, by_block = {}, set(), {}
+    for r in sorted(residuals):
+        b = where.get(r)
+        if b is None:
+            raise PartitioningError(f"{program.name(r)} is not a residual of any block: nothing to recompute")
+        by_block.setdefault(b.index, []).append(r)
+        sources[r] = tuple(sorted(_walk(program, b, r, residuals, ops, kept, root)))
+    return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_block.items()})
+
+
+def _walk(program, block: Block, r: int, gone: frozenset, ops: set, kept: set, root) -> set[int]:
+    """The kept values `r` is recomputed from (made outside the block, another layer's
+    input, or a residual kept), adding the ops that remake it to `ops`."""
+    in_block = set(block.ops)
+    found, stack, seen = set(), [r], set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        p = program.producer[v]
+        if p < 0 or p not in in_block or (v != r and (root[v] in kept or (v in block.residuals and v not in gone))):
+            found.add(v)
+            continue
+        ops.add(p)
+        stack += [u for u in program.ops[p].operands if u >= 0]
+    return found
