@@ -64,7 +64,8 @@ def _roles(program) -> Roles:
 
 def weight_root(program, v: int):
     """The program input that `v` is, through links (a scan slices stacked weights: the
-    input's dims are then offset by one) and dtype casts: `(input, dim offset)` or None."""
+    input's dims are then offset by one; a later scan slicing a scan's stacked outputs
+    undoes that) and dtype casts: `(input, dim offset)` or None."""
     found = _root(program, v, transposes=False)
     return None if found is None else (found[0], found[2])
 
@@ -94,7 +95,14 @@ def _root(program, v: int, *, transposes: bool):
                 offset += 1
                 dims = [d + 1 for d in dims]
             elif op.primitive == Link.SCAN_YS:
-                return None
+                # A scan's stacked output, read back through a later scan's slicing (the
+                # backward pass reads the forward's residuals so, e.g. a cast weight):
+                # the per-iteration value, one layer dim fewer. A dim of `v` that is the
+                # layer dim itself is no dim of the weight.
+                if 0 in dims:
+                    return None
+                offset -= 1
+                dims = [d - 1 for d in dims]
         elif transposes and op.primitive == "transpose":
             dims = [op.eqn.params["permutation"][d] for d in dims]
         elif op.primitive not in TRANSPARENT:

@@ -144,6 +144,58 @@ def test_schedule_plan_matches_jit(name):
     partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6, steps=2)
 
 
+# -- tensor parallelism, scanned and unrolled ----------------------------------------------
+# Each layer's weights in their own dims, split over 'model' on the textbook dims: Q/K/V on
+# the heads, the output projection on its heads (row parallel), the MLP column then row.
+TEXTBOOK = {"['attn']['wq']": 1, "['attn']['wk']": 1, "['attn']['wv']": 1, "['attn']['wo']": 0,
+            "['mlp']['w_gate']": 1, "['mlp']['w_up']": 1, "['mlp']['w_down']": 0}
+
+
+def _megatron_params(config, mesh):
+    step, args = llama.make_train_step(config, abstract=True)
+    prog = partir.lift(step, *args)
+    part = tactics.apply_schedule(prog, mesh, [tactics.DataParallel("data"), tactics.Megatron("model")]).partitioning
+    return {n: part.tiling(v).dims for v, n in zip(prog.inputs, prog.input_names) if n.startswith("params")}
+
+
+def test_megatron_splits_scanned_layers_as_unrolled_ones():
+    """The scanned layers (bfloat16 compute: the backward reads the forward's cast weights
+    back as stacked residuals) get each unrolled layer's split, their dims offset by the
+    layer dim."""
+    config = dataclasses.replace(TINY, n_kv_heads=4, dtype=jnp.bfloat16)  # 4 KV heads over 'model'
+    mesh = MeshSpec.of(data=2, model=4)
+    unrolled = _megatron_params(config, mesh)
+    scanned = _megatron_params(dataclasses.replace(config, scan_layers=True), mesh)
+    for name, dims in scanned.items():
+        if not name.startswith("params['layers']"):
+            assert dims == unrolled[name], name
+            continue
+        assert dims[0] == (), name  # never split on the layer dim
+        for i in range(config.n_layers):
+            assert dims[1:] == unrolled[name.replace("['layers']", f"['layers'][{i}]")], (name, i)
+    for leaf, dim in TEXTBOOK.items():
+        assert [d for d, axes in enumerate(scanned["params['layers']" + leaf]) if "model" in axes] == [dim + 1], leaf
+
+
+def test_megatron_scanned_plan_matches_jit():
+    """The scanned bfloat16 layers' plan (heads and MLP split over 'model') runs as plain
+    jit does."""
+    config = dataclasses.replace(TINY, dtype=jnp.bfloat16, scan_layers=True)
+    step, args = _train_step(config)
+    prog = partir.lift(step, *args)
+    res = tactics.apply_schedule(prog, MeshSpec.of(data=4, model=2),
+                                 [tactics.DataParallel("data"), tactics.Megatron("model")])
+    wq = res.partitioning.tiling(prog.match_inputs("params/layers/attn/wq")[0])
+    assert wq.dims == ((), (), ("model",), ())  # stacked [L, D, heads, Dh]: split on the heads
+    # bfloat16 rounds partial sums before they are reduced: the bound is loose, so each
+    # output's worst difference is also held to a tenth of its own scale (a lost or
+    # doubled reduction over 'model' is off by half or more; bfloat16 noise stays < 6%).
+    worst = partir.check_equivalence(step, args, res.partitioning, rtol=2e-2, atol=2e-3)
+    reference = jax.tree.leaves(jax.jit(step)(*args))
+    for (name, diff), ref in zip(worst.items(), reference, strict=True):
+        assert diff <= 0.1 * float(jnp.max(jnp.abs(ref))), name
+
+
 # -- the large configs, abstractly --------------------------------------------------------
 def _lift_and_count(module, config):
     step, args = module.make_train_step(config, abstract=True)
