@@ -64,9 +64,12 @@ STOP = Action.stop()
 
 def valid_actions(part, groups, axes) -> list[Action]:
     """The tile actions that would change the state: the group's first member does not
-    use the axis yet, the dim stays divisible and the axis is not pinned away."""
+    use the axis yet, the dim stays divisible, the axis is not pinned away, and some op
+    can compute along the dim split (not the layer dim of a scan's stacked parameters,
+    which every iteration would gather)."""
     prog = part.program
     sizes = part.mesh.sizes()
+    blocked = prog.analysis(_blocked_inputs)
     out = []
     for gi, g in enumerate(groups):
         v = g.members[0]
@@ -77,8 +80,22 @@ def valid_actions(part, groups, axes) -> list[Action]:
             if axis in used or sizes[axis] == 1:
                 continue
             for d in range(val.rank):
+                if d in blocked.get(v, ()) and val.rank > 1:
+                    continue
                 if val.shape[d] % part.mesh.devices_along((axis, *t.dims[d])) == 0:
                     out.append(Action.tile(gi, d, axis))
+    return out
+
+
+def _blocked_inputs(program) -> dict:
+    """Per input, the dims a link into a loop body blocks (a scan's stacked layer dim)."""
+    out: dict[int, set] = {}
+    for v in program.inputs:
+        for o in program.users[v]:
+            op = program.ops[o]
+            if op.link and op.rule.blocked:
+                out.setdefault(v, set()).update(
+                    d for d, fs in enumerate(op.rule.operands[0]) if any(f in op.rule.blocked for f in fs))
     return out
 
 

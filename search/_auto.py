@@ -7,13 +7,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tactics import FSDP, Context, DataParallel, Megatron, Tactic, TacticError, roles
+import partir
+from tactics import FSDP, Context, DataParallel, Megatron, Remat, SequenceParallel, Tactic, TacticError, roles
 
 from ._actions import apply_action, input_groups
-from ._cost import CostModel
+from ._cost import CostModel, bytes_str
 from ._mcts import SearchResult, mcts
 from ._state import SearchState
 from ._twins import twin_state
+
+
+#: The rematerialization policies the search may apply to every layer (`Remat`).
+REMAT_MACROS = ("dots", "full")
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,13 @@ class AutomaticPartition(Tactic):
     parameter); `group=False` decides every input on its own. With `macros=True` (the
     default) the search may also apply `DataParallel`, `Megatron` or `FSDP` on an axis
     as one action, as Automap's inductive tactics do; `macros=False` leaves it single
-    tiles only. `memory_limit` (bytes per device;
-    the device's HBM by default) is a hard constraint. Stops at `budget_s` seconds,
+    tiles only; the macros also rematerialize activations (`Remat` with each policy)
+    and add sequence parallelism after a Megatron, so memory is a decision the search
+    takes jointly with the tilings. `memory_limit` (bytes per device; the device's HBM
+    by default) is a hard constraint: when no plan the search meets fits, it raises a
+    `TacticError` naming the best plan's peak, what is live at it and the smallest peak
+    it reached, unless `best_effort=True` (then it returns the best plan, marked as not
+    fitting). Stops at `budget_s` seconds,
     after `max_episodes`, or on convergence; `progress(episodes, best step time,
     elapsed)` is called as it goes. The `SearchResult` is appended to the schedule's
     context (`Context.search`), with how the search ran (`twins`, `why`). Macro actions
@@ -47,6 +57,7 @@ class AutomaticPartition(Tactic):
     group: bool = True
     macros: bool = True
     max_episodes: int | None = None
+    best_effort: bool = False
     progress: Callable | None = field(default=None, compare=False, repr=False)
 
     def apply(self, part, ctx: Context):
@@ -70,6 +81,7 @@ class AutomaticPartition(Tactic):
             why = f"the twins' plan splits {differs} differently in the program"
             state, start = self._program_state(part, groups, axes, ctx), None
         result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
+        self._check_fits(part, result)
         ctx.search.append(result)
         st = result.stats
         notes = [state.describe() + (f" ({why})" if why else ""),
@@ -111,8 +123,24 @@ class AutomaticPartition(Tactic):
         if self.macros:
             # FSDP without ZeRO's trial Megatron: the search tries both orders itself.
             macros = tuple(m for a in axes if part.mesh.size(a) > 1
-                           for m in (DataParallel(a), Megatron(a), FSDP(a, leave_room=False)))
+                           for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
+            if partir.blocks(part.program):
+                macros += tuple(Remat(p) for p in REMAT_MACROS)
         return axes, groups, macros
+
+    def _check_fits(self, part, result) -> None:
+        """A plan over the memory limit is an error, unless the caller asked for the best
+        effort. The search scores memory fast (`CostModel.evaluate`); the verdict is the
+        exact one (`CostModel.cost`, XLA's buffer assignment emulated)."""
+        cost = CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=5)
+        if cost.fits or self.best_effort:
+            return
+        live = ", ".join(f"{n} ({bytes_str(b)})" for n, b in cost.memory_at_peak[:5])
+        raise TacticError(
+            f"no plan found fits {bytes_str(cost.memory_limit)} per device: the best one peaks at "
+            f"{bytes_str(cost.memory_peak)} (live there: {live}); the smallest peak any plan reached was "
+            f"{bytes_str(result.stats.min_peak)}. Use more devices, a larger memory_limit, or "
+            "best_effort=True to take the best plan anyway")
 
     def _apply_plan(self, part, groups, actions, ctx) -> list[str]:
         """Apply the searched plan to the program's `part` with the schedule's context

@@ -348,8 +348,14 @@ class CostModel:
         cols = [c for o in view.ops.tolist() for key in self._op_cols.get(o, ()) for c in self._dedup[key][o][1]]
         return float(times[view.ops].sum()), cols
 
+    def exact_peak(self) -> float:
+        """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
+        self._sync()
+        return self._memory(self._nbytes / self._class_div[self._value_class], exact=True)[0]
+
     def evaluate(self) -> tuple[float, float]:
-        """(step time without overlap, peak memory): the search's fast path."""
+        """(step time without overlap, fast estimate of the peak memory): the search's
+        fast path."""
         self._sync()
         times, _ = self._op_times()
         again, again_cols = self._recomputed(times)

@@ -78,6 +78,7 @@ class SearchStats:
     elapsed: float = 0.0
     stopped: str = ""
     trace: list = field(default_factory=list)
+    min_peak: float = float("inf")  # the smallest peak memory of any plan seen
 
 
 @dataclass
@@ -176,6 +177,7 @@ class TreeSearch:
             return hit
         self.stats.evaluations += 1
         self.cache[key] = hit = self.state.evaluate()
+        self.stats.min_peak = min(self.stats.min_peak, hit[1])
         return hit
 
     def reward(self, t: float, peak: float) -> float:

@@ -6,7 +6,7 @@ before the next (earlier tactics win conflicts), with a history of every step:
     apply_schedule(program, mesh, [DataParallel("data"), Megatron("model")])
 
 Manual: `Shard`, `Replicate`, `Specs`. Strategies: `DataParallel`, `Megatron`,
-`ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`.
+`ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`. Memory: `Remat`.
 """
 
 from ._base import Context, Partitioned, Step, Tactic, TacticError, apply_schedule
@@ -15,10 +15,11 @@ from ._groups import Group, input_groups
 from ._expert import ExpertParallel, expert_activations, expert_weights
 from ._manual import Replicate, Shard, Specs
 from ._megatron import WHY, Block, LeftOut, Megatron, Use, weight_uses
+from ._remat import Remat
 from ._roles import Roles, roles, weight_dims, weight_root
 from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
-__all__ = ["Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Replicate",
+__all__ = ["Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
            "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "apply_schedule",
            "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]

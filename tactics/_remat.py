@@ -1,0 +1,53 @@
+"""Activation rematerialization as a tactic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import partir
+from partir import REMAT_POLICIES, path_matches
+
+from ._base import Context, Tactic, TacticError
+
+
+@dataclass(frozen=True)
+class Remat(Tactic):
+    """Recompute activations in the backward pass instead of keeping them, as
+    `jax.checkpoint` does, for every layer (`partir.blocks`: a scan's body, the layers
+    of an unrolled model) whose parameters match `pattern` (a glob on `/`-joined keys or
+    a `re:` regex on input names; every layer when None).
+
+    `policy` says what each layer keeps: `full` (only its input activation: the layer
+    runs twice), `dots` (also its matmul outputs), `collectives` (also whatever an op
+    made after moving data between devices, so recomputing repeats no communication),
+    `none` (everything: no recomputation). What is not kept is recomputed from what is,
+    just before the backward pass reads it; the lowering keeps XLA from merging the
+    recomputation back into the forward pass.
+    """
+
+    policy: str = "full"
+    pattern: str | None = None
+
+    def apply(self, part, ctx: Context):
+        if self.policy not in REMAT_POLICIES:
+            raise TacticError(f"Remat policy {self.policy!r} is not one of {', '.join(REMAT_POLICIES)}")
+        prog = part.program
+        blocks = partir.blocks(prog)
+        if not blocks:
+            raise TacticError("found no layers to rematerialize (a scan over layers in the forward pass, or a list "
+                              "of alike layers in the arguments): write the layers so, or leave Remat out")
+        chosen = [b for b in blocks if self.pattern is None or any(
+            v in prog.input_set and path_matches(self.pattern, prog.name(v)) for v in b.inputs)]
+        if not chosen:
+            raise TacticError(f"pattern {self.pattern!r} matches the parameters of no layer; layers read e.g. "
+                              f"{sorted(prog.name(v) for v in blocks[0].inputs if v in prog.input_set)[:3]}")
+        count = 0
+        for block in chosen:
+            for r in partir.recomputed(prog, block, self.policy, part):
+                part.remat(r, source=str(self))
+                count += 1
+        again = partir.recompute(prog, part.rematerialized).ops if part.rematerialized else ()
+        kept = sum(len(b.residuals) for b in chosen) - count
+        notes = [f"policy {self.policy!r} on {len(chosen)} layer(s): {count} residual(s) recomputed in the backward "
+                 f"pass, {kept} kept; {sum(1 for o in again if not prog.ops[o].link)} forward op(s) run again"]
+        return part, notes
