@@ -18,7 +18,8 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import PartitioningError
-from ._nested import Link, evaluate_nested
+from ._lower_hooks import JitHooks
+from ._nested import evaluate_nested
 from ._partitioning import Partitioning
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
@@ -98,16 +99,11 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
                 x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
-    regather = _Reads(part, mesh)
-
-    def hook(x, v: int):
-        return constrain_value(x, v)
-
-    hook.regather = regather
+    hooks = JitHooks(part, mesh, constrain_value)
 
     def run(*args):
-        regather.clear()
-        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hook)
+        hooks.start()
+        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hooks)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -144,125 +140,41 @@ class Lowered:
         return self.jitted.lower(*args)
 
 
-class _Reads:
-    """Makes XLA move values where the plan says, as the cost model counts them.
-
-    An op that reads a value split along a dim its rule blocks (a convolution's spatial
-    dim) reads it through a sharding constraint to the layout the plan says it computes
-    with: XLA then moves it there, instead of computing the op some other way
-    (exchanging halos). Readers of one value in one layout within one pass and one loop
-    body share one copy (moved once per pass).
-
-    And the backward pass moves a forward value again, as FSDP re-gathers a parameter
-    for its backward matmuls and sequence parallelism an activation: left alone, XLA
-    would merge the backward's all-gather with the forward's (common subexpression
-    elimination) and keep the gathered buffer alive in between. Such a read goes through
-    an `optimization_barrier` taken together with one of the op's backward operands (or
-    the latest backward value), so the move can only happen in the backward pass."""
-
-    def __init__(self, part, mesh):
-        self.part, self.mesh = part, mesh
-        self.prog = part.program
-        self.made, self.last = {}, None
-
-    def clear(self) -> None:
-        """Forget the copies of a previous trace."""
-        self.made, self.last = {}, None
-
-    def _forward(self, v: int) -> bool:
-        prog = self.prog
-        for _ in range(64):  # through call boundaries to where the value is made
-            p = prog.producer[v]
-            if p < 0:
-                return True
-            op = prog.ops[p]
-            if not (op.link and op.primitive == Link.CALL_IN) or op.operands[0] < 0:
-                return not prog.backward[p]
-            v = op.operands[0]
-        return False
-
-    def _moved(self, oid: int) -> list[int]:
-        prog, part = self.prog, self.part
-        op = prog.ops[oid]
-        return [k for k, v in enumerate(op.operands)
-                if v >= 0 and prog.values[v].shape and _numeric(prog.values[v].dtype)
-                and part.required(oid, k).dims != part.tiling(v).dims and not prog.rematerializable(v)]
-
-    def _pinned(self, oid: int, k: int) -> bool:
-        """Must operand `k` of op `oid` be constrained to the layout the op reads it in?
-        Where its at-rest layout splits a dim the op's rule blocks (a convolution's
-        spatial dim), XLA would otherwise compute the op its own way (exchanging halos);
-        elsewhere it reshards as the plan says on its own."""
-        op, v = self.prog.ops[oid], self.prog.ops[oid].operands[k]
-        blocked = set(op.rule.blocked)
-        return any(axes and any(f in blocked for f in op.rule.operands[k][d])
-                   for d, axes in enumerate(self.part.tiling(v).dims))
-
-    def __call__(self, oid: int, invals, rid: int):
-        prog, part = self.prog, self.part
-        if part.classes.trivial[oid]:
-            return invals
-        moved = self._moved(oid)
-        if not moved:
-            return invals
-        op, backward = prog.ops[oid], prog.backward[oid]
-        anchor = next((k for k, v in enumerate(op.operands) if v >= 0 and k not in moved and not self._forward(v)), None)
-        invals = list(invals)
-        for k in moved:
-            need = part.required(oid, k)
-            key = (op.operands[k], need.dims, backward, prog.regions[rid].parent >= 0 and rid)
-            if key not in self.made:
-                x = invals[k]
-                if backward and self._forward(op.operands[k]):
-                    if anchor is not None:
-                        x, invals[anchor] = jax.lax.optimization_barrier((x, invals[anchor]))
-                    elif self.last is not None:  # a unary reader: after the latest backward value
-                        x, _ = jax.lax.optimization_barrier((x, self.last))
-                if self._pinned(oid, k):
-                    x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, need.spec()))
-                self.made[key] = x
-            invals[k] = self.made[key]
-        return invals
-
-    def produced(self, oid: int, outs) -> None:
-        """Remember the latest value the backward pass made (to order unary readers)."""
-        if self.prog.backward[oid] and outs:
-            self.last = outs[0]
-
-
-def _eval_region(prog, rid: int, args, constrain):
-    """Interpret region `rid`'s jaxpr on `args`, constraining every value it defines."""
+def _eval_region(prog, rid: int, args, hooks):
+    """Interpret region `rid`'s jaxpr on `args`; `hooks` (`partir._lower_hooks.JitHooks`)
+    constrain every value it defines and may replace what an equation reads (a value
+    moved for the backward pass, a residual recomputed)."""
     region = prog.regions[rid]
     jaxpr = region.jaxpr
-    env = {}
+    env, ids = {}, {}
     for var, c in zip(jaxpr.constvars, region.consts):
         env[var] = c
     for var, a, v in zip(jaxpr.invars, args, region.invars):
-        env[var] = a if rid == 0 else constrain(a, v)
+        env[var], ids[var] = (a if rid == 0 else hooks.constrain(a, v)), v
+        hooks.record(v, env[var])
 
     def read(x):
         return x.val if isinstance(x, Literal) else env[x]
 
     for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(x) for x in eqn.invars]
+        invals = hooks.operands(rid, i, eqn, [-1 if isinstance(x, Literal) else ids.get(x, -1) for x in eqn.invars],
+                                [read(x) for x in eqn.invars])
         children = region.children.get(i)
+        oid = region.eqn_ops[i]
         # Keep the equation's name stack (`transpose(jvp(...))` marks the backward pass)
         # in the HLO metadata, so compiled collectives can be traced back to their pass.
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
             if children is not None:
-                outs = evaluate_nested(eqn, children, invals, lambda c, a: _eval_region(prog, c, a, constrain))
+                outs = evaluate_nested(eqn, children, invals, lambda c, a: _eval_region(prog, c, a, hooks))
             elif eqn.primitive.name in LAYOUT_ONLY:
                 outs = invals  # the plan decides layouts; the program's own requests give way
             else:
-                regather = getattr(constrain, "regather", None)
-                if regather is not None and region.eqn_ops[i] >= 0:
-                    invals = regather(region.eqn_ops[i], invals, rid)
                 outs = eqn.primitive.bind(*invals, **eqn.params)
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
-                if regather is not None and region.eqn_ops[i] >= 0:
-                    regather.produced(region.eqn_ops[i], outs)
+                hooks.produced(oid, outs)
         for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
             if v >= 0:
-                env[var] = constrain(o, v)
+                env[var], ids[var] = hooks.constrain(o, v), v
+                hooks.record(v, env[var])
     return [read(x) for x in jaxpr.outvars]
