@@ -88,8 +88,8 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         if constrain != "all" or v < 0:
             return x
         val = prog.values[v]
-        if not val.shape or not _numeric(val.dtype):
-            return x
+        if not val.shape or not _numeric(val.dtype) or getattr(x, "ndim", len(val.shape)) != len(val.shape):
+            return x  # (a scalar standing for a stack a scan no longer keeps)
         p = prog.producer[v]
         if p >= 0 and prog.ops[p].primitive in CUTS:
             made = part.produced(v)
@@ -165,7 +165,12 @@ def _eval_region(prog, rid: int, args, hooks):
         # in the HLO metadata, so compiled collectives can be traced back to their pass.
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
             if children is not None:
-                outs = evaluate_nested(eqn, children, invals, lambda c, a: _eval_region(prog, c, a, hooks))
+                def run(c, a):
+                    return _eval_region(prog, c, a, hooks)
+
+                outs = hooks.nested(eqn, children, invals, run)
+                if outs is None:
+                    outs = evaluate_nested(eqn, children, invals, run)
             elif eqn.primitive.name in LAYOUT_ONLY:
                 outs = invals  # the plan decides layouts; the program's own requests give way
             else:

@@ -56,6 +56,15 @@ class JitHooks:
         if oid >= 0:
             self.reads.produced(oid, outs)
 
+    def nested(self, eqn, children, invals, run):
+        """A nested equation evaluated here (a scan with recomputed residuals), else None."""
+        if self.remat is None or eqn.primitive.name != "scan":
+            return None
+        from ._nested import split_operands
+
+        run.values = self.values
+        return self.remat.scans.evaluate(eqn, children, split_operands(eqn, invals), run)
+
 class Reads:
     """Makes XLA move values where the plan says, as the cost model counts them.
 
@@ -163,16 +172,21 @@ class Recomputation:
         self.block_of = {self.root[r]: b for b, rs in self.rec.by_block.items() for r in rs}
         self.residual_of = {self.root[r]: r for rs in self.rec.by_block.values() for r in rs}
         self.ops = {b.index: [o for o in self.rec.ops if o in set(b.ops)] for b in blocks(prog)}
-        loops = [b.label for b in blocks(prog) if b.loop >= 0 and b.index in self.rec.by_block]
-        if loops:
-            raise PartitioningError(f"rematerializing the residuals of a scan ({', '.join(loops)}) is not "
-                                    "lowered yet: write the layers unrolled, or leave Remat out of this plan")
+        self.scans = ScanRemat(prog, self.rec, [b for b in blocks(prog) if b.loop >= 0 and b.index in self.rec.by_block])
+        self.scans.owner = self
+        self.block_of.update({self.root[s]: b for s, b in self.scans.slice_block.items()})
+        self.residual_of.update({self.root[s]: r for s, r in self.scans.slice_residual.items()})
         self.done: dict = {}
-        self.last = None
+        self.last: dict = {}  # per backward scan body (-1: outside), the latest backward value read
 
-    def clear(self) -> None:
-        """Forget a previous trace."""
-        self.done, self.last = {}, None
+    def clear(self, body: int | None = None) -> None:
+        """Forget a previous trace (of the backward scan body `body` only, when given:
+        `lax.scan` may trace a body more than once)."""
+        if body is None:
+            self.done, self.last = {}, {}
+            return
+        self.done = {k: v for k, v in self.done.items() if k[1] != body}
+        self.last.pop(body, None)
 
     def substitute(self, rid: int, i: int, eqn, ids, invals):
         """Backward reads of recomputed residuals read the recomputed values."""
@@ -182,43 +196,168 @@ class Recomputation:
         if not backward:
             return invals
         hit = [k for k, u in enumerate(ids) if u >= 0 and self.root[u] in self.block_of]
+        body = self.scans.body_of(rid)
         if not hit:
-            self._remember(ids, invals)
+            self._remember(ids, invals, body)
             return invals
         invals = list(invals)
-        anchor = next((invals[k] for k, u in enumerate(ids) if u >= 0 and k not in hit), self.last)
+        anchor = next((invals[k] for k, u in enumerate(ids) if u >= 0 and k not in hit), self.last.get(body))
         for k in hit:
             r = self.residual_of[self.root[ids[k]]]
-            invals[k] = self._block(self.block_of[self.root[r]], anchor)[r]
+            invals[k] = self._block(self.block_of[self.root[ids[k]]], anchor, rid)[r]
         return invals
 
-    def _remember(self, ids, invals) -> None:
+    def _remember(self, ids, invals, body: int) -> None:
         for u, x in zip(ids, invals):
             if u >= 0 and hasattr(x, "shape"):
-                self.last = x
+                self.last[body] = x
                 return
 
-    def _block(self, b: int, anchor) -> dict:
-        """The recomputed values of block `b` (made on its first backward read)."""
-        if b in self.done:
-            return self.done[b]
+    def _block(self, b: int, anchor, rid: int = 0) -> dict:
+        """The recomputed values of block `b` (made on its first backward read; in a
+        scan's backward body, from that body's slices)."""
+        key = (b, self.scans.body_of(rid))
+        if key in self.done:
+            return self.done[key]
         prog, values = self.prog, self.hooks.values
         sources = sorted({s for r in self.rec.by_block[b] for s in self.rec.sources[r]})
-        kept = tuple(values[s] for s in sources)
+        kept = tuple(self.scans.source(s, key[1], values) for s in sources)
         if anchor is not None:
             kept, _ = jax.lax.optimization_barrier((kept, anchor))
         local = dict(zip(sources, kept))
+        by_root = {self.root[s]: x for s, x in local.items()}  # a kept input read through a call's copy
+
+        def get(u):
+            return local[u] if u in local else by_root[self.root[u]]
+
         for o in self.ops[b]:
             op = prog.ops[o]
             if op.link:
                 if op.operands[0] >= 0 and op.results[0] >= 0:
-                    local[op.results[0]] = local.get(op.operands[0], values.get(op.operands[0]))
+                    local[op.results[0]] = get(op.operands[0])
                 continue
-            args = [local[u] if u >= 0 else x.val for u, x in zip(op.operands, op.eqn.invars)]
+            args = [get(u) if u >= 0 else x.val for u, x in zip(op.operands, op.eqn.invars)]
             outs = op.eqn.primitive.bind(*args, **op.eqn.params)
             outs = outs if op.eqn.primitive.multiple_results else [outs]
             for r, x in zip(op.results, outs):
                 if r >= 0:
                     local[r] = self.hooks.constrain(x, r)
-        self.done[b] = local
+        self.done[key] = local
         return local
+
+
+class ScanRemat:
+    """Rematerialization across a scan's two loops. The forward loop stacks, for each
+    recomputed residual, a scalar instead of the residual (nothing reads it), and stacks
+    in addition what recomputing needs that it does not stack already (its layer input,
+    say); the backward loop slices those extra stacks, and recomputes the residuals in
+    its body from its slices of the kept stacks and of the extra ones."""
+
+    def __init__(self, program, rec, loop_blocks):
+        self.prog = program
+        self.fwd = {b.loop: b for b in loop_blocks}  # forward body region -> block
+        stacked, sliced, self.slice_block, self.slice_residual = {}, {}, {}, {}
+        for op in program.ops:
+            if op.link and op.primitive == Link.SCAN_YS:
+                stacked[op.operands[0]] = op.results[0]
+            elif op.link and op.primitive == Link.SCAN_XS:
+                sliced[(op.operands[0], program.values[op.results[0]].region)] = op.results[0]
+        self.stacked, self.sliced = stacked, sliced
+        gone = {r for b in loop_blocks for r in rec.by_block[b.index]}
+        self.placeholders = {stacked[r] for r in gone if r in stacked}
+        self.bwd: dict[int, int] = {}  # backward body region -> forward body region
+        for (stack, body), s in sliced.items():
+            r = next((r for r in gone if stacked.get(r) == stack), None)
+            if r is not None:
+                fwd = program.values[r].region
+                self.bwd[body] = fwd
+                self.slice_block[s], self.slice_residual[s] = self.fwd[fwd].index, r
+        self.extra: dict[int, list] = {}  # forward body -> the body values it stacks in addition
+        self.sliced_sources: dict[int, list] = {}  # forward body -> (its slice, the stacked input)
+        for fwd, b in self.fwd.items():
+            srcs = sorted({s for r in rec.by_block[b.index] for s in rec.sources[r]})
+            self.extra[fwd] = [s for s in srcs if program.values[s].region == fwd and s not in stacked
+                               and not _loop_input(program, s)]
+            self.sliced_sources[fwd] = [(s, program.ops[program.producer[s]].operands[0]) for s in srcs
+                                        if _loop_input(program, s, Link.SCAN_XS)]
+        self.stacks: dict[int, tuple] = {}  # forward body -> its extra stacks (this trace)
+        self.owner = None  # the Recomputation using this
+        self.slices: dict[int, dict] = {}  # backward body -> source -> its slice (this trace)
+
+    def body_of(self, rid: int) -> int:
+        """The backward body region `rid` is in (itself, or -1 outside any)."""
+        return rid if rid in self.bwd else -1
+
+    def source(self, s: int, body: int, values):
+        """The value of source `s` of a recomputation in backward body `body` (-1: none)."""
+        if body < 0:
+            return values[s]
+        if s in self.slices.get(body, {}):
+            return self.slices[body][s]
+        stack = self.stacked.get(s)
+        if stack is not None and (stack, body) in self.sliced:
+            return values[self.sliced[(stack, body)]]
+        op = self.prog.ops[self.prog.producer[s]] if self.prog.producer[s] >= 0 else None
+        if op is not None and op.link and (op.operands[0], body) in self.sliced:
+            return values[self.sliced[(op.operands[0], body)]]  # a stacked parameter's slice
+        if op is not None and op.link and op.primitive == Link.SCAN_CONST:
+            return values[op.operands[0]]  # a loop constant, from outside both loops
+        if self.prog.values[s].region != self.bwd.get(body, -2) and self.prog.producer[s] >= 0:
+            raise PartitioningError(f"recomputing in scan body #{body} needs {self.prog.name(s)}, which the forward "
+                                    "loop neither stacks nor is asked to")
+        return values[s]
+
+    def evaluate(self, eqn, children, ins, run):
+        """The scan `eqn` evaluated with its rematerialization, or None if it has none."""
+        (child,) = children
+        if child in self.fwd and self.fwd[child].index is not None:
+            return self._forward(eqn, child, ins, run)
+        if child in self.bwd:
+            return self._backward(eqn, child, ins, run)
+        return None
+
+    def _forward(self, eqn, child, ins, run):
+        p = eqn.params
+        nk = len(ins.carry)
+        region = self.prog.regions[child]
+        drop = [k for k, v in enumerate(region.outvars[nk:]) if self.stacked.get(v) in self.placeholders]
+        hooks_values = {}
+
+        def body(carry, x):
+            outs = run(child, [*ins.consts, *carry, *x])
+            ys = list(outs[nk:])
+            for k in drop:
+                ys[k] = jax.numpy.zeros((), ys[k].dtype)
+            extra = tuple(run.values[s] for s in self.extra[child])
+            return tuple(outs[:nk]), (tuple(ys), extra)
+
+        carry, (ys, extra) = jax.lax.scan(body, tuple(ins.carry), tuple(ins.xs), length=p["length"],
+                                          reverse=p["reverse"], unroll=p["unroll"])
+        self.stacks[child] = extra
+        del hooks_values
+        return [*carry, *ys]
+
+    def _backward(self, eqn, child, ins, run):
+        p = eqn.params
+        nk, nx = len(ins.carry), len(ins.xs)
+        fwd = self.bwd[child]
+        more = [(s, stack) for s, stack in self.sliced_sources[fwd] if (stack, child) not in self.sliced]
+        extra_stacks = tuple(self.stacks.get(fwd, ())) + tuple(run.values[stack] for _, stack in more)
+        names = self.extra[fwd] + [s for s, _ in more]
+
+        def body(carry, x):
+            self.slices[child] = dict(zip(names, x[nx:]))
+            self.owner.clear(child)
+            outs = run(child, [*ins.consts, *carry, *x[:nx]])
+            return tuple(outs[:nk]), tuple(outs[nk:])
+
+        carry, ys = jax.lax.scan(body, tuple(ins.carry), tuple(ins.xs) + tuple(extra_stacks), length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+
+
+def _loop_input(program, s: int, kinds=(Link.SCAN_CONST, Link.SCAN_XS)) -> bool:
+    """Is `s` a scan body's constant or its slice of a stacked input (which the backward
+    loop can have too), rather than something the loop makes or carries?"""
+    p = program.producer[s]
+    return p >= 0 and program.ops[p].link and program.ops[p].primitive in kinds

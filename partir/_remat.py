@@ -113,7 +113,9 @@ def _region_ops(program, rid: int):
     for r in program.regions:
         if r.parent in inside and r.trip_count == 1:
             inside.add(r.id)
-    ops = [op.id for op in program.ops if op.region in inside and not op.link]
+    calls = (Link.CALL_IN, Link.CALL_OUT)  # a call's boundary inside the body renames only
+    ops = [op.id for op in program.ops if op.region in inside and (not op.link or op.primitive in calls)
+           and not (op.link and op.region == rid and op.primitive not in calls)]
     made = {v for o in ops for v in program.ops[o].results if v >= 0}
     return ops, made
 
@@ -314,7 +316,7 @@ def recompute(program, residuals: frozenset) -> Recompute:
     """The recomputation of `residuals` (each a residual of some block)."""
     where = {r: b for b in blocks(program) for r in b.residuals}
     root = program.analysis(_call_roots)
-    kept = {root[v] for b in blocks(program) for v in b.inputs}  # every layer's input is kept
+    kept = {root[v]: v for b in blocks(program) for v in sorted(b.inputs)}  # every layer's input is kept
     sources, ops, by_block = {}, set(), {}
     for r in sorted(residuals):
         b = where.get(r)
@@ -325,7 +327,7 @@ def recompute(program, residuals: frozenset) -> Recompute:
     return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_block.items()})
 
 
-def _walk(program, block: Block, r: int, gone: frozenset, ops: set, kept: set, root) -> set[int]:
+def _walk(program, block: Block, r: int, gone: frozenset, ops: set, kept: dict, root) -> set[int]:
     """The kept values `r` is recomputed from (made outside the block, another layer's
     input, or a residual kept), adding the ops that remake it to `ops`."""
     in_block = set(block.ops)
@@ -336,7 +338,10 @@ def _walk(program, block: Block, r: int, gone: frozenset, ops: set, kept: set, r
             continue
         seen.add(v)
         p = program.producer[v]
-        if p < 0 or p not in in_block or (v != r and (root[v] in kept or (v in block.residuals and v not in gone))):
+        if v != r and root[v] in kept and v not in block.residuals:
+            found.add(kept[root[v]] if kept[root[v]] in block.inputs else v)  # the input, not a call's copy
+            continue
+        if p < 0 or p not in in_block or (v != r and v in block.residuals and v not in gone):
             found.add(v)
             continue
         ops.add(p)
