@@ -1,0 +1,126 @@
+"""Activation rematerialization: blocks found from the program's structure, the `Remat`
+tactic, numerics of the recomputing lowering, the cost model against XLA, and the search
+taking remat as a decision under a memory limit."""
+
+import pytest
+
+import partir
+import search
+import tactics as T
+from examples import gpt
+from partir import MeshSpec
+
+MESH = MeshSpec.of(data=2, model=4)
+# adam_eps large enough that gradients rounding apart by 1e-7 do not move parameters apart
+TINY = dict(n_layers=3, d_model=64, n_heads=8, d_ff=128, vocab=64, seq_len=16, batch=8, adam_eps=1e-3)
+#: A GPT whose activations dwarf its parameters, as at scale (abstract shapes).
+ACTIVE = gpt.GPTConfig(n_layers=4, d_model=128, n_heads=8, d_ff=512, vocab=256, seq_len=256, batch=16, scan_layers=True)
+DP_TP = [T.DataParallel("data"), T.Megatron("model")]
+
+
+def _program(scan, **kw):
+    step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=scan, **{**TINY, **kw}), abstract=True)
+    return partir.lift(step, *args)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_blocks_are_the_layers(scan):
+    prog = _program(scan)
+    blocks = partir.blocks(prog)
+    if scan:
+        (block,) = blocks  # the forward loop's body, one layer per iteration
+        assert block.loop >= 0
+    else:
+        assert len(blocks) == TINY["n_layers"]
+        assert len({len(b.ops) for b in blocks}) == 1  # alike layers, alike blocks
+    for b in blocks:
+        full, dots = partir.recomputed(prog, b, "full"), partir.recomputed(prog, b, "dots")
+        assert set(dots) < set(full) <= set(b.residuals)
+        assert partir.recomputed(prog, b, "none") == ()
+
+
+def test_remat_tactic_notes_and_errors():
+    prog = _program(True)
+    res = T.apply_schedule(prog, MESH, DP_TP + [T.Remat("dots")])
+    assert res.partitioning.rematerialized
+    assert "recomputed" in res.history[-1].notes[0]
+    with pytest.raises(T.TacticError, match="not one of none, collectives, dots, full"):
+        T.apply_schedule(prog, MESH, [T.Remat("everything")])
+    with pytest.raises(T.TacticError, match="matches the parameters of no layer"):
+        T.apply_schedule(prog, MESH, [T.Remat("full", pattern="params/nothing/*")])
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=1, **{k: v for k, v in TINY.items() if k != "n_layers"}),
+                                     abstract=True)
+    with pytest.raises(T.TacticError, match="found no layers"):
+        T.apply_schedule(partir.lift(step, *args), MESH, [T.Remat("full")])
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("policy", ["dots", "full"])
+def test_recomputing_plan_matches_jit(scan, policy):
+    step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=scan, **TINY))
+    res = T.apply_schedule(partir.lift(step, *args), MESH, DP_TP + [T.Remat(policy)])
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6, steps=2)
+
+
+def _xla_memory(part, args):
+    m = partir.lower(part, part.mesh.jax_mesh()).lower(*args).compile().memory_analysis()
+    return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def test_scan_remat_drops_memory_as_modeled():
+    # XLA:CPU honours recomputation under scan (not in unrolled code, where its
+    # scheduler merges it back): the drop shows in memory_analysis().
+    step, args = gpt.make_train_step(ACTIVE, abstract=True)
+    prog = partir.lift(step, *args)
+    kept = T.apply_schedule(prog, MESH, DP_TP).partitioning
+    remat = T.apply_schedule(prog, MESH, DP_TP + [T.Remat("full")]).partitioning
+    xla_kept, xla_remat = _xla_memory(kept, args), _xla_memory(remat, args)
+    model_kept = search.CostModel(kept, "cpu").cost().memory_peak
+    model_remat = search.CostModel(remat, "cpu").cost().memory_peak
+    assert xla_remat < 0.6 * xla_kept
+    for model, xla in ((model_kept, xla_kept), (model_remat, xla_remat)):
+        assert 0.8 <= model / xla <= 1.2, (model, xla)
+
+
+@pytest.fixture(scope="module")
+def active():
+    step, args = gpt.make_train_step(ACTIVE, abstract=True)
+    return partir.lift(step, *args)
+
+
+def _searched(prog, limit, **kw):
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=400, device="h100", memory_limit=limit, **kw)
+    res = T.apply_schedule(prog, MESH, [auto])
+    (result,) = res.context.search
+    return res, result
+
+
+def _policies(result):
+    return [a.tactic.policy for a in result.actions if isinstance(a.tactic, T.Remat)]
+
+
+def test_search_turns_remat_on_under_a_limit_and_off_without(active):
+    _, free = _searched(active, None)
+    assert _policies(free) == []
+    # No tiling alone gets under 40 MiB: the search recomputes, and keeps the matmul
+    # outputs (`dots`), which costs less recomputation than `full` and fits.
+    res, tight = _searched(active, 40 * 2**20)
+    assert _policies(tight) == ["dots"]
+    cost = search.CostModel(res.partitioning.copy(), "h100", memory_limit=40 * 2**20).cost()
+    assert cost.fits and cost.step_time > free.step_time
+
+
+def test_a_limit_nothing_meets_is_an_error(active):
+    with pytest.raises(T.TacticError, match=r"no plan found fits .* peaks at .*live there: .*smallest peak"):
+        _searched(active, 2 * 2**20)
+    res, result = _searched(active, 2 * 2**20, best_effort=True)
+    assert not result.fits and res.partitioning.decisions
+
+
+def test_the_search_reaches_sequence_parallelism():
+    prog = _program(True)
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=1, device="h100")
+    _, macros = auto.search_space(partir.Partitioning(prog, MESH), T.Context())
+    names = {type(m).__name__ for m in macros}
+    assert {"SequenceParallel", "Remat", "Megatron", "FSDP", "DataParallel"} <= names
+
