@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo bench bench-scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/cost.py
 	$(PY) benchmarks/cost_fidelity.py
 	$(PY) benchmarks/search.py
+
+bench-scale: $(STAMP)
+	$(PY) benchmarks/scale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -4,8 +4,8 @@
 Per row (a model, its layer form, a mesh): the time to lift the train step, the search's
 wall time and the peak RSS of the process that ran it (each row runs in a process of its
 own), and for the searched plan and the best expert schedule (the example's own
-`SCHEDULES`, written with the project's tactics as a practitioner would; the fastest that
-fits, else the smallest): modeled step time, peak memory per device, whether it fits, and
+`SCHEDULES`, written with the project's tactics as a practitioner would, each also with
+`Remat("dots")` and `Remat("full")`; the fastest that fits, else the smallest): modeled step time, peak memory per device, whether it fits, and
 the modeled MFU
 
     MFU = model flops / (devices x peak bf16 flops x step time)
@@ -35,6 +35,9 @@ import time  # noqa: E402
 MEMORY_LIMIT = 80e9
 #: The cost model's device.
 DEVICE = "h100"
+#: The rematerialization policies each expert schedule is also tried with, as
+#: practitioners turn on activation checkpointing at this scale (MaxText's remat_policy).
+EXPERT_REMAT = ("dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +71,10 @@ _DFM_EXPERTS = (("fsdp+tp", (("fsdp", "fsdp"), ("model", "model"), ("data", "dat
 
 #: Row key -> row.
 ROWS = {
-    **{f"llama8b-dm-{f}": _llama("Llama-3 8B, data=8 model=8", "LLAMA3_8B", f == "scan", _DM, _DM_EXPERTS, 30)
+    **{f"llama8b-dm-{f}": _llama("Llama-3 8B, data=8 model=8", "LLAMA3_8B", f == "scan", _DM, _DM_EXPERTS, 25)
        for f in ("scan", "unrolled")},
     **{f"llama8b-dfm-{f}": _llama("Llama-3 8B, data=2 fsdp=4 model=8", "LLAMA3_8B", f == "scan", _DFM,
-                                  _DFM_EXPERTS, 30) for f in ("scan", "unrolled")},
+                                  _DFM_EXPERTS, 25) for f in ("scan", "unrolled")},
     **{f"llama70b-{f}": _llama("Llama-3 70B, data=16 fsdp=8 model=8", "LLAMA3_70B", f == "scan", _BIG,
                                _DFM_EXPERTS, 60) for f in ("scan", "unrolled")},
     "mixtral": Row("Mixtral 8x7B MoE, data=8 expert=8", "moe", "MIXTRAL_8X7B", (), (("data", 8), ("expert", 8)),
@@ -104,13 +107,16 @@ def run_row(key: str, budget: float | None) -> dict:
     out = {"row": key, "label": row.label, "devices": mesh.num_devices, "lift_s": lift_s, "search_s": search_s,
            "searched": _summary(searched.partitioning, flops, mesh), "experts": {}}
     for name, kwargs in row.experts:
-        try:
-            kw = dict(kwargs)
-            schedule = module.SCHEDULES[name](*kw.pop("axes")) if "axes" in kw else module.SCHEDULES[name](**kw)
-            part = tactics.apply_schedule(program, mesh, schedule).partitioning
-            out["experts"][name] = _summary(part, flops, mesh)
-        except partir.PartitioningError as e:
-            out["experts"][name] = {"error": str(e).splitlines()[0]}
+        kw = dict(kwargs)
+        schedule = module.SCHEDULES[name](*kw.pop("axes")) if "axes" in kw else module.SCHEDULES[name](**kw)
+        for policy in (None,) + EXPERT_REMAT:
+            label = name if policy is None else f"{name}+remat({policy})"
+            try:
+                remat = [tactics.Remat(policy)] if policy else []
+                part = tactics.apply_schedule(program, mesh, schedule + remat).partitioning
+                out["experts"][label] = _summary(part, flops, mesh)
+            except partir.PartitioningError as e:
+                out["experts"][label] = {"error": str(e).splitlines()[0]}
     out["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return out
 

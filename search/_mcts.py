@@ -55,6 +55,10 @@ K_REWARD = 2.0
 #: TOP_KEPT best distinct plans seen.
 TOP_PLANS = 3
 TOP_KEPT = 32
+#: Macro sequences kept at each step of the seeding beam, and the longest sequence it
+#: builds (see `TreeSearch.seed_macros`).
+BEAM = 4
+MACRO_DEPTH = 5
 #: Episodes without a better plan before the best plan is polished by hill climbing.
 POLISH_AFTER = 60
 #: Longest random rollout after an expansion, in actions.
@@ -348,9 +352,9 @@ class TreeSearch:
             self.progress(self.stats.episodes, self.best.time, time.perf_counter() - self.start)
 
     # -- seeding and polishing -------------------------------------------------------
-    def seed_path(self, seq) -> None:
+    def seed_path(self, seq) -> _Scored:
         """Walk `seq` from the root as the tree would (creating its nodes), score where
-        it ends and back the reward up."""
+        it ends, back the reward up and return the scored plan."""
         mark = self.state.mark()
         node, path, applied = self.tree[self.root_key], [self.tree[self.root_key]], []
         for a in seq:
@@ -372,19 +376,33 @@ class TreeSearch:
         self.stats.episodes += 1
         self.improve(scored)
         self.state.rollback(mark)
+        return scored
 
     def seed_macros(self) -> None:
         """Seed every macro action, then every ordered pair of them, best singles first:
         two tactics on two axes are the textbook plans (data parallel + Megatron, FSDP +
-        Megatron, ...), and this costs len(macros)**2 episodes."""
+        Megatron, ...), and this costs len(macros)**2 episodes. Then a beam: the BEAM
+        best sequences are extended by every other macro, up to MACRO_DEPTH of them (the
+        plans people run at scale compose four or five: data parallel, tensor and
+        sequence parallel, FSDP on another axis, rematerialization)."""
         for a in self.macros:
-            self.seed_path([a])
+            if self.room():
+                self.seed_path([a])
         root = self.tree[self.root_key]
         ranked = sorted(self.macros, key=lambda a: -self.tree[root.children[a]].value if a in root.children else 0.0)
+        beam = []
         for first in ranked:
             for second in ranked:
-                if second != first and time.perf_counter() - self.start < self.budget_s:
-                    self.seed_path([first, second])
+                if second != first and self.room():
+                    beam.append(self.seed_path([first, second]))
+        for _ in range(MACRO_DEPTH - 2):
+            beam = sorted({b.actions: b for b in beam}.values(), key=lambda b: -b.reward)[:BEAM]
+            grown = []
+            for b in beam:
+                for a in self.macros:
+                    if a not in b.actions and self.room():
+                        grown.append(self.seed_path([*b.actions, a]))
+            beam = grown or beam
 
     def polish(self) -> _Scored | None:
         """Hill-climb from the best plan; a better plan or None. The state must be at the
@@ -415,15 +433,31 @@ class TreeSearch:
 
     def neighbours(self, actions, root) -> list[list[Action]]:
         """The plans one action away from `actions` (from the root state `root`): each
-        action or macro appended, each tile not in it put first."""
+        action or macro appended, each tile not in it put first, each macro in it swapped
+        for another (a remat policy for a lighter one, FSDP for data parallel: a seeded
+        sequence can hold the wrong member of a family that only a swap reaches), each
+        action dropped."""
         seq = list(actions)
         for a in seq:
             self.state.apply(a)
         out = [seq + [a] for a in self.state.actions() + list(self.macros)]
         self.state.rollback(root)
-        return out + [[a] + seq for a in self.state.actions() if a not in seq]
+        out += [[a] + seq for a in self.state.actions() if a not in seq]
+        out += [
+            [*seq[:i], m, *seq[i + 1 :]]
+            for i, a in enumerate(seq)
+            if a.kind == "macro"
+            for m in self.macros
+            if m not in seq
+        ]
+        return out + [[*seq[:i], *seq[i + 1 :]] for i in range(len(seq))]
 
     # -- the whole search ------------------------------------------------------------
+    def room(self) -> bool:
+        """Whether the time budget and the episode limit leave room for another episode."""
+        over = self.max_episodes is not None and self.stats.episodes >= self.max_episodes
+        return not over and time.perf_counter() - self.start < self.budget_s
+
     def stop_reason(self) -> str | None:
         """Why the search stops now (time budget, episode limit, convergence), or None."""
         if time.perf_counter() - self.start > self.budget_s:
