@@ -17,7 +17,8 @@ __all__ = ["PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "Dev
 from ._validate import Fidelity, compare_with_xla  # noqa: E402
 from ._actions import STOP, Action, Group, input_groups, valid_actions  # noqa: E402
 from ._state import SearchState  # noqa: E402
-from ._mcts import SearchResult, SearchStats, TreeSearch, mcts  # noqa: E402
+from ._mcts import TreeSearch, mcts  # noqa: E402
+from ._result import SearchResult, SearchStats  # noqa: E402
 from ._auto import AutomaticPartition  # noqa: E402
 from ._exact import ExactResult, exhaustive  # noqa: E402
 

@@ -12,7 +12,8 @@ from tactics import FSDP, Context, DataParallel, Megatron, Remat, SequenceParall
 
 from ._actions import apply_action, input_groups
 from ._cost import CostModel, bytes_str
-from ._mcts import SearchResult, mcts
+from ._mcts import mcts
+from ._result import SearchResult
 from ._state import SearchState
 from ._twins import twin_state
 
