@@ -105,7 +105,8 @@ def run_row(key: str, budget: float | None) -> dict:
     searched = tactics.apply_schedule(program, mesh, [auto])
     search_s = time.perf_counter() - t0
     out = {"row": key, "label": row.label, "devices": mesh.num_devices, "lift_s": lift_s, "search_s": search_s,
-           "searched": _summary(searched.partitioning, flops, mesh), "experts": {}}
+           "searched": _summary(searched.partitioning, flops, mesh), "experts": {},
+           "plan": [a.describe(r.groups) for r in searched.context.search for a in r.actions]}
     for name, kwargs in row.experts:
         kw = dict(kwargs)
         schedule = module.SCHEDULES[name](*kw.pop("axes")) if "axes" in kw else module.SCHEDULES[name](**kw)

@@ -341,7 +341,7 @@ class TreeSearch:
         """Seed every macro action, then every ordered pair of them, best singles first:
         two tactics on two axes are the textbook plans (data parallel + Megatron, FSDP +
         Megatron, ...), and this costs len(macros)**2 episodes. Then a beam: the BEAM
-        best sequences are extended by every other macro, up to MACRO_DEPTH of them (the
+        best sequences and the BEAM fastest are extended by every other macro, up to MACRO_DEPTH of them (the
         plans people run at scale compose four or five: data parallel, tensor and
         sequence parallel, FSDP on another axis, rematerialization)."""
         for a in self.macros:
@@ -355,7 +355,12 @@ class TreeSearch:
                 if second != first and self.room():
                     beam.append(self.seed_path([first, second]))
         for _ in range(MACRO_DEPTH - 2):
-            beam = sorted({b.actions: b for b in beam}.values(), key=lambda b: -b.reward)[:BEAM]
+            # The best by reward, and the fastest whatever their memory: a fast sequence
+            # that does not fit yet is one remat or FSDP away from the best plan, while
+            # ranking by reward alone keeps only what saves memory most.
+            seen = {b.actions: b for b in beam}.values()
+            beam = {b.actions: b for b in [*sorted(seen, key=lambda b: -b.reward)[:BEAM],
+                                           *sorted(seen, key=lambda b: b.time)[:BEAM]]}.values()
             grown = []
             for b in beam:
                 for a in self.macros:
