@@ -82,6 +82,7 @@ class AutomaticPartition(Tactic):
             why = f"the twins' plan splits {differs} differently in the program"
             state, start = self._program_state(part, groups, axes, ctx), None
         result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
+        result, said = self._fitting(part, groups, result, ctx, said, (mark, ctx_mark))
         self._check_fits(part, result)
         ctx.search.append(result)
         st = result.stats
@@ -129,11 +130,31 @@ class AutomaticPartition(Tactic):
                 macros += tuple(Remat(p) for p in REMAT_MACROS)
         return axes, groups, macros
 
+    def _fitting(self, part, groups, result, ctx, said, marks):
+        """`(result, notes)` of a plan that fits the program exactly: the searched one,
+        else the first runner-up that does (the search's peaks are estimates, extrapolated
+        on twins), else the searched one again; `fits` is the exact verdict."""
+        if self.memory_limit is None or self._exact(part).fits:
+            return dataclasses.replace(result, fits=True), said
+        for actions, step, peak in result.alternatives:
+            part.rollback(marks[0])
+            ctx.rollback(marks[1])
+            alt_said = self._apply_plan(part, groups, actions, ctx)
+            if self._exact(part).fits:
+                return dataclasses.replace(result, actions=actions, step_time=step, memory_peak=peak, fits=True), \
+                    alt_said
+        part.rollback(marks[0])
+        ctx.rollback(marks[1])
+        return dataclasses.replace(result, fits=False), self._apply_plan(part, groups, result.actions, ctx)
+
+    def _exact(self, part, top: int = 0):
+        return CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=top)
+
     def _check_fits(self, part, result) -> None:
         """A plan over the memory limit is an error, unless the caller asked for the best
         effort. The search scores memory fast (`CostModel.evaluate`); the verdict is the
         exact one (`CostModel.cost`, XLA's buffer assignment emulated)."""
-        cost = CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=5)
+        cost = self._exact(part, top=5)
         if cost.fits or self.best_effort:
             return
         live = ", ".join(f"{n} ({bytes_str(b)})" for n, b in cost.memory_at_peak[:5])

@@ -11,6 +11,11 @@ from ._actions import Action, apply_action, valid_actions
 DOUBT = 1.3
 
 
+def doubtful(peak: float, limit: float) -> bool:
+    """Whether a fast `peak` estimate is too close under `limit` to decide a fit."""
+    return peak <= limit <= peak * DOUBT
+
+
 class SearchState:
     """A partitioning being searched: `part` with its incremental `model` (a
     `CostModel` on it), the input `groups` that tile actions decide and the mesh `axes`
@@ -62,10 +67,13 @@ class SearchState:
         optimistic by the gaps XLA's packing leaves; near the memory limit, where that
         decides whether a plan fits, the exact one is taken (`CostModel.cost`)."""
         t, peak = self.model.evaluate()
-        limit = self.model.memory_limit
-        if peak <= limit <= peak * DOUBT:
+        if doubtful(peak, self.model.memory_limit):
             peak = self.model.exact_peak()
         return t, peak
+
+    def exact_peak(self) -> float:
+        """The exact modeled peak memory of the current state (`CostModel.exact_peak`)."""
+        return self.model.exact_peak()
 
     def compute_time(self) -> float:
         """Modeled compute time of the current state (no communication)."""

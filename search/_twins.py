@@ -41,7 +41,7 @@ from partir._layers import children, is_layers, layer_keys  # noqa: F401
 from tactics import input_groups, roles
 
 from ._cost import CostModel
-from ._state import SearchState
+from ._state import SearchState, doubtful
 
 #: Fewest alike layers for which twins are used.
 TWIN_MIN_LAYERS = 8
@@ -165,9 +165,15 @@ class TwinState:
         return False
 
     def evaluate(self) -> tuple[float, float]:
-        """The deep program's modeled `(step time, peak memory)`, extrapolated."""
-        (t0, p0), (t1, p1) = (t.evaluate() for t in self.twins)
-        return self._extrapolate(t0, t1), self._extrapolate(p0, p1)
+        """The deep program's modeled `(step time, peak memory)`, extrapolated. Whether
+        the fast peak is close enough to the limit to need the exact one is decided on
+        the extrapolated peak (each twin alone is far below it, and the fast estimate's
+        per-layer gap grows with the depth)."""
+        (t0, p0), (t1, p1) = (t.model.evaluate() for t in self.twins)
+        peak = self._extrapolate(p0, p1)
+        if doubtful(peak, self.memory_limit):
+            peak = self._extrapolate(*(t.exact_peak() for t in self.twins))
+        return self._extrapolate(t0, t1), peak
 
     def compute_time(self) -> float:
         """The deep program's modeled compute time, extrapolated."""

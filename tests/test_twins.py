@@ -69,6 +69,23 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     np.testing.assert_allclose([t, peak, twins.compute_time()], [tf, peakf, full.compute_time()], rtol=1e-9)
 
 
+def test_near_the_limit_twins_extrapolate_the_exact_peak():
+    # Each twin alone is far under the limit; the extrapolated peak is what is near it,
+    # so the exact peaks (XLA's buffer assignment emulated) must be the ones extrapolated:
+    # the fast estimate's gap grows with the depth and would pass plans that do not fit.
+    _, _, prog = _gpt(9)
+    part = partir.Partitioning(prog, MESH)
+    exact = search.CostModel(part.copy(), "h100").exact_peak()
+    r = T.roles(prog)
+    groups = search.input_groups(prog, r.params + r.batch)
+    twins, _ = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=exact,
+                                 source="test", ctx=T.Context())
+    assert twins.evaluate()[1] == pytest.approx(exact, rel=1e-9)
+    far, _ = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=10 * exact, source="test",
+                               ctx=T.Context())
+    assert far.evaluate()[1] < exact  # far from the limit the fast (optimistic) peak is enough
+
+
 def test_the_exact_baseline_walks_the_twins_to_the_programs_optimum():
     _, _, prog = _gpt(8)
     part = partir.Partitioning(prog, MESH)
