@@ -14,6 +14,7 @@ from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
 from ._lower import CONSTRAIN_MODES, lower, register_backend
 from ._layers import input_layers, layer_keys
+from . import _shardmap  # noqa: F401  (registers the shard_map lowering backend)
 from ._mesh import MeshSpec
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
