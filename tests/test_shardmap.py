@@ -45,20 +45,9 @@ def _lower(part):
 
 # -- the collectives ---------------------------------------------------------------------
 def compiled_collectives(text, mesh) -> collections.Counter:
-    """(kind, mesh axes, bytes per device) of each collective in compiled HLO. A tuple
-    all-reduce (XLA combines gradient all-reduces) counts per member; an all-to-all is
-    one collective whatever its operand count; a reduce-scatter is counted as the
-    all-reduce of its operand, as the `cpu` device costs it."""
-    out = collections.Counter()
-    for c in partir.collectives(text, mesh):
-        if c.kind == "all-to-all":
-            out[c.kind, c.axes, c.result_bytes] += 1
-        elif c.kind == "reduce-scatter":
-            out["all-reduce", c.axes, c.operand_bytes] += 1
-        else:
-            for shape in c.shapes:
-                out[c.kind, c.axes, partir._hlo._nbytes([shape])] += 1
-    return out
+    """(kind, mesh axes, bytes per device) of each collective in compiled HLO, per buffer,
+    a reduce-scatter counted as the all-reduce the `cpu` device costs it as."""
+    return partir.collective_buffers(partir.collectives(text, mesh), reduce_scatter=False)
 
 
 def modeled_collectives(cost) -> collections.Counter:
