@@ -143,16 +143,19 @@ class Plan:
 
         return materialization(self.program).from_scalars
 
-    def shard_args(self, *args, process_local: bool = False):
+    def shard_args(self, *args, process_local: bool | tuple[int, ...] = False):
         """The (non-static) `args` as global arrays laid out as the plan wants them.
 
         On one process they are put on the mesh's devices. With several processes
-        (`jax.distributed`), each process passes the whole values (the default) or, with
-        `process_local=True`, the part of each argument that its own devices hold (its
-        rows of the batch): the global arrays are built with
-        `jax.make_array_from_callback` or `jax.make_array_from_process_local_data`.
-        Arrays already spread over several processes are resharded."""
-        return shard_args(self, args, process_local)
+        (`jax.distributed`), each process passes the whole value of an argument (the
+        default) or, for the arguments `process_local` names (True: all; or their
+        positions), the part that its own devices hold (its rows of the batch): the
+        global arrays are built with `jax.make_array_from_callback` or
+        `jax.make_array_from_process_local_data`. Arrays already spread over several
+        processes (a step's outputs) are laid out as the plan wants, moving only what
+        differs."""
+        local = range(len(args)) if process_local is True else () if process_local is False else process_local
+        return shard_args(self, args, frozenset(local))
 
     # -- explaining -------------------------------------------------------------------
     def explain(self, console=None) -> None:
@@ -215,22 +218,27 @@ class Plan:
         return f"Plan({self.program}, mesh {self.mesh}, {len(self.partitioning.decisions)} decisions)"
 
 
-def shard_args(plan: Plan, args: tuple, process_local: bool):
-    """`Plan.shard_args`: `args` placed with `plan`'s input shardings."""
+def shard_args(plan: Plan, args: tuple, process_local: frozenset):
+    """`Plan.shard_args`: `args` placed with `plan`'s input shardings, those at the
+    positions `process_local` from each process's part."""
     prog = plan.program
     tree = jax.tree_util.tree_structure(args)
     if tree != prog.in_tree:
         raise PlanError(f"the arguments do not have the structure the plan was made for: expected {prog.in_tree}, "
                         f"got {tree}; pass the same pytrees (non-static arguments only)")
+    bad = sorted(k for k in process_local if not (isinstance(k, int) and 0 <= k < len(args)))
+    if bad:
+        raise PlanError(f"process_local names no argument at {bad}: give positions 0..{len(args) - 1}, "
+                        "or True for all")
     shardings = jax.tree_util.tree_leaves(plan.in_shardings)
     if jax.process_count() == 1 and not process_local:
         return jax.device_put(args, jax.tree_util.tree_unflatten(tree, shardings))
     out = []
-    for x, sharding, v in zip(jax.tree_util.tree_leaves(args), shardings, prog.inputs):
+    for x, sharding, v, arg in zip(jax.tree_util.tree_leaves(args), shardings, prog.inputs, prog.input_args):
         shape = prog.values[v].shape
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             out.append(jax.device_put(x, sharding))  # already global: reshard
-        elif process_local:
+        elif arg in process_local:
             out.append(jax.make_array_from_process_local_data(sharding, np.asarray(x), shape))
         else:
             whole = np.asarray(x)

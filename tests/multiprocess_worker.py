@@ -43,7 +43,7 @@ def main(process_id: int, port: int, out: str, steps: int) -> None:
                          lowering=lowering)
         plan = fn.plan_for(params, opt_state, batch)
         plan.save(os.path.join(out, f"plan-{process_id}-{lowering}.json"))
-        p, s, b = plan.shard_args(params, opt_state, half, process_local=True)
+        p, s, b = plan.shard_args(params, opt_state, half, process_local=(2,))
         losses = []
         for _ in range(steps):
             p, s, loss = fn(p, s, b)
