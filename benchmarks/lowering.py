@@ -1,7 +1,8 @@
 """The two lowerings side by side: compile time and collective bytes per example and plan.
 
 For each example (at `examples.plans.FIDELITY_CONFIGS`) and plan (the hand-written
-strategies of `examples.plans` and the plan the automatic search returns, on a
+strategies of `examples.plans` and the plan the automatic search returns, or random
+valid plans with `--plans random`, on a
 `data=2, model=4` mesh of simulated CPU devices), the time to trace, lower and compile
 the train step with the `jit` lowering (XLA's partitioner inserts the collectives) and
 with the `shard_map` lowering (the per-device program with explicit collectives), the
@@ -43,21 +44,13 @@ from rich.table import Table  # noqa: E402
 import partir  # noqa: E402
 import search  # noqa: E402
 from examples import REGISTRY  # noqa: E402
-from examples.plans import FIDELITY_CONFIGS, STRATEGIES, searched_plan  # noqa: E402
+from examples.plans import FIDELITY_CONFIGS  # noqa: E402
 from search._fusion import materialization  # noqa: E402
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after `search`: the sibling benchmark's plans
+from cost_fidelity import plans  # noqa: E402
+
 MESH = partir.MeshSpec.of(data=2, model=4)
-
-
-def plans(name, program, kinds):
-    """(label, partitioning) for the hand strategies and the searched plan."""
-    if "hand" in kinds:
-        for strategy, apply in STRATEGIES.items():
-            part = partir.Partitioning(program, MESH)
-            apply(part, name, "data", "model")
-            yield strategy, part
-    if "searched" in kinds:
-        yield "searched", searched_plan(program, MESH)
 
 
 def compiled(part, args, backend: str):
@@ -84,7 +77,7 @@ def row(name, label, part, args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "gpt", "convnet", "moe"])
-    parser.add_argument("--plans", nargs="+", default=["hand", "searched"])
+    parser.add_argument("--plans", nargs="+", default=["hand", "searched"], help="hand, searched and/or random")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)
@@ -97,7 +90,7 @@ def main(argv=None) -> None:
     for name in args.models:
         step, ex = REGISTRY[name](FIDELITY_CONFIGS[name], abstract=True)
         program = partir.lift(step, *ex)
-        for label, part in plans(name, program, args.plans):
+        for label, part in plans(name, program, MESH, args.plans):
             r = row(name, label, part, ex)
             rows.append(r)
             table.add_row(name, label, f"{r['jit_compile_s']:.2f} s", f"{r['shard_map_compile_s']:.2f} s",
