@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/cost.py
 	$(PY) benchmarks/cost_fidelity.py
 	$(PY) benchmarks/search.py
+	$(PY) benchmarks/lowering.py
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py

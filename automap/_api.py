@@ -14,7 +14,7 @@ import partir
 import tactics
 from partir import MeshSpec, PartitioningError
 
-from ._plan import Plan, PlanError, fingerprint, load_plan
+from ._plan import Plan, PlanError, check_lowering, fingerprint, load_plan
 
 #: Where plans are cached between runs, unless `cache_dir=` or AUTOMAP_CACHE_DIR says.
 DEFAULT_CACHE = Path.home() / ".cache" / "automap"
@@ -52,23 +52,25 @@ def _device_text(device) -> str:
 
 
 def plan_program(prog, mesh_spec, schedule, *, device="h100", memory_limit=None, donate_argnums=(), jax_mesh=None,
-                 key="") -> Plan:
+                 key="", lowering="jit") -> Plan:
     """Apply `schedule` to a lifted program and wrap the result in a `Plan`."""
     res = tactics.apply_schedule(prog, mesh_spec, schedule)
     search_result = res.context.search[0] if res.context.search else None
     return Plan(res.partitioning, history=res.history, search=search_result, device=device,
                 memory_limit=memory_limit, donate_argnums=donate_argnums,
-                schedule_text=[str(t) for t in schedule], jax_mesh=jax_mesh, key=key)
+                schedule_text=[str(t) for t in schedule], jax_mesh=jax_mesh, key=key, lowering=lowering)
 
 
 def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(), donate_argnums=(),
-              budget_s: float = 30.0, seed: int = 0):
+              budget_s: float = 30.0, seed: int = 0, lowering: str = "jit"):
     """`partition(fn, mesh=...)(*args)` returns a `Plan` for `fn(*args)` without running it.
 
     `schedule` is a list of tactics (default: automatic search over all mesh axes within
     `budget_s` seconds, for `device`, under `memory_limit` bytes per device). `args` may
-    be arrays or `jax.ShapeDtypeStruct`s.
+    be arrays or `jax.ShapeDtypeStruct`s. `lowering` is how the plan runs by default
+    (`Plan.jit`; see `automap.LOWERINGS`).
     """
+    check_lowering(lowering)
     mesh_spec, jax_mesh = _mesh(mesh)
 
     def make(*args) -> Plan:
@@ -76,7 +78,7 @@ def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, stat
         prog = partir.lift(fn, *args, static_argnums=static_argnums)
         key = fingerprint(prog, mesh_spec, schedule_key(sched), _device_text(device), str(memory_limit))
         return plan_program(prog, mesh_spec, sched, device=device, memory_limit=memory_limit,
-                            donate_argnums=donate_argnums, jax_mesh=jax_mesh, key=key)
+                            donate_argnums=donate_argnums, jax_mesh=jax_mesh, key=key, lowering=lowering)
 
     return make
 
@@ -84,13 +86,14 @@ def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, stat
 class AutomapFunction:
     """What `automap.jit` returns: call it like `jax.jit(fn)`. The first call with a new
     argument signature plans (or finds the plan in memory or in the cache directory),
-    lowers and compiles; later calls reuse the compiled plan. `stats` counts plans made,
-    memory hits and disk hits; `plans` holds the plans by signature."""
+    lowers (as `lowering` says) and compiles; later calls reuse the compiled plan. `stats`
+    counts plans made, memory hits and disk hits; `plans` holds the plans by signature."""
 
     def __init__(self, fn, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(),
-                 donate_argnums=(), cache_dir=None, replan=False, budget_s=30.0, seed=0):
+                 donate_argnums=(), cache_dir=None, replan=False, budget_s=30.0, seed=0, lowering="jit"):
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.lowering = check_lowering(lowering)
         self.mesh_spec, self.jax_mesh = _mesh(mesh)
         self.schedule = schedule
         self.device = device
@@ -128,12 +131,14 @@ class AutomapFunction:
             try:
                 plan = load_plan(path).bind_program(prog, jax_mesh=self.jax_mesh)
                 plan.donate_argnums = self.donate_argnums
+                plan.lowering = self.lowering
                 self.stats["disk_hits"] += 1
             except PlanError:
                 plan = None  # a stale or foreign file: plan again and overwrite it
         if plan is None:
             plan = plan_program(prog, self.mesh_spec, sched, device=self.device, memory_limit=self.memory_limit,
-                                donate_argnums=self.donate_argnums, jax_mesh=self.jax_mesh, key=key)
+                                donate_argnums=self.donate_argnums, jax_mesh=self.jax_mesh, key=key,
+                                lowering=self.lowering)
             self.stats["planned"] += 1
             try:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -146,16 +151,16 @@ class AutomapFunction:
     def __call__(self, *args):
         plan = self.plan_for(*args)
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return plan.jit()(*dyn)
+        return plan.jit(self.lowering)(*dyn)
 
     def lower(self, *args):
         """`jax.jit(...).lower(...)` of the plan for these arguments."""
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return self.plan_for(*args).jit().lower(*dyn)
+        return self.plan_for(*args).jit(self.lowering).lower(*dyn)
 
 
 def jit(fn=None, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(), donate_argnums=(),
-        cache_dir=None, replan=False, budget_s=30.0, seed=0):
+        cache_dir=None, replan=False, budget_s=30.0, seed=0, lowering="jit"):
     """Partition a train step automatically and run it, as `jax.jit` would.
 
     Usable as `automap.jit(step, mesh=mesh)` or `@automap.jit(mesh=mesh)`. The first call
@@ -164,11 +169,15 @@ def jit(fn=None, *, mesh, schedule=None, device="h100", memory_limit=None, stati
     memory and on disk under `cache_dir` (default ~/.cache/automap, or
     AUTOMAP_CACHE_DIR), keyed by the program, mesh, schedule, device and automap version,
     so a restarted job does not search again; `replan=True` forces a new plan. Outputs
-    are sharded `jax.Array`s that can be fed back in without resharding.
+    are sharded `jax.Array`s that can be fed back in without resharding. `lowering`
+    chooses how the plan runs: 'jit' (XLA inserts the collectives the shardings imply)
+    or 'shard_map' (each device's program, with exactly the collectives the cost model
+    lists); see the README.
     """
+    check_lowering(lowering)
     kwargs = dict(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
                   static_argnums=static_argnums, donate_argnums=donate_argnums, cache_dir=cache_dir,
-                  replan=replan, budget_s=budget_s, seed=seed)
+                  replan=replan, budget_s=budget_s, seed=seed, lowering=lowering)
     if fn is None:
         return lambda f: AutomapFunction(f, **kwargs)
     return AutomapFunction(fn, **kwargs)

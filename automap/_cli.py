@@ -2,7 +2,7 @@
 
     automap search TARGET --mesh data=2,model=4 [--schedule dp:data,megatron:model,auto]
                    [--device h100] [--memory 80GB] [--budget 30] [--seed 0] --out plan.json
-                   [--quiet] [--json] [--png plan.png]
+                   [--lowering jit|shard_map] [--quiet] [--json] [--png plan.png]
     automap show plan.json [--png plan.png]
     automap demo
 
@@ -20,6 +20,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from ._plan import LOWERINGS
 
 #: --schedule words -> what they build (AXIS is a mesh axis name).
 SCHEDULE_WORDS = ("dp:AXIS", "megatron:AXIS", "fsdp:AXIS", "zero1:AXIS", "zero2:AXIS", "zero3:AXIS", "sp:AXIS",
@@ -148,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", default="30", help="search time in seconds")
     s.add_argument("--seed", default="0", help="search seed")
     s.add_argument("--out", required=True, help="where to write the plan (JSON)")
+    s.add_argument("--lowering", default="jit", choices=LOWERINGS,
+                   help="how the plan runs by default: jit (XLA places the collectives) or shard_map "
+                        "(exactly the modeled collectives)")
     s.add_argument("--png", default=None, help="also draw the plan to this PNG")
     s.add_argument("--quiet", action="store_true", help="print nothing but errors")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of tables")
@@ -196,7 +201,8 @@ def _search(ns) -> int:
         schedule = parse_schedule(schedule_text, mesh, budget=budget, seed=seed, device=device_name, memory=memory)
         schedule = [_with_progress(t, progress) for t in schedule]
         try:
-            plan = partition(fn, mesh=mesh, schedule=schedule, device=device_name, memory_limit=memory)(*args)
+            plan = partition(fn, mesh=mesh, schedule=schedule, device=device_name, memory_limit=memory,
+                             lowering=ns.lowering)(*args)
         except PartitioningError as e:
             raise CliError(str(e).splitlines()[0]) from None
     plan.save(out)
@@ -205,7 +211,7 @@ def _search(ns) -> int:
     if ns.json:
         c = plan.cost
         print(json.dumps({"plan": str(out), "mesh": str(mesh), "step_time_s": c.step_time,
-                          "memory_peak_bytes": c.memory_peak, "fits": c.fits,
+                          "memory_peak_bytes": c.memory_peak, "fits": c.fits, "lowering": plan.lowering,
                           "schedule": [str(t) for t in schedule]}))
     elif not ns.quiet:
         plan.explain()  # on the terminal, or wide when piped

@@ -121,8 +121,8 @@ def explain_saved(data: dict, console=None) -> None:
     """Print a plan file's content (for `automap show` without the program)."""
     console = table_console(console)
     mesh = ",".join(f"{k}={v}" for k, v in data["mesh"].items())
-    console.print(f"[bold]plan[/] on mesh {mesh} ({data.get('device')}), automap {data.get('automap_version')}",
-                  highlight=False)
+    console.print(f"[bold]plan[/] on mesh {mesh} ({data.get('device')}), lowering {data.get('lowering', 'jit')}, "
+                  f"automap {data.get('automap_version')}", highlight=False)
     for i, s in enumerate(data.get("schedule", [])):
         console.print(f"  {i + 1}. {s}", markup=False, highlight=False)
     for a in data.get("search", {}).get("actions", []):

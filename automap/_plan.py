@@ -19,6 +19,19 @@ from . import __version__
 #: The plan file format; bump when a field changes meaning.
 FORMAT, VERSION = "automap-plan", 1
 
+#: How a plan runs: `jax.jit` with the plan's shardings, XLA's partitioner inserting the
+#: collectives ('jit'), or the per-device program with exactly the modeled collectives
+#: under `jax.shard_map` ('shard_map').
+LOWERINGS = ("jit", "shard_map")
+
+
+def check_lowering(lowering) -> str:
+    """`lowering` if it is one of `LOWERINGS`, else a `PartitioningError` listing them."""
+    if lowering not in LOWERINGS:
+        raise PartitioningError(f"lowering={lowering!r} is not one of {', '.join(map(repr, LOWERINGS))}: "
+                                "'jit' lets XLA place the collectives, 'shard_map' runs exactly the modeled ones")
+    return lowering
+
 
 class PlanError(PartitioningError):
     """A plan that does not fit the program, mesh or file it is used with."""
@@ -42,12 +55,13 @@ class Plan:
 
     `in_shardings`/`out_shardings` are pytrees of `NamedSharding` mirroring the
     (non-static) arguments and the outputs; `specs`/`out_specs` the same as
-    `PartitionSpec`s; `jit()` the sharded callable; `shard_args(*args)` puts arrays where
-    the plan wants them; `explain()`, `save(path)`, `plot(path)`.
+    `PartitionSpec`s; `jit(lowering=)` the sharded callable (by default in the plan's
+    `lowering`); `shard_args(*args)` puts arrays where the plan wants them, across
+    processes too; `explain()`, `save(path)`, `plot(path)`.
     """
 
     def __init__(self, partitioning, *, history=(), search=None, device="h100", memory_limit=None,
-                 donate_argnums=(), schedule_text=(), jax_mesh=None, key=""):
+                 donate_argnums=(), schedule_text=(), jax_mesh=None, key="", lowering="jit"):
         self.partitioning = partitioning
         self.program = partitioning.program
         self.mesh = partitioning.mesh
@@ -58,9 +72,10 @@ class Plan:
         self.donate_argnums = tuple(donate_argnums)
         self.schedule_text = tuple(schedule_text)
         self.key = key
+        self.lowering = check_lowering(lowering)
         self._jax_mesh = jax_mesh
         self._cost = None
-        self._jitted = None
+        self._jitted = {}
 
     # -- layouts ----------------------------------------------------------------------
     @property
@@ -110,15 +125,37 @@ class Plan:
         return self._cost
 
     # -- running ----------------------------------------------------------------------
-    def jit(self):
-        """A `jax.jit`-ed callable of the (non-static) arguments with the plan's shardings."""
-        if self._jitted is None:
-            self._jitted = partir.lower(self.partitioning, self.jax_mesh, donate_argnums=self.donate_argnums)
-        return self._jitted
+    def jit(self, lowering: str | None = None):
+        """A `jax.jit`-ed callable of the (non-static) arguments with the plan's shardings,
+        lowered as `lowering` says (default: the plan's own, see `LOWERINGS`): 'jit'
+        constrains the plan's layouts and lets XLA insert the collectives; 'shard_map'
+        runs each device's program with exactly the collectives the cost model lists."""
+        lowering = self.lowering if lowering is None else check_lowering(lowering)
+        if lowering not in self._jitted:
+            options = {"free": self._made_from_scalars()} if lowering == "shard_map" else {}
+            self._jitted[lowering] = partir.lower(self.partitioning, self.jax_mesh, backend=lowering,
+                                                  donate_argnums=self.donate_argnums, **options)
+        return self._jitted[lowering]
 
-    def shard_args(self, *args):
-        """`args` placed on the mesh with the plan's input shardings."""
-        return jax.device_put(args, tuple(self.in_shardings))
+    def _made_from_scalars(self):
+        # What the cost model makes wherever it is read instead of moving it.
+        from search._fusion import materialization
+
+        return materialization(self.program).from_scalars
+
+    def shard_args(self, *args, process_local: bool | tuple[int, ...] = False):
+        """The (non-static) `args` as global arrays laid out as the plan wants them.
+
+        On one process they are put on the mesh's devices. With several processes
+        (`jax.distributed`), each process passes the whole value of an argument (the
+        default) or, for the arguments `process_local` names (True: all; or their
+        positions), the part that its own devices hold (its rows of the batch): the
+        global arrays are built with `jax.make_array_from_callback` or
+        `jax.make_array_from_process_local_data`. Arrays already spread over several
+        processes (a step's outputs) are laid out as the plan wants, moving only what
+        differs."""
+        local = range(len(args)) if process_local is True else () if process_local is False else process_local
+        return shard_args(self, args, frozenset(local))
 
     # -- explaining -------------------------------------------------------------------
     def explain(self, console=None) -> None:
@@ -148,6 +185,7 @@ class Plan:
         out = {
             "format": FORMAT, "version": VERSION, "automap_version": __version__,
             "key": self.key,
+            "lowering": self.lowering,
             "mesh": dict(self.mesh.axes),
             "device": self.device if isinstance(self.device, str) else getattr(self.device, "name", str(self.device)),
             "memory_limit": self.memory_limit,
@@ -178,6 +216,34 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({self.program}, mesh {self.mesh}, {len(self.partitioning.decisions)} decisions)"
+
+
+def shard_args(plan: Plan, args: tuple, process_local: frozenset):
+    """`Plan.shard_args`: `args` placed with `plan`'s input shardings, those at the
+    positions `process_local` from each process's part."""
+    prog = plan.program
+    tree = jax.tree_util.tree_structure(args)
+    if tree != prog.in_tree:
+        raise PlanError(f"the arguments do not have the structure the plan was made for: expected {prog.in_tree}, "
+                        f"got {tree}; pass the same pytrees (non-static arguments only)")
+    bad = sorted(k for k in process_local if not (isinstance(k, int) and 0 <= k < len(args)))
+    if bad:
+        raise PlanError(f"process_local names no argument at {bad}: give positions 0..{len(args) - 1}, "
+                        "or True for all")
+    shardings = jax.tree_util.tree_leaves(plan.in_shardings)
+    if jax.process_count() == 1 and not process_local:
+        return jax.device_put(args, jax.tree_util.tree_unflatten(tree, shardings))
+    out = []
+    for x, sharding, v, arg in zip(jax.tree_util.tree_leaves(args), shardings, prog.inputs, prog.input_args):
+        shape = prog.values[v].shape
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            out.append(jax.device_put(x, sharding))  # already global: reshard
+        elif arg in process_local:
+            out.append(jax.make_array_from_process_local_data(sharding, np.asarray(x), shape))
+        else:
+            whole = np.asarray(x)
+            out.append(jax.make_array_from_callback(shape, sharding, lambda index, whole=whole: whole[index]))
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def _plain(dtype) -> bool:
@@ -228,7 +294,7 @@ class SavedPlan:
                         part.tile(v, dim, a, source=f"plan {self.path}")
         return Plan(part, device=self.data.get("device", "h100"), memory_limit=self.data.get("memory_limit"),
                     donate_argnums=self.data.get("donate_argnums", ()), schedule_text=self.data.get("schedule", ()),
-                    jax_mesh=jax_mesh, key=self.data.get("key", ""))
+                    jax_mesh=jax_mesh, key=self.data.get("key", ""), lowering=self.data.get("lowering", "jit"))
 
 
 def _name(prog, v):

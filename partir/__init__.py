@@ -9,11 +9,12 @@ it into a sharded `jax.jit` callable; `collectives_of` reads back what XLA inser
 from . import rules
 from ._dump import dump
 from ._errors import PartitioningError, UnknownPrimitiveWarning
-from ._hlo import Collective, collectives, collectives_of, summarize
+from ._hlo import Collective, collective_buffers, collectives, collectives_of, summarize
 from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
 from ._lower import CONSTRAIN_MODES, lower, register_backend
 from ._layers import input_layers, layer_keys
+from . import _shardmap  # noqa: F401  (registers the shard_map lowering backend)
 from ._mesh import MeshSpec
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
@@ -28,7 +29,8 @@ __all__ = [
     "Block", "REMAT_POLICIES", "Recompute", "blocks", "input_layers", "layer_keys", "recompute", "recomputed",
     "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
-    "UnknownPrimitiveWarning", "Value", "check_equivalence", "collectives", "collectives_of", "dump",
+    "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
+    "dump",
     "factor_rule", "lift", "lower", "path_matches", "register_backend", "rules", "summarize",
     "transition",
 ]

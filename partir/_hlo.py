@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-__all__ = ["Collective", "collectives", "collectives_of", "summarize"]
+__all__ = ["Collective", "collective_buffers", "collectives", "collectives_of", "summarize"]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -343,4 +343,25 @@ def summarize(cols) -> dict[tuple[str, tuple[str, ...]], tuple[int, int]]:
     for c in cols:
         n, b = out.get((c.kind, c.axes), (0, 0))
         out[c.kind, c.axes] = (n + 1, b + c.result_bytes)
+    return out
+
+
+def collective_buffers(cols, *, reduce_scatter: bool = True) -> "collections.Counter":
+    """How many collectives of each `(kind, axes, bytes per device)` there are, counting
+    one per buffer: a tuple all-reduce (XLA combines gradient all-reduces into one) or
+    all-gather counts per member, an all-to-all once whatever its operand count (XLA:CPU
+    passes one operand per peer). With `reduce_scatter=False` a reduce-scatter counts as
+    the all-reduce of its operand, as a cost model for a backend without one charges it.
+    The form in which `search.CostModel`'s list of collectives compares exactly."""
+    import collections
+
+    out = collections.Counter()
+    for c in cols:
+        if c.kind == "all-to-all":
+            out[c.kind, c.axes, c.result_bytes] += 1
+        elif c.kind == "reduce-scatter" and not reduce_scatter:
+            out["all-reduce", c.axes, c.operand_bytes] += 1
+        else:
+            for shape in c.shapes:
+                out[c.kind, c.axes, _nbytes([shape])] += 1
     return out

@@ -106,10 +106,18 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hooks)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
-    replicated = NamedSharding(mesh, PartitionSpec())
+    return jit_with_layouts(run, part, mesh, donate_argnums)
+
+
+def jit_with_layouts(run, part: Partitioning, mesh, donate_argnums=()) -> "Lowered":
+    """`jax.jit(run)` with the plan's input and output layouts as its shardings."""
+    prog = part.program
+
+    def sharding(v: int) -> NamedSharding:
+        return NamedSharding(mesh, part.tiling(v).spec() if v >= 0 else PartitionSpec())
+
     in_sh = jax.tree_util.tree_unflatten(prog.in_tree, [sharding(v) for v in prog.inputs])
-    out_sh = jax.tree_util.tree_unflatten(
-        prog.out_tree, [sharding(v) if v >= 0 else replicated for v in prog.outputs])
+    out_sh = jax.tree_util.tree_unflatten(prog.out_tree, [sharding(v) for v in prog.outputs])
     return Lowered(jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
 
 

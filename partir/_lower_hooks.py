@@ -65,6 +65,19 @@ class JitHooks:
         run.values = self.values
         return self.remat.scans.evaluate(eqn, children, split_operands(eqn, invals), run)
 
+def made_in_forward(prog, v: int) -> bool:
+    """Is value `v` made by the forward pass (or an input), seen through call boundaries?"""
+    for _ in range(64):  # through call boundaries to where the value is made
+        p = prog.producer[v]
+        if p < 0:
+            return True
+        op = prog.ops[p]
+        if not (op.link and op.primitive == Link.CALL_IN) or op.operands[0] < 0:
+            return not prog.backward[p]
+        v = op.operands[0]
+    return False
+
+
 class Reads:
     """Makes XLA move values where the plan says, as the cost model counts them.
 
@@ -91,16 +104,7 @@ class Reads:
         self.made, self.last = {}, None
 
     def _forward(self, v: int) -> bool:
-        prog = self.prog
-        for _ in range(64):  # through call boundaries to where the value is made
-            p = prog.producer[v]
-            if p < 0:
-                return True
-            op = prog.ops[p]
-            if not (op.link and op.primitive == Link.CALL_IN) or op.operands[0] < 0:
-                return not prog.backward[p]
-            v = op.operands[0]
-        return False
+        return made_in_forward(self.prog, v)
 
     def _moved(self, oid: int) -> list[int]:
         prog, part = self.prog, self.part

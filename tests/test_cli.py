@@ -30,10 +30,11 @@ def test_search_then_show(tmp_path):
 def test_search_with_a_schedule_json_and_module_target(tmp_path):
     plan = tmp_path / "p.json"
     out = _run("search", "examples.mlp:factory", "--mesh", "data=2,model=4", "--schedule", "dp:data,megatron:model",
-               "--json", "--out", str(plan))
+               "--lowering", "shard_map", "--json", "--out", str(plan))
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["schedule"] == ["DataParallel('data')", "Megatron('model')"] and summary["fits"]
+    assert summary["lowering"] == json.loads(plan.read_text())["lowering"] == "shard_map"
     quiet = _run("search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "dp:data", "--quiet",
                  "--out", str(plan))
     assert quiet.returncode == 0 and quiet.stdout == ""
@@ -55,6 +56,8 @@ BAD = [
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "dp:model", "--out", "p.json"],
      "name a mesh axis"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--out", "/no/such/dir/p.json"], "does not exist"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--lowering", "pmap", "--out", "p.json"],
+     "invalid choice: 'pmap'"),
     (["show", "/no/such/plan.json"], "no plan file"),
     (["search", "examples.mlp:factory"], "required"),
 ]

@@ -1,5 +1,6 @@
 """Generated programs: random small programs built from the supported primitives,
-random `tile` actions, and the oracle (values and gradients) on the 8-device mesh.
+random `tile` actions, and the oracle (values and gradients) on the 8-device mesh, for
+the jit lowering and (on half of them) the shard_map lowering.
 
 The default suite runs a few examples; `make test-all` (profile `thorough`) runs many."""
 
@@ -145,3 +146,5 @@ def test_random_programs_stay_equivalent(prog, actions, seed):
     assert applied >= 1, actions
     event(f"{applied} of {len(actions)} tile actions applied")
     partir.check_equivalence(fn, inputs, part, rtol=1e-4, atol=1e-5)
+    if seed % 2 == 0:  # the per-device lowering too, on half the programs (keeps the run short)
+        partir.check_equivalence(fn, inputs, part, rtol=1e-4, atol=1e-5, backend="shard_map")

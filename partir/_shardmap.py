@@ -1,0 +1,274 @@
+"""The `shard_map` lowering: the plan as the program each device runs, with explicit
+collectives exactly where the plan moves data.
+
+`lower(part, mesh, backend="shard_map")` runs the jaxpr region by region inside
+`jax.shard_map` over the plan's mesh. Every value lives as its block under its at-rest
+tiling. Before an op, each operand is moved from there to the layout the op reads it
+in; the op runs on blocks (`partir._local`); after it, each result is moved from the
+layout it comes out in (partial over the axes of split reduction factors) to its
+at-rest tiling. Every move is the collectives `transition` names, run by
+`partir._spmd.move` in the order and on the buffers the cost model charges, so the
+compiled program holds the collectives the model lists. A value moved to one layout is
+moved once per pass (forward or backward) in a region, as the model counts it.
+
+Values made from scalars (broadcast constants, iotas, masks made of them: `free`) are
+never moved: they are made whole from the scalars and each reader takes its block.
+Nested jaxprs (calls, `jax.checkpoint`, `scan`, `while`, `cond`) are evaluated by their
+`partir._nested` entries with this interpreter for their bodies; a value crossing a
+region boundary is moved as the link op joining the two sides says
+(`partir._boundaries`). Residuals the plan rematerializes are recomputed, block by
+block, where the backward pass first reads them (`partir._shardmap_remat`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from ._boundaries import BOUNDARIES, call
+from ._errors import PartitioningError
+from ._local import LocalOp, bind_local
+from ._lower import LAYOUT_ONLY, jit_with_layouts, register_backend
+from ._lower_hooks import made_in_forward
+from ._partitioning import Partitioning
+from ._spmd import move
+from ._tiling import Tiling
+
+
+@register_backend("shard_map")
+def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
+    """`jax.jit` of a `jax.shard_map` running the plan per device. `free` lists the values
+    that may be made in any layout instead of moved (value ids or a boolean mask; by
+    default those `Program.rematerializable` names); pass the cost model's
+    (`search._fusion.materialization(program).from_scalars`) to lower exactly what it
+    charges."""
+    prog = part.program
+    interp = Interpreter(part, _free_mask(prog, free))
+    in_specs = tuple(part.tiling(v).spec() for v in prog.inputs)
+    out_specs = tuple(part.tiling(v).spec() if v >= 0 else jax.sharding.PartitionSpec() for v in prog.outputs)
+    body = jax.shard_map(lambda *xs: tuple(interp.top(xs)), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+    def run(*args):
+        return jax.tree_util.tree_unflatten(prog.out_tree, body(*jax.tree_util.tree_leaves(args)))
+
+    return jit_with_layouts(run, part, mesh, donate_argnums)
+
+
+def _free_mask(prog, free) -> list[bool]:
+    n = len(prog.values)
+    if free is None:
+        return [prog.rematerializable(v) for v in range(n)]
+    arr = np.asarray(list(free))
+    if arr.dtype == bool:
+        if arr.shape != (n,):
+            raise PartitioningError(f"free= is a mask of {arr.size} entries; the program has {n} values")
+        return arr.tolist()
+    ids = set(arr.astype(int).tolist())
+    return [v in ids for v in range(n)]
+
+
+class Frame:
+    """One run of one region (or one recomputation): values' blocks at rest (`env`, by
+    value id), the values made whole (`whole`), and the moves made so far (one per
+    value, layout and pass). With `record`, what it defines is also kept by id in the
+    interpreter's `values` (what recomputation starts from)."""
+
+    def __init__(self, interp: "Interpreter", *, record: bool = True):
+        self.interp, self.record = interp, record
+        self.env, self.whole, self.moved = {}, {}, {}
+        self.last = None  # the latest value the backward pass made here
+
+    def put(self, v: int, x) -> None:
+        self.env[v] = x
+        if self.record:
+            self.interp.values[v] = x
+
+    def make_whole(self, v: int, x) -> None:
+        self.whole[v] = x
+        if self.record:
+            self.interp.wholes[v] = x
+
+    def has(self, v: int) -> bool:
+        return v in self.env or v in self.whole
+
+    def read(self, v: int, need: Tiling | None = None, backward: bool = False, again: bool = False, after=None):
+        """Value `v`'s block in layout `need` (at rest when None). A forward value moved
+        `again` by the backward pass is moved in a form XLA does not merge with the
+        forward's move, after `after` (a value the backward pass made) when given: it is
+        then not kept moved in between either, as the model charges it."""
+        interp = self.interp
+        rest = interp.part.tiling(v)
+        need = rest if need is None else need
+        if v in self.whole:
+            key = (v, need.dims, "whole")
+            if key not in self.moved:
+                self.moved[key] = move(self.whole[v], Tiling.replicated(need.rank), need, interp.mesh)
+            return self.moved[key]
+        if need.dims == rest.dims:
+            return self.env[v]
+        key = (v, need.dims, backward)
+        if key not in self.moved:
+            x = self.env[v]
+            if after is not None:
+                x, _ = jax.lax.optimization_barrier((x, after))
+            self.moved[key] = move(x, rest, need, interp.mesh, again=again)
+        return self.moved[key]
+
+    def replace(self, v: int, x) -> None:
+        """Read value `v` as `x` from now on (a recomputed residual)."""
+        self.env[v] = x
+        self.moved = {k: y for k, y in self.moved.items() if k[0] != v}
+
+
+class _Blocks(dict):
+    """Blocks at rest by value id, as recomputation reads them: a value made whole is cut
+    to its block on first request."""
+
+    def __init__(self, interp: "Interpreter"):
+        super().__init__()
+        self.interp = interp
+
+    def __missing__(self, v: int):
+        interp = self.interp
+        if v not in interp.wholes:
+            raise KeyError(v)
+        t = interp.part.tiling(v)
+        x = self[v] = move(interp.wholes[v], Tiling.replicated(t.rank), t, interp.mesh)
+        return x
+
+
+class Interpreter:
+    """Runs the program's regions on one device's blocks (see the module docstring)."""
+
+    def __init__(self, part: Partitioning, free: list[bool]):
+        self.part, self.prog, self.mesh = part, part.program, part.mesh
+        self.free = free
+        self.backward = self.prog.backward
+        self.values, self.wholes = _Blocks(self), {}
+        self._ids: dict = {}
+        self.remat = None
+        if part.rematerialized:
+            from ._shardmap_remat import Recomputation
+
+            self.remat = Recomputation(part, self)
+
+    def top(self, args) -> list:
+        self.values, self.wholes = _Blocks(self), {}
+        if self.remat is not None:
+            self.remat.clear()
+        return self.region(0, list(args))
+
+    def region(self, rid: int, args, whole=None) -> list:
+        """The blocks of region `rid`'s outputs at rest, from its inputs' blocks at rest
+        (`args`) and the inputs also given whole (`whole`: input position -> array)."""
+        region = self.prog.regions[rid]
+        frame = Frame(self)
+        for v, c in zip(region.constvars, region.consts):
+            frame.make_whole(v, jnp.asarray(c))
+        for v, a in zip(region.invars, args):
+            frame.put(v, a)
+        for k, x in (whole or {}).items():
+            frame.make_whole(region.invars[k], x)
+        for i, eqn in enumerate(region.jaxpr.eqns):
+            with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+                if self.remat is not None:
+                    self.remat.reads(frame, rid, i, eqn)
+                if i in region.children:
+                    self._nested(frame, rid, i, eqn)
+                else:
+                    self.op(frame, eqn, region.eqn_ops[i])
+        return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v)
+                for x, v in zip(region.jaxpr.outvars, region.outvars)]
+
+    # -- ops ---------------------------------------------------------------------------
+    def op(self, frame: Frame, eqn, oid: int) -> None:
+        """Run op `oid` (equation `eqn`) on the blocks of `frame`."""
+        part, op = self.part, self.prog.ops[oid]
+        if self._made_whole(frame, eqn, op):
+            return
+        slots, partial, kind = part.op_layout(oid)
+        need = {k: Tiling(d) for side, k, _, d in slots if side == "operand"}
+        made = {k: d for side, k, _, d in slots if side == "result"}
+        backward = self.backward[oid]
+        after = self._anchor(frame, op) if backward else None
+        operands = []
+        for k, (x, v) in enumerate(zip(eqn.invars, op.operands)):
+            again = backward and v >= 0 and made_in_forward(self.prog, v)
+            operands.append(x.val if v < 0 else frame.read(v, need.get(k), backward, again, after if again else None))
+        if eqn.primitive.name in LAYOUT_ONLY:
+            outs = operands  # the identity: the plan's layouts replace the program's requests
+        else:
+            local = LocalOp(eqn, tuple(need.get(k) for k in range(len(eqn.invars))),
+                            tuple(Tiling(made[k]) if k in made else None for k in range(len(eqn.outvars))),
+                            tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.invars),
+                            tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh)
+            outs = bind_local(local, operands)
+        for k, v in enumerate(op.results):
+            if v >= 0:
+                frame.put(v, move(outs[k], Tiling(made[k], partial, kind), part.tiling(v), self.mesh))
+        if backward and outs:
+            frame.last = outs[0]
+
+    def _anchor(self, frame: Frame, op):
+        """A value of the backward pass that op `op` reads (else the latest one made)."""
+        for v in op.operands:
+            if v >= 0 and v in frame.env and not made_in_forward(self.prog, v):
+                return frame.env[v]
+        return frame.last
+
+    def _made_whole(self, frame: Frame, eqn, op) -> bool:
+        """Make a value from scalars whole (where all it is made from is whole or a
+        scalar): its readers each take their block, and nothing is moved."""
+        if not all(v < 0 or self.free[v] for v in op.results) or not any(v >= 0 for v in op.results):
+            return False
+        if not all(v < 0 or v in frame.whole or not self.prog.values[v].shape for v in op.operands):
+            return False
+        args = [x.val if v < 0 else frame.whole[v] if v in frame.whole else frame.read(v)
+                for x, v in zip(eqn.invars, op.operands)]
+        outs = eqn.primitive.bind(*args, **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(op.results, outs):
+            if v >= 0:
+                frame.make_whole(v, o)
+        return True
+
+    # -- region boundaries ------------------------------------------------------------
+    def link(self, src: int, dst: int) -> int | None:
+        """The link op carrying value `src` to value `dst`, if there is one."""
+        for o in self.prog.users[src]:
+            op = self.prog.ops[o]
+            if op.link and op.results[0] == dst:
+                return o
+        return None
+
+    def rest(self, v: int) -> Tiling:
+        """Value `v`'s at-rest tiling."""
+        return self.part.tiling(v)
+
+    def _var_ids(self, rid: int) -> dict:
+        """Region `rid`'s jaxpr variables -> their value ids (made once per region)."""
+        ids = self._ids.get(rid)
+        if ids is None:
+            region = self.prog.regions[rid]
+            jaxpr = region.jaxpr
+            ids = dict(zip(jaxpr.constvars, region.constvars))
+            ids.update(zip(jaxpr.invars, region.invars))
+            for eqn, vids in zip(jaxpr.eqns, region.eqn_results):
+                ids.update((var, v) for var, v in zip(eqn.outvars, vids) if v >= 0)
+            self._ids[rid] = ids
+        return ids
+
+    def _nested(self, frame: Frame, rid: int, i: int, eqn) -> None:
+        region = self.prog.regions[rid]
+        children, results = region.children[i], region.eqn_results[i]
+        ids = self._var_ids(rid)
+        ins = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
+        operands = [x.val if v < 0 else frame.read(v) for x, v in zip(eqn.invars, ins)]
+        whole = {k: frame.whole[v] for k, v in enumerate(ins) if v >= 0 and v in frame.whole}
+        outs = BOUNDARIES.get(eqn.primitive.name, call)(self, eqn, children, ins, results, operands, whole)
+        for v, o in zip(results, outs):
+            if v >= 0:
+                frame.put(v, o)

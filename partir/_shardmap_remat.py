@@ -1,0 +1,66 @@
+"""Rematerialization under the `shard_map` lowering.
+
+Which residuals are recomputed, from which kept values, on which backward read, and
+how a scan's two loops carry what recomputing needs are the jit lowering's
+(`partir._lower_hooks.Recomputation` and `ScanRemat`); here the recomputed forward ops
+run on blocks, each with its moves (collectives included, as the cost model charges
+them: the `collectives` policy keeps what moved data, so it repeats none).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend.core import Literal
+
+from ._boundaries import cross
+from ._lower_hooks import Recomputation as _Recomputation
+from ._shardmap import Frame
+
+
+class Recomputation(_Recomputation):
+    """Recomputes rematerialized residuals on blocks, where the backward pass first reads
+    them, for the interpreter `interp` (`partir._shardmap.Interpreter`)."""
+
+    def __init__(self, part, interp):
+        super().__init__(part, interp)
+        self.interp = interp
+
+    def reads(self, frame: Frame, rid: int, i: int, eqn) -> None:
+        """Equation `i` of region `rid` reads recomputed blocks where the backward pass
+        reads a recomputed residual (`frame` reads them from then on)."""
+        ids = self.interp._var_ids(rid)
+        vids = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
+        blocks = [frame.env.get(u) for u in vids]
+        for u, old, new in zip(vids, blocks, self.substitute(rid, i, eqn, vids, blocks)):
+            if new is not old:
+                frame.replace(u, new)
+
+    def _block(self, b: int, anchor, rid: int = 0) -> dict:
+        """The recomputed blocks of block `b`'s residuals (made on its first backward
+        read; in a scan's backward body, from that body's slices)."""
+        key = (b, self.scans.body_of(rid))
+        if key in self.done:
+            return self.done[key]
+        interp, prog = self.interp, self.prog
+        sources = sorted({s for r in self.rec.by_block[b] for s in self.rec.sources[r]})
+        kept = tuple(self.scans.source(s, key[1], interp.values) for s in sources)
+        if anchor is not None:
+            kept, _ = jax.lax.optimization_barrier((kept, anchor))
+        frame = Frame(interp, record=False)
+        frame.env.update(zip(sources, kept))
+        by_root = {self.root[s]: s for s in sources}  # a kept input read through a call's copy
+        for o in self.ops[b]:
+            op = prog.ops[o]
+            for u in op.operands:
+                if u >= 0 and not frame.has(u) and self.root[u] in by_root:
+                    frame.env[u] = frame.env[by_root[self.root[u]]]
+            if not op.link:
+                interp.op(frame, op.eqn, o)
+            elif op.operands[0] >= 0 and op.results[0] >= 0:
+                u, r = op.operands[0], op.results[0]
+                if u in frame.whole:
+                    frame.whole[r] = frame.whole[u]
+                else:
+                    frame.env[r] = cross(interp, frame.env[u], u, r)
+        self.done[key] = {r: frame.read(r) for r in self.rec.by_block[b]}
+        return self.done[key]

@@ -1,0 +1,227 @@
+"""The shard_map lowering: the compiled program holds exactly the collectives the cost
+model lists, it computes what plain `jax.jit` and the jit lowering compute (examples,
+nested jaxprs, rematerialized residuals, local rules of primitives with shapes in their
+params), and `automap` runs plans with it."""
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import automap
+import partir
+import search
+import tactics as T
+from examples import REGISTRY, gpt, llama
+from examples.plans import STRATEGIES
+from partir import MeshSpec, PartitioningError, Tiling
+from partir._local import LocalOp, bind_local
+from search._fusion import materialization
+
+MESH = MeshSpec.of(data=2, model=4)
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+
+
+def _config(name):
+    if name.startswith("gpt"):
+        return gpt.GPTConfig(adam_eps=EPS, scan_layers="scan" in name, remat="remat" in name)
+    mod = __import__(f"examples.{name}", fromlist=["x"])
+    return next(getattr(mod, a) for a in dir(mod) if a.endswith("Config"))(adam_eps=EPS)
+
+
+@functools.cache
+def _program(name):
+    step, args = REGISTRY[name.split("-")[0]](_config(name), abstract=True)
+    return step, args, partir.lift(step, *args)
+
+
+def _lower(part):
+    return partir.lower(part, backend="shard_map", free=materialization(part.program).from_scalars)
+
+
+# -- the collectives ---------------------------------------------------------------------
+def compiled_collectives(text, mesh) -> collections.Counter:
+    """(kind, mesh axes, bytes per device) of each collective in compiled HLO, per buffer,
+    a reduce-scatter counted as the all-reduce the `cpu` device costs it as."""
+    return partir.collective_buffers(partir.collectives(text, mesh), reduce_scatter=False)
+
+
+def modeled_collectives(cost) -> collections.Counter:
+    """(kind, mesh axes, bytes per device) of each collective the model lists, a loop
+    body's once (as the HLO text holds it once)."""
+    return collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
+
+
+EXAMPLES = ["mlp", "gpt", "convnet", "moe"]
+EQUAL_CASES = [(m, s) for m in EXAMPLES for s in STRATEGIES] + [("gpt-scan-remat", "dp+megatron")]
+QUICK = {("gpt", "dp+megatron"), ("mlp", "fsdp"), ("moe", "fsdp"), ("convnet", "dp+megatron")}
+
+
+@pytest.mark.parametrize("model,strategy", [pytest.param(*c, marks=() if c in QUICK else pytest.mark.slow)
+                                            for c in EQUAL_CASES], ids=[f"{m}-{s}" for m, s in EQUAL_CASES])
+def test_compiled_collectives_are_exactly_the_modeled_ones(model, strategy):
+    _, args, prog = _program(model)
+    part = partir.Partitioning(prog, MESH)
+    STRATEGIES[strategy](part, model.split("-")[0], "data", "model")
+    text = _lower(part).lower(*args).compile().as_text()
+    compiled = compiled_collectives(text, MESH.jax_mesh())
+    assert compiled and compiled == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
+@pytest.mark.slow
+def test_llama_schedules_compile_to_the_modeled_collectives():
+    step, args = llama.make_train_step(dataclasses.replace(llama.LlamaConfig(adam_eps=EPS), scan_layers=True),
+                                       abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=2, fsdp=2, model=2)
+    part = T.apply_schedule(prog, mesh, llama.SCHEDULES["fsdp+tp"]()).partitioning
+    text = _lower(part).lower(*args).compile().as_text()
+    assert compiled_collectives(text, mesh.jax_mesh()) == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
+# -- numerics ----------------------------------------------------------------------------
+NUMERIC_CASES = [(m, s) for m in ["mlp", "gpt", "gpt-scan-remat", "convnet", "moe"] for s in STRATEGIES]
+NUMERIC_QUICK = {("moe", "dp+megatron")}  # (the GPT runs in the remat test below)
+
+
+@pytest.mark.parametrize("model,strategy", [pytest.param(*c, marks=() if c in NUMERIC_QUICK else pytest.mark.slow)
+                                            for c in NUMERIC_CASES], ids=[f"{m}-{s}" for m, s in NUMERIC_CASES])
+def test_example_computes_what_jit_and_the_jit_lowering_compute(model, strategy):
+    step, args = REGISTRY[model.split("-")[0]](_config(model))
+    part = partir.Partitioning(_program(model)[2], MESH)
+    STRATEGIES[strategy](part, model.split("-")[0], "data", "model")
+    _same_steps(step, args, part, [partir.lower(part)])
+
+
+def _same_steps(step, args, part, others=(), steps: int = 2):
+    """Train `steps` steps with the shard_map lowering of `part`, with `jax.jit(step)`
+    and with the `others`, each fed its own outputs, and assert they agree (parameters,
+    optimizer state, loss); returns the shard_map lowering."""
+    lowered = _lower(part)
+    runs = [lowered, jax.jit(step), *others]
+    states = [tuple(args)] * len(runs)
+    for n in range(steps):
+        outs = [fn(*state) for fn, state in zip(runs, states)]
+        for other in outs[1:]:
+            for name, a, b in zip(part.program.output_names, jax.tree_util.tree_leaves(outs[0]),
+                                  jax.tree_util.tree_leaves(other)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6,
+                                           err_msg=f"{name} at step {n}")
+        states = [tuple(out[:2]) + tuple(args[2:]) for out in outs]
+    return lowered
+
+
+@pytest.fixture(scope="module")
+def nested():
+    import test_lower
+
+    return test_lower
+
+
+@pytest.mark.parametrize("kind,grad", [("scan", True), ("while", False), ("fori", True), ("cond", True),
+                                       ("remat", True), ("custom_jvp", True), ("custom_vjp", True), ("jit", True)])
+def test_nested_jaxprs_lower_per_device(nested, kind, grad):
+    ws, x = nested._w((3, 16, 16), 1), nested._w((8, 16), 2)
+    fn = jax.value_and_grad(nested._loss(kind)) if grad else nested.NESTED[kind]
+    part = partir.Partitioning(partir.lift(fn, ws, x), MESH)
+    part.tile("x", 0, "data")
+    part.tile("ws", 2, "model")
+    partir.check_equivalence(fn, (ws, x), part, rtol=2e-5, atol=2e-6, backend="shard_map")
+
+
+REMAT_CASES = [(True, "full"), (False, "dots"), (True, "collectives"), (False, "collectives")]
+
+
+@pytest.mark.parametrize("scan,policy", [pytest.param(*c, marks=() if c == (True, "full") else pytest.mark.slow)
+                                         for c in REMAT_CASES], ids=[f"{'scan' if s else 'unrolled'}-{p}"
+                                                                     for s, p in REMAT_CASES])
+def test_rematerialized_residuals_are_recomputed_per_device(scan, policy):
+    # The plan's remat decisions hold: the backward pass recomputes the residuals from
+    # kept blocks, with their collectives again, as the model charges them.
+    config = gpt.GPTConfig(n_layers=2, d_ff=128, vocab=64, adam_eps=EPS, scan_layers=scan)
+    step, args = gpt.make_train_step(config)
+    prog = partir.lift(step, *args)
+    part = T.apply_schedule(prog, MESH, [T.DataParallel("data"), T.Megatron("model"), T.Remat(policy)]).partitioning
+    assert part.rematerialized
+    text = _same_steps(step, args, part).lower(*args).compile().as_text()
+    assert compiled_collectives(text, MESH.jax_mesh()) == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
+# -- local rules -------------------------------------------------------------------------
+LOOKUPS = {
+    "index": lambda t, ids: t[ids],  # in bounds (promised)
+    "clip": lambda t, ids: jnp.take(t, ids, axis=0, mode="clip"),
+    "fill": lambda t, ids: jnp.take(t, ids, axis=0, mode="fill", fill_value=-1.0),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LOOKUPS))
+def test_vocabulary_parallel_lookup_and_its_gradient(mode):
+    table = jax.random.normal(jax.random.key(0), (64, 16))
+    ids = jax.random.randint(jax.random.key(1), (8, 4), 0 if mode == "index" else -80, 64 if mode == "index" else 150)
+
+    def f(table, ids):
+        return jax.value_and_grad(lambda t: jnp.sum(LOOKUPS[mode](t, ids) ** 2))(table)
+
+    part = partir.Partitioning(partir.lift(f, table, ids), MESH)
+    part.tile("table", 0, "model")  # rows split: each device looks up the rows it holds
+    part.tile("ids", 0, "data")
+    partir.check_equivalence(f, (table, ids), part, rtol=1e-5, atol=1e-5, backend="shard_map")
+    text = _lower(part).lower(table, ids).compile().as_text()
+    assert compiled_collectives(text, MESH.jax_mesh()) == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
+def test_split_iotas_and_random_draws_match_a_whole_draw():
+    def f(key, x):
+        noise = jax.random.normal(key, x.shape)
+        return x * noise + jax.lax.broadcasted_iota(jnp.float32, x.shape, 1) + jnp.arange(x.shape[0])[:, None]
+
+    args = (jax.random.key(3), jnp.ones((8, 16)))
+    part = partir.Partitioning(partir.lift(f, *args), MESH)
+    part.tile("x", 0, "data")
+    part.tile("x", 1, "model")
+    partir.check_equivalence(f, args, part, backend="shard_map", free=())
+
+
+def test_a_primitive_whose_shape_params_a_split_changes_is_never_guessed():
+    jaxpr = jax.make_jaxpr(lambda x: jax.lax.pad(x, 0.0, [(1, 1, 0)]))(jnp.ones(8))
+    (eqn,) = jaxpr.eqns
+    op = LocalOp(eqn, (Tiling((("data",),)), None), (Tiling((("data",),)),), ((8,), ()), ((10,),), MESH)
+    with pytest.raises(PartitioningError, match="primitive 'pad' cannot run on split blocks"):
+        jax.jit(jax.shard_map(lambda x: bind_local(op, [x, 0.0])[0], mesh=MESH.jax_mesh(),
+                              in_specs=jax.sharding.PartitionSpec("data"),
+                              out_specs=jax.sharding.PartitionSpec("data"), check_vma=False)).lower(jnp.ones(8))
+
+
+def test_a_free_mask_of_the_wrong_size_is_refused():
+    part = partir.Partitioning(partir.lift(jnp.sin, jnp.ones(8)), MESH)
+    with pytest.raises(PartitioningError, match="free= is a mask of 3 entries"):
+        partir.lower(part, backend="shard_map", free=np.array([True, False, True]))
+
+
+# -- automap -----------------------------------------------------------------------------
+def test_automap_runs_a_plan_as_shard_map(tmp_path):
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2, adam_eps=EPS))
+    schedule = [T.DataParallel("data"), T.Megatron("model")]
+    fn = automap.jit(step, mesh="data=2,model=4", schedule=schedule, device="cpu", cache_dir=tmp_path,
+                     lowering="shard_map")
+    params, opt_state, loss = fn(*args)
+    ref = jax.jit(step)(*args)
+    for a, b in zip(jax.tree_util.tree_leaves((params, opt_state, loss)), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    plan = next(iter(fn.plans.values()))
+    assert plan.lowering == "shard_map" and plan.to_json()["lowering"] == "shard_map"
+    text = fn.lower(*args).compile().as_text()
+    assert compiled_collectives(text, plan.jax_mesh) == modeled_collectives(plan.cost)
+    # The same plan, lowered the other way on demand; each lowering is made once.
+    assert plan.jit("jit") is plan.jit("jit") and plan.jit("jit") is not plan.jit()
+    with pytest.raises(PartitioningError, match="lowering='pmap' is not one of 'jit', 'shard_map'"):
+        automap.jit(step, mesh="data=8", lowering="pmap")
+    with pytest.raises(PartitioningError, match="lowering='pjit'"):
+        plan.jit("pjit")
+    with pytest.raises(automap.PlanError, match=r"process_local names no argument at \[5\]"):
+        plan.shard_args(*args, process_local=(2, 5))
