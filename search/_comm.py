@@ -10,6 +10,10 @@ first, as XLA orders them):
     all-to-all        an axis moves from one dim to another       B
     all-gather        axes src splits and dst does not            B -> B*n
 
+except that a dim which loses some axes and gains others (`P('model') -> P('data')`) is
+gathered before it is sliced: slicing first would leave each device a strided set of
+blocks, not a shard of the new layout.
+
 Time on a ring of `n` devices with per-hop latency `alpha` and per-direction link
 bandwidth `beta` (the slowest link level among the collective's axes):
 
@@ -103,7 +107,7 @@ class LinkModel:
         out = []
         # Size-1 axes move nothing: leave them out of every collective.
         steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
-        for kind in ("reduce-scatter", "slice", "all-reduce", "all-to-all", "all-gather"):
+        for kind in _order(src, dst):
             axes = steps.get(kind)
             if not axes:
                 continue
@@ -124,3 +128,18 @@ class LinkModel:
                 cur *= n
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
         return out
+
+
+#: The order of a layout change's collectives: what shrinks the buffer first.
+ORDER = ("reduce-scatter", "slice", "all-reduce", "all-to-all", "all-gather")
+#: The order when a dim trades axes for others: gathered whole, then sliced.
+ORDER_SWAP = ("reduce-scatter", "all-reduce", "all-to-all", "all-gather", "slice")
+
+
+def _order(src: Tiling, dst: Tiling) -> tuple[str, ...]:
+    """`ORDER_SWAP` if some dim of `src` loses axes that `dst` does not split it by and
+    gains others, else `ORDER`."""
+    for before, after in zip(src.dims, dst.dims):
+        if set(before) - set(after) and set(after) - set(before):
+            return ORDER_SWAP
+    return ORDER

@@ -345,7 +345,18 @@ class CostModel:
         view = self._view()
         if view is None:
             return 0.0, []
-        cols = [c for o in view.ops.tolist() for key in self._op_cols.get(o, ()) for c in self._dedup[key][o][1]]
+        # A recomputed op runs in the backward pass: a value it reads in a layout the
+        # backward already moves it to (an FSDP weight gathered for the gradients) or
+        # another recomputed op already read it in, is moved once there.
+        cols, moved = [], set()
+        for o in view.ops.tolist():
+            for key in self._op_cols.get(o, ()):
+                if key[0] == "read":
+                    again = ("read", key[1], key[2], True)
+                    if again in self._dedup or again in moved:
+                        continue
+                    moved.add(again)
+                cols += self._dedup[key][o][1]
         return float(times[view.ops].sum()), cols
 
     def exact_peak(self) -> float:
@@ -480,5 +491,6 @@ def bytes_str(n: float) -> str:
 def time_str(s: float) -> str:
     """Human-readable seconds."""
     return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.2f} us"
+
 
 

@@ -234,3 +234,17 @@ def test_memo_does_not_mix_ops_of_different_dtypes():
     reduced = sorted(c.bytes for c in cost.collectives if c.kind == "all-reduce" and c.bytes > 4)
     assert reduced == [64 * 64 * 2, 64 * 64 * 4]
     assert np.isfinite(cost.step_time)
+
+
+def test_a_dim_that_trades_axes_is_gathered_before_it_is_sliced():
+    # P('model') -> P('data') on one dim: slicing by `data` first would leave each device
+    # strided blocks, so the dim is gathered whole over `model`, then sliced: the gather's
+    # result is the whole dim. Moving an axis to another dim keeps the cheaper order.
+    from partir import Tiling
+
+    mesh = MeshSpec.of(data=2, model=4)
+    links = search.LinkModel(mesh, search.get_device("h100"), {"data": "intra", "model": "intra"})
+    swap = links.reshard(Tiling((("model",), ())), Tiling((("data",), ())), 2048.0, mesh)
+    assert [(k, axes, b) for k, axes, b, _ in swap] == [("all-gather", ("model",), 2048.0)]
+    other = links.reshard(Tiling((("model",), ())), Tiling(((), ("data",))), 2048.0, mesh)
+    assert [(k, axes, b) for k, axes, b, _ in other] == [("all-gather", ("model",), 1024.0)]

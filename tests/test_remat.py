@@ -127,3 +127,20 @@ def test_the_search_reaches_sequence_parallelism():
     names = {type(m).__name__ for m in macros}
     assert {"SequenceParallel", "Remat", "Megatron", "FSDP", "DataParallel"} <= names
 
+
+
+def test_recomputation_does_not_gather_again_what_the_backward_gathers():
+    # Under FSDP the backward gathers each weight for the input gradients; the recomputed
+    # forward ops read it there. The weights' all-gathers the model lists are the
+    # compiled program's (shard_map lowering, whose moves are the plan's).
+
+    step, args = gpt.make_train_step(gpt.GPTConfig(**TINY), abstract=True)
+    prog = partir.lift(step, *args)
+    part = T.apply_schedule(prog, MESH, [T.FSDP("data"), T.Remat("full")]).partitioning
+    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
+    weight = 16 * 2**10  # the weights' gathered buffers (biases and norms are smaller)
+    compiled = [(k, b) for (k, _, b), n in partir.collective_buffers(partir.collectives(text, MESH.jax_mesh())).items()
+                for _ in range(n) if k == "all-gather" and b >= weight]
+    modeled = [(c.kind, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives
+               if c.kind == "all-gather" and c.bytes >= weight]
+    assert sorted(compiled) == sorted(modeled)
