@@ -107,7 +107,9 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
 
     def run(*args):
         regather.clear()
-        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hook)
+        leaves = jax.tree_util.tree_leaves(args)
+        _check_shapes(prog, leaves)  # at trace time: a new shape retraces, and is refused here
+        outs = _eval_region(prog, 0, leaves, hook)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -115,6 +117,15 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
     out_sh = jax.tree_util.tree_unflatten(
         prog.out_tree, [sharding(v) if v >= 0 else replicated for v in prog.outputs])
     return Lowered(jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
+
+
+def _check_shapes(prog, leaves) -> None:
+    for name, v, x in zip(prog.input_names, prog.inputs, leaves):
+        val = prog.values[v]
+        if tuple(x.shape) != tuple(val.shape) or x.dtype != val.dtype:
+            raise PartitioningError(
+                f"argument {name} is {x.dtype}{list(x.shape)}, but the plan was made for {val.dtype}{list(val.shape)}: "
+                "plan again for these shapes (automap.jit does so by itself)")
 
 
 class Lowered:
