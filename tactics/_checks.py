@@ -11,6 +11,11 @@ import re
 from partir import PartitioningError
 
 
+def a(noun: str) -> str:
+    """'a str', 'an int'."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
 def number(where: str, value, *, integer: bool = False, optional: bool = False, sign: str = "positive",
            example: str = "", error: type[Exception] = PartitioningError):
     """`value` checked to be a real number (an int when `integer`), finite, and of `sign`
@@ -24,7 +29,7 @@ def number(where: str, value, *, integer: bool = False, optional: bool = False, 
         f"a {sign} {'integer' if integer else 'finite number'}"
     fix = f"give {want}{' or None' if optional else ''}" + (f", e.g. {example}" if example else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        raise error(f"{where}={value!r} is a {type(value).__name__}, not {'an integer' if integer else 'a number'}: {fix}")
+        raise error(f"{where}={value!r} is {a(type(value).__name__)}, not {'an integer' if integer else 'a number'}: {fix}")
     if not math.isfinite(value):
         raise error(f"{where}={value!r} is not finite: {fix}")
     if (sign == "positive" and value <= 0) or (sign == "non-negative" and value < 0):
@@ -53,7 +58,7 @@ def axis_names(where: str, value, *, optional: bool = True, error: type[Exceptio
 def text(where: str, value, *, example: str, error: type[Exception] = PartitioningError) -> str:
     """A string setting (an axis name, a pattern)."""
     if not isinstance(value, str):
-        raise error(f"{where}={value!r} is a {type(value).__name__}, not a string: give e.g. {example}")
+        raise error(f"{where}={value!r} is {a(type(value).__name__)}, not a string: give e.g. {example}")
     return value
 
 
