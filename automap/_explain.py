@@ -125,20 +125,23 @@ def explain_saved(data: dict, console=None) -> None:
                   highlight=False)
     for i, s in enumerate(data.get("schedule", [])):
         console.print(f"  {i + 1}. {s}", markup=False, highlight=False)
-    for a in data.get("search", {}).get("actions", []):
+    for a in (data.get("search") or {}).get("actions", []):
         console.print(f"       search: {a}", markup=False, highlight=False)
     params = Table(title="inputs and their layouts")
     params.add_column("input", no_wrap=True)
     params.add_column("shape", justify="right")
     params.add_column("spec", no_wrap=True)
-    decided = {d["name"]: d.get("source", "") for d in data["decisions"]}
+    decided = {d.get("name"): d.get("source", "") for d in data["decisions"]}
     params.add_column("decided by")
     for item in data["inputs"]:
         spec = "P(" + ", ".join("None" if e is None else repr(e) if isinstance(e, str) else repr(tuple(e))
                                 for e in item["spec"]) + ")"
         params.add_row(item["name"], str(tuple(item["shape"])), spec, decided.get(item["name"], "propagation"))
     console.print(params)
-    c = data["cost"]
+    c = data.get("cost")
+    if c is None:
+        console.print("the file holds no modeled cost", highlight=False)
+        return
     comm = Table(title="collectives per step, by mesh axis (modeled)")
     for col in ("axes", "count", "bytes/device", "time"):
         comm.add_column(col, justify="left" if col == "axes" else "right")
