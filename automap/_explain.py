@@ -107,13 +107,16 @@ def explain(plan, console=None) -> None:
     steps.add_column("plan")
     steps.add_column("step time", justify="right")
     steps.add_column("vs this plan", justify="right")
-    steps.add_row("this plan", time_str(cost.step_time), "1.00x")
+    def ratio(t):  # a program that computes nothing takes no time: no ratio to show
+        return f"{t / cost.step_time:.2f}x" if cost.step_time > 0 else "-"
+
+    steps.add_row("this plan", time_str(cost.step_time), ratio(cost.step_time))
     steps.add_row("this plan, gradient reductions overlapped", time_str(cost.step_time_overlap),
-                  f"{cost.step_time_overlap / cost.step_time:.2f}x")
+                  ratio(cost.step_time_overlap))
     for name, other in alternatives(plan):
         t = other if isinstance(other, float) else other.step_time
         fits = "" if isinstance(other, float) or other.fits else " (does not fit)"
-        steps.add_row(name + fits, time_str(t), f"{t / cost.step_time:.2f}x")
+        steps.add_row(name + fits, time_str(t), ratio(t))
     console.print(steps)
 
 

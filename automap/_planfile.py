@@ -79,15 +79,21 @@ class SavedPlan:
 
 
 def _device(data):
+    """The plan's device: its name when that names the same figures here (a preset),
+    else the description the file holds (a device file the plan was made with)."""
     import search
 
-    spec = data.get("device_spec")
-    if isinstance(spec, dict):
-        try:
-            return search.DeviceSpec.from_dict(spec)
-        except search.DeviceError as e:
-            raise PlanError(f"plan's device_spec cannot be used: {e}") from None
-    return data.get("device", "h100")
+    name, spec = data.get("device", "h100"), data.get("device_spec")
+    if not isinstance(spec, dict):
+        return name
+    try:
+        described = search.DeviceSpec.from_dict(spec)
+    except search.DeviceError as e:
+        raise PlanError(f"the plan's device_spec cannot be used: {e}") from None
+    try:
+        return name if search.get_device(name) == described else described
+    except search.DeviceError:
+        return described
 
 
 def _name(prog, v):

@@ -32,6 +32,11 @@ def plot(data: dict, path, timings: dict | None = None) -> None:
             "no timings recorded\n(save with timings=True, or automap search --timings)"
         left.text(0.5, 0.5, why, ha="center", va="center")
         left.set_axis_off()
+    if not params:
+        right.text(0.5, 0.5, "no parameters (no input named params...)", ha="center", va="center")
+        right.set_axis_off()
+        _save(fig, path)
+        return
     grid = [[-1] * len(axes) for _ in params]
     for i, item in enumerate(params):
         for d, entry in enumerate(item["spec"]):
@@ -45,6 +50,12 @@ def plot(data: dict, path, timings: dict | None = None) -> None:
     right.set_xticks(range(len(axes)), labels=axes)
     right.set_yticks(range(len(params)), labels=[i["name"] for i in params], fontsize=6)
     right.set_title("which dim of each parameter each mesh axis splits")
+    _save(fig, path)
+
+
+def _save(fig, path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

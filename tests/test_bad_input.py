@@ -49,6 +49,9 @@ def raises():
 
 def wrong():
     return step
+
+def identity():
+    return (lambda x: x), (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
 """
 
 
@@ -265,6 +268,12 @@ def test_cli_gives_one_line_and_status_2_before_any_work(ctx, capsys, kind, argv
     assert _state(ctx) == before  # no plan, timings, picture or cache entry written
 
 
+def test_best_effort_writes_the_plan_that_does_not_fit(ctx, capsys):
+    assert main([*SEARCH, *OUT, "--memory", "1", "--best-effort", "--quiet"]) == 0
+    data = json.loads((ctx.tmp / "out.json").read_text())
+    assert data["cost"]["fits"] is False and data["memory_limit"] == 1
+
+
 def test_memory_sizes_read_as_written():
     assert parse_memory("1e+9") == parse_memory("1E9") == parse_memory("1e9B") == 1e9
     assert parse_memory("16GiB") == 16 * 2**30 and parse_memory(".5 GB") == 5e8
@@ -306,6 +315,14 @@ def test_a_program_with_no_ops_plans_and_runs(ctx):
     fn = automap.jit(lambda x: x, mesh=MESH, schedule=[search.AutomaticPartition(max_episodes=5)], cache_dir=ctx.cache)
     x = jnp.arange(32.0).reshape(8, 4)
     np.testing.assert_array_equal(np.asarray(fn(x)), np.asarray(x))
+
+
+def test_a_program_with_no_ops_through_the_cli(ctx, capsys):
+    argv = ["search", "factories.py:identity", "--mesh", MESH, "--episodes", "3", *OUT, "--png", "p.png"]
+    assert main(argv) == 0
+    assert main(["show", "out.json", "--png", "shown.png"]) == 0
+    assert "modeled step time" in capsys.readouterr().out
+    assert (ctx.tmp / "p.png").stat().st_size > 0 and (ctx.tmp / "shown.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("content", ["[]", '{"format": "automap-plan", "version": 1}', "{trunc"])
