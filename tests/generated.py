@@ -21,8 +21,8 @@ import tactics as T
 from partir import MeshSpec, PartitioningError
 
 SIZES = (4, 8, 16, 6)  # 6: some splits over 4 or 8 devices are refused
-MESHES = ((("a", 8),), (("a", 4),), (("a", 2),), (("data", 2), ("model", 4)), (("data", 4), ("model", 2)),
-          (("a", 2), ("b", 2)), (("x", 2), ("y", 2), ("z", 2)))
+MESHES = ((("data", 2), ("model", 4)), (("x", 2), ("y", 2), ("z", 2)), (("data", 4), ("model", 2)), (("a", 8),),
+          (("a", 2), ("b", 2)), (("a", 4),), (("a", 2),))  # hypothesis draws the first ones more
 F32, I32 = "f32", "i32"
 BF16 = jnp.bfloat16
 UNARY = {"tanh": jnp.tanh, "sin": jnp.sin, "neg": jnp.negative, "square": lambda x: x * x / 4,
@@ -56,7 +56,8 @@ def _dot(draw, pool, i):
     out = ([a[ba]] if ba is not None else []) + free_a + free_b
     if not out or len(out) > 4:
         return None
-    return ["dot", i, j, ca, cb, ba, bb, draw(st.booleans())], (tuple(out), F32)
+    bf16 = draw(st.sampled_from([False, False, True]))  # bf16 cases get a looser oracle: keep them fewer
+    return ["dot", i, j, ca, cb, ba, bb, bf16], (tuple(out), F32)
 
 
 def _float_op(draw, pool, i, kind):
@@ -122,20 +123,19 @@ def _kinds(pool, i) -> list[str]:
     s, dtype = pool[i]
     if dtype == I32:
         return ["iunary", "float"] + (["isum"] if len(s) >= 2 else [])
-    kinds = ["unary", "softmax", "cumsum", "sort", "cond", "transpose", "slice", "pad", "remat", "dslice",
-             "dupdate", "while", "dot"]
+    # The ops that move data between devices most come twice: drawn more often.
+    kinds = ["unary", "softmax", "cumsum", "sort", "cond", "transpose", "slice", "remat", "dupdate", "while",
+             "binary", "concat", "pad", "dslice", "dot"] + ["binary", "concat", "pad", "dslice", "dot", "dot"]
     kinds += ["sum", "scan", "merge", "argmax"] if len(s) >= 2 else []
-    if len(_of(pool, F32, lambda t: t == s)) > 1:
-        kinds += ["binary", "concat"]
     if len(s) <= 3 and any(n % k == 0 and n > k for n in s for k in (2, 4)):
         kinds.append("split")
-    if len(s) == 2 and s[0] >= 4:
-        kinds += ["gather", "scatter"]
+    if len(s) == 2:
+        kinds += ["gather", "scatter"] * 2
     return kinds
 
 
 @st.composite
-def cases(draw, plans=("tiles", "schedule", "search")):
+def cases(draw, plans=("schedule", "tiles", "search")):
     """A case (see the module docstring) as JSON data."""
     n_params = draw(st.integers(1, 3))
     pool = [(_shape(draw, 2, 3), F32) for _ in range(n_params)]
@@ -357,8 +357,9 @@ def _lifted_name(glob: str) -> str:
 
 def uses_bf16(case) -> bool:
     """Whether the case computes in bfloat16 (its oracle then allows bf16's rounding)."""
-    return any((op[0] == "dot" and op[7]) or (op[0] == "unary" and op[3] and op[3].startswith("bf16"))
-               for op in case["recipe"])
+    # A round trip through bf16 rounds alike on both sides; arithmetic in bf16 may not
+    # (XLA may keep float32 where a fusion allows), so those cases allow bf16's rounding.
+    return any((op[0] == "dot" and op[7]) or (op[0] == "unary" and op[3] == "bf16_tanh") for op in case["recipe"])
 
 
 def check_case(case) -> tuple[int, int]:
