@@ -126,8 +126,6 @@ class AutomaticPartition(Tactic):
         axes = tuple(part.mesh.names) if self.axes is None else tuple(self.axes)
         for a in axes:
             part.mesh.size(a)
-        if self.budget_s <= 0:
-            raise TacticError(f"budget_s must be positive, got {self.budget_s}")
         r = roles(part.program)
         groups = input_groups(part.program, r.params + r.batch, group=self.group)
         macros = ()
