@@ -232,7 +232,8 @@ class CostModel:
                     dkey = ("read", v, dst, bool(self._backward[o]))
                 else:
                     dkey = ("made", o, index)
-                keys.append(dkey)
+                if dkey not in keys:  # an op reading one value twice (concat [x, x]) moves it once
+                    keys.append(dkey)
                 self._dedup.setdefault(dkey, {})[o] = (v, cols, buf)
             self._op_cols[o] = keys
 
