@@ -16,6 +16,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,14 @@ def save_failure(work: Path, output: str) -> Path | None:
         return None
     case = json.loads(failure.read_text())
     name = hashlib.sha256(json.dumps(case, sort_keys=True).encode()).hexdigest()[:12]
-    errors = [ln for ln in output.splitlines() if ln.startswith("E ")]
+    # The exception and where it was raised, from pytest's report.
+    lines = output.splitlines()
+    raised = [ln[1:].strip() for ln in lines if ln.startswith("E ") and "Error" in ln][:1]
+    where = [ln for ln in lines if re.match(r"^\S+\.py:\d+: \w+", ln)][-1:]
     SAVED.mkdir(exist_ok=True)
     path = SAVED / f"{name}.json"
-    path.write_text(json.dumps({"case": case, "error": "\n".join(errors[:20]),
-                                "found_by": "make fuzz"}, indent=1) + "\n")
+    path.write_text("{\n" + f' "found_by": "make fuzz",\n "error": {json.dumps(" at ".join(raised + where))},\n'
+                    f' "case": {json.dumps(case)}\n' + "}\n")
     return path
 
 
