@@ -340,3 +340,10 @@ def main(argv=None) -> int:
     except CliError as e:
         print(f"automap: error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # automap's and partir's errors (the folder of --out gone mid-search, ...)
+        from partir import PartitioningError
+
+        if not isinstance(e, PartitioningError):
+            raise
+        print(f"automap: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
