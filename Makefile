@@ -4,7 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all demo bench bench-scale clean
+.PHONY: install test test-all demo bench bench-scale fuzz clean
+
+# make fuzz N=2000: generated cases against jax.jit (tests/fuzz.py; docs/testing.md)
+N ?= 2000
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +22,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" --hypothesis-profile=thorough
+
+fuzz: $(STAMP)
+	$(PY) tests/fuzz.py $(N)
 
 demo: $(STAMP)
 	$(PY) -m automap demo

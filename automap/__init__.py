@@ -6,14 +6,22 @@ The user-facing layer over the IR (`partir`), the tactics (`tactics`) and the se
 - `automap.jit(step, mesh=...)`: plan (or load the cached plan), lower and run a train
   step, like `jax.jit`;
 - `automap.partition(step, mesh=..., schedule=...)(*args)`: a `Plan` without running it;
-- `Plan`: shardings, specs, cost, history, `jit(lowering=)`, `shard_args()`, `explain()`,
+- `Plan`: shardings, specs, cost, history, `jit()`, `shard_args()`, `explain()`,
   `save()`, `plot()`; `automap.load_plan(path).bind(step, *args)` applies a saved one;
 - the `automap` command: `automap search`, `automap show`, `automap demo`.
+
+Errors: `AutomapError` (a bad argument), `PlanError` (a plan that does not fit its
+program, mesh or file), `MemoryLimitError` (no plan fits the memory limit); all are
+`partir.PartitioningError`s.
 """
 
 __version__ = "0.1.0"
 
+from ._args import LOWERINGS  # noqa: E402
+from ._errors import AutomapError, MemoryLimitError, PlanCacheWarning, PlanError  # noqa: E402
+from ._plan import Plan  # noqa: E402
+from ._planfile import SavedPlan, load_plan  # noqa: E402
 from ._api import AutomapFunction, jit, partition  # noqa: E402
-from ._plan import LOWERINGS, Plan, PlanError, SavedPlan, load_plan  # noqa: E402
 
-__all__ = ["AutomapFunction", "LOWERINGS", "Plan", "PlanError", "SavedPlan", "jit", "load_plan", "partition"]
+__all__ = ["LOWERINGS", "AutomapError", "AutomapFunction", "MemoryLimitError", "Plan", "PlanCacheWarning", "PlanError",
+           "SavedPlan", "jit", "load_plan", "partition"]

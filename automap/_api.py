@@ -3,181 +3,230 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 
 import jax
-from jax.sharding import Mesh
 
 import partir
 import tactics
-from partir import MeshSpec, PartitioningError
 
-from ._plan import Plan, PlanError, check_lowering, fingerprint, load_plan
+from ._args import Options, options
+from ._cache import PlanCache, key_of, key_parts
+from ._errors import AutomapError, MemoryLimitError
+from ._plan import Plan
 
 #: Where plans are cached between runs, unless `cache_dir=` or AUTOMAP_CACHE_DIR says.
 DEFAULT_CACHE = Path.home() / ".cache" / "automap"
 
 
-def _mesh(mesh):
-    """(MeshSpec, jax Mesh or None) from a jax Mesh, a MeshSpec or 'data=2,model=4'."""
-    if isinstance(mesh, Mesh):
-        return MeshSpec.from_jax(mesh), mesh
-    if isinstance(mesh, MeshSpec):
-        return mesh, None
-    if isinstance(mesh, str):
-        return MeshSpec.parse(mesh), None
-    if isinstance(mesh, dict):
-        return MeshSpec.of(**mesh), None
-    raise PartitioningError(f"mesh={mesh!r}: pass a jax.sharding.Mesh, a partir.MeshSpec, a dict or 'data=2,model=4'")
-
-
-def _schedule(schedule, device, memory_limit, budget_s, seed):
-    if schedule is None:
-        import search
-
-        return [search.AutomaticPartition(budget_s=budget_s, seed=seed, device=device, memory_limit=memory_limit)]
-    return list(schedule)
-
-
-def schedule_key(schedule) -> str:
-    """The schedule's part of a plan's cache key: every tactic's identity (all the
-    settings that make it the tactic it is), serialised canonically."""
-    return json.dumps([t.identity() for t in schedule], sort_keys=True)
-
-
-def _device_text(device) -> str:
-    return device if isinstance(device, str) else repr(device)
-
-
-def plan_program(prog, mesh_spec, schedule, *, device="h100", memory_limit=None, donate_argnums=(), jax_mesh=None,
-                 key="", lowering="jit") -> Plan:
-    """Apply `schedule` to a lifted program and wrap the result in a `Plan`."""
-    res = tactics.apply_schedule(prog, mesh_spec, schedule)
+def plan_program(prog, opts: Options, *, key: str = "", made_for: dict | None = None) -> Plan:
+    """Apply the schedule of `opts` to a lifted program and wrap the result in a `Plan`
+    (with `opts.best_effort`, a tactic that cannot apply is skipped, as the history
+    says)."""
+    schedule = opts.tactics()
+    res = tactics.apply_schedule(prog, opts.mesh, schedule, best_effort=opts.best_effort)
     search_result = res.context.search[0] if res.context.search else None
-    return Plan(res.partitioning, history=res.history, search=search_result, device=device,
-                memory_limit=memory_limit, donate_argnums=donate_argnums,
-                schedule_text=[str(t) for t in schedule], jax_mesh=jax_mesh, key=key, lowering=lowering)
+    return Plan(res.partitioning, history=res.history, search=search_result, device=opts.device,
+                memory_limit=opts.memory_limit, donate_argnums=opts.donated(),
+                schedule_text=[str(t) for t in schedule], jax_mesh=opts.jax_mesh, key=key, made_for=made_for,
+                lowering=opts.lowering)
+
+
+def overflow(cost) -> str:
+    """What a plan over its memory limit needs: its peak, the limit and the largest
+    buffers live at the peak."""
+    import search
+
+    live = sorted(cost.memory_at_peak, key=lambda x: -x[1])[:3]
+    return (f"the best plan found peaks at {search.bytes_str(cost.memory_peak)} per device, over the limit of "
+            f"{search.bytes_str(cost.memory_limit)} (live at the peak: "
+            + (", ".join(f"{n} {search.bytes_str(b)}" for n, b in live) or "nothing") + ")")
+
+
+def check_fits(plan: Plan, best_effort: bool) -> Plan:
+    """`plan`, unless it does not fit its memory limit and `best_effort` is False: then
+    a `MemoryLimitError` with the peak, the limit, what is live at the peak and the fix."""
+    c = plan.cost
+    if c.fits or best_effort:
+        return plan
+    import search
+
+    live = tuple(sorted(c.memory_at_peak, key=lambda x: -x[1])[:3])
+    least = plan.search.stats.min_peak if plan.search is not None else float("inf")
+    reached = f"; the smallest peak the search reached was {search.bytes_str(least)}" if least < float("inf") else ""
+    remat = "" if plan.search is not None else ", rematerialization (tactics.Remat) in the schedule"
+    raise MemoryLimitError(f"no plan fits the memory limit: {overflow(c)}{reached}; use a larger mesh, a larger "
+                           f"memory_limit{remat}, or pass best_effort=True to take this plan", peak=c.memory_peak, limit=c.memory_limit,
+                           live=live, plan=plan)
+
+
+def _callable(fn, where: str):
+    if not callable(fn):
+        raise AutomapError(f"{where} got {fn!r}, which is not callable: pass the train step function")
 
 
 def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(), donate_argnums=(),
-              budget_s: float = 30.0, seed: int = 0, lowering: str = "jit"):
+              budget_s: float = 30.0, seed: int = 0, best_effort: bool = False, lowering: str = "jit"):
     """`partition(fn, mesh=...)(*args)` returns a `Plan` for `fn(*args)` without running it.
 
     `schedule` is a list of tactics (default: automatic search over all mesh axes within
     `budget_s` seconds, for `device`, under `memory_limit` bytes per device). `args` may
-    be arrays or `jax.ShapeDtypeStruct`s. `lowering` is how the plan runs by default
-    (`Plan.jit`; see `automap.LOWERINGS`).
+    be arrays, `jax.ShapeDtypeStruct`s or Python numbers. A plan over the memory limit
+    raises `MemoryLimitError` unless `best_effort=True` (which also skips a tactic that
+    cannot apply instead of raising). `lowering` is how the plan runs by default
+    (`Plan.jit`; see `automap.LOWERINGS`). Settings are checked here, before any work.
     """
-    check_lowering(lowering)
-    mesh_spec, jax_mesh = _mesh(mesh)
+    _callable(fn, "automap.partition")
+    opts = options(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
+                   static_argnums=static_argnums, donate_argnums=donate_argnums, budget_s=budget_s, seed=seed,
+                   best_effort=best_effort, lowering=lowering)
 
-    def make(*args) -> Plan:
-        sched = _schedule(schedule, device, memory_limit, budget_s, seed)
-        prog = partir.lift(fn, *args, static_argnums=static_argnums)
-        key = fingerprint(prog, mesh_spec, schedule_key(sched), _device_text(device), str(memory_limit))
-        return plan_program(prog, mesh_spec, sched, device=device, memory_limit=memory_limit,
-                            donate_argnums=donate_argnums, jax_mesh=jax_mesh, key=key, lowering=lowering)
+    def make(*args, **kwargs) -> Plan:
+        opts.check_call(args, kwargs, fn)
+        prog = partir.lift(fn, *args, static_argnums=opts.static_argnums)
+        parts = key_parts(prog, opts)
+        return check_fits(plan_program(prog, opts, key=key_of(parts), made_for=parts), opts.best_effort)
 
     return make
+
+
+def cache_folder(cache_dir, what: str = "cache_dir") -> Path:
+    """The plan cache folder: `cache_dir`, else $AUTOMAP_CACHE_DIR, else ~/.cache/automap.
+    `what` names the setting in errors."""
+    if cache_dir is None:
+        env = os.environ.get("AUTOMAP_CACHE_DIR")
+        return Path(env) if env else DEFAULT_CACHE
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise AutomapError(f"{what} {cache_dir!r} is not a path: give a folder path or None")
+    folder = Path(cache_dir)
+    if folder.exists() and not folder.is_dir():
+        raise AutomapError(f"{what} {str(cache_dir)!r} is a file, not a folder: give a folder for the plans")
+    return folder
+
+
+def _leaf_signature(x):
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))
+    return type(x).__name__  # a Python number (traced like jax.jit's), or refused by check_call
 
 
 class AutomapFunction:
     """What `automap.jit` returns: call it like `jax.jit(fn)`. The first call with a new
     argument signature plans (or finds the plan in memory or in the cache directory),
-    lowers (as `lowering` says) and compiles; later calls reuse the compiled plan. `stats`
-    counts plans made, memory hits and disk hits; `plans` holds the plans by signature."""
+    lowers (as `lowering` says) and compiles; later calls reuse the compiled plan. `stats` counts plans made,
+    memory hits and disk hits; `plans` holds the plans by signature."""
 
     def __init__(self, fn, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(),
-                 donate_argnums=(), cache_dir=None, replan=False, budget_s=30.0, seed=0, lowering="jit"):
+                 donate_argnums=(), cache_dir=None, replan=False, budget_s=30.0, seed=0, best_effort=False,
+                 lowering="jit"):
+        _callable(fn, "automap.jit")
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.lowering = check_lowering(lowering)
-        self.mesh_spec, self.jax_mesh = _mesh(mesh)
-        self.schedule = schedule
-        self.device = device
-        self.memory_limit = memory_limit
-        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        env = os.environ.get("AUTOMAP_CACHE_DIR")
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(env) if env else DEFAULT_CACHE
+        self.options = options(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
+                               static_argnums=static_argnums, donate_argnums=donate_argnums, budget_s=budget_s,
+                               seed=seed, best_effort=best_effort, lowering=lowering)
+        if not isinstance(replan, bool):
+            raise AutomapError(f"replan={replan!r} is not a bool: give True or False")
+        self.cache = PlanCache(cache_folder(cache_dir))
         self.replan = replan
-        self.budget_s, self.seed = budget_s, seed
         self.plans: dict = {}
-        self._compiled: dict = {}
         self.stats = {"planned": 0, "memory_hits": 0, "disk_hits": 0}
 
     def _signature(self, args):
-        dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
+        dyn = self.options.dynamic(args)
         leaves, tree = jax.tree_util.tree_flatten(dyn)
-        static = tuple(a for i, a in enumerate(args) if i in self.static_argnums)
-        return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves), static
+        static = tuple(a for i, a in enumerate(args) if i in self.options.static_argnums)
+        return tree, tuple(_leaf_signature(x) for x in leaves), static
 
     def plan_for(self, *args) -> Plan:
         """The plan for these arguments (planning, or from a cache)."""
-        sig = self._signature(args)
-        plan = self.plans.get(sig)
+        opts = self.options
+        try:
+            sig = self._signature(args)
+            plan = self.plans.get(sig)
+        except TypeError:  # an unhashable static argument
+            opts.check_call(args, {}, self.fn)
+            raise
         if plan is not None:
             self.stats["memory_hits"] += 1
             return plan
-        sched = _schedule(self.schedule, self.device, self.memory_limit, self.budget_s, self.seed)
-        prog = partir.lift(self.fn, *args, static_argnums=self.static_argnums)
-        key = fingerprint(prog, self.mesh_spec, schedule_key(sched), _device_text(self.device),
-                          f"{self.memory_limit}|{self.donate_argnums}")
-        path = self.cache_dir / f"{key}.json"
-        plan = None
-        if path.exists() and not self.replan:
-            try:
-                plan = load_plan(path).bind_program(prog, jax_mesh=self.jax_mesh)
-                plan.donate_argnums = self.donate_argnums
-                plan.lowering = self.lowering
-                self.stats["disk_hits"] += 1
-            except PlanError:
-                plan = None  # a stale or foreign file: plan again and overwrite it
-        if plan is None:
-            plan = plan_program(prog, self.mesh_spec, sched, device=self.device, memory_limit=self.memory_limit,
-                                donate_argnums=self.donate_argnums, jax_mesh=self.jax_mesh, key=key,
-                                lowering=self.lowering)
-            self.stats["planned"] += 1
-            try:
-                self.cache_dir.mkdir(parents=True, exist_ok=True)
-                plan.save(path)
-            except OSError:
-                pass  # a read-only cache directory only costs the next run a search
+        opts.check_call(args, {}, self.fn)
+        n = len(jax.devices())
+        if opts.jax_mesh is None and opts.mesh.num_devices > n:
+            raise AutomapError(f"mesh {opts.mesh} needs {opts.mesh.num_devices} devices, {n} are available: use a "
+                               "smaller mesh (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        prog = partir.lift(self.fn, *args, static_argnums=opts.static_argnums)
+        parts = key_parts(prog, opts)
+        key = key_of(parts)
+        plan = None if self.replan else self.cache.load(key, prog, opts.jax_mesh)
+        fresh = plan is None
+        if fresh:
+            plan = plan_program(prog, opts, key=key, made_for=parts)
+        self.stats["planned" if fresh else "disk_hits"] += 1
+        check_fits(plan, opts.best_effort)  # before anything is kept: an error leaves no trace
+        if fresh:
+            self.cache.store(plan)
         self.plans[sig] = plan
         return plan
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            self.options.check_call(args, kwargs, self.fn)
         plan = self.plan_for(*args)
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return plan.jit(self.lowering)(*dyn)
+        dyn = self.options.dynamic(args)
+        fn = plan.jit(self.options.lowering)
+        try:
+            return fn(*dyn)
+        except ValueError:
+            # An argument committed to other devices or another layout (jax.jit refuses
+            # it): put it where the plan wants it, as `Plan.shard_args` does.
+            moved = _placed(dyn, plan.in_shardings)
+            if moved is None:
+                raise
+            return fn(*moved)
 
     def lower(self, *args):
         """`jax.jit(...).lower(...)` of the plan for these arguments."""
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        return self.plan_for(*args).jit(self.lowering).lower(*dyn)
+        return self.plan_for(*args).jit(self.options.lowering).lower(*self.options.dynamic(args))
+
+
+def _placed(dyn, shardings):
+    """`dyn` with every array whose sharding is not the plan's moved there; None when
+    all already are."""
+    leaves, tree = jax.tree_util.tree_flatten(dyn)
+    targets = jax.tree_util.tree_leaves(shardings)
+    if len(leaves) != len(targets):
+        return None
+    wrong = [isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, targets)]
+    if not any(wrong):
+        return None
+    moved = [jax.device_put(x, s) if w else x for x, s, w in zip(leaves, targets, wrong)]
+    return jax.tree_util.tree_unflatten(tree, moved)
 
 
 def jit(fn=None, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(), donate_argnums=(),
-        cache_dir=None, replan=False, budget_s=30.0, seed=0, lowering="jit"):
+        cache_dir=None, replan=False, budget_s=30.0, seed=0, best_effort=False, lowering="jit"):
     """Partition a train step automatically and run it, as `jax.jit` would.
 
     Usable as `automap.jit(step, mesh=mesh)` or `@automap.jit(mesh=mesh)`. The first call
     with a new signature lifts `fn`, plans it (default schedule: automatic search over all
     mesh axes for `device`, within `budget_s`), lowers and runs it; the plan is cached in
     memory and on disk under `cache_dir` (default ~/.cache/automap, or
-    AUTOMAP_CACHE_DIR), keyed by the program, mesh, schedule, device and automap version,
-    so a restarted job does not search again; `replan=True` forces a new plan. Outputs
-    are sharded `jax.Array`s that can be fed back in without resharding. `lowering`
-    chooses how the plan runs: 'jit' (XLA inserts the collectives the shardings imply)
-    or 'shard_map' (each device's program, with exactly the collectives the cost model
-    lists); see the README.
+    AUTOMAP_CACHE_DIR), keyed by everything that can change it (`automap._cache.key_parts`),
+    so a restarted job does not search again; `replan=True` forces a new plan. Python
+    numbers among the arguments are traced as `jax.jit` traces them; other non-array
+    leaves go in `static_argnums`. A plan over the memory limit raises
+    `MemoryLimitError` unless `best_effort=True`. Outputs are sharded `jax.Array`s that
+    can be fed back in without resharding. `lowering` chooses how the plan runs: 'jit'
+    (XLA inserts the collectives the shardings imply) or 'shard_map' (each device's
+    program, with exactly the collectives the cost model lists); see the README.
+    Settings are checked here, before any work.
     """
-    check_lowering(lowering)
     kwargs = dict(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
                   static_argnums=static_argnums, donate_argnums=donate_argnums, cache_dir=cache_dir,
-                  replan=replan, budget_s=budget_s, seed=seed, lowering=lowering)
+                  replan=replan, budget_s=budget_s, seed=seed, best_effort=best_effort, lowering=lowering)
     if fn is None:
+        options(**{k: v for k, v in kwargs.items() if k not in ("cache_dir", "replan")})  # fail at decoration
         return lambda f: AutomapFunction(f, **kwargs)
     return AutomapFunction(fn, **kwargs)

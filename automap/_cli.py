@@ -1,14 +1,19 @@
 """The `automap` command: `search`, `show`, `demo`.
 
     automap search TARGET --mesh data=2,model=4 [--schedule dp:data,megatron:model,auto]
-                   [--device h100] [--memory 80GB] [--budget 30] [--seed 0] --out plan.json
-                   [--lowering jit|shard_map] [--quiet] [--json] [--png plan.png]
+                   [--device h100] [--memory 80GB] [--budget 30] [--episodes N] [--seed 0] --out plan.json
+                   [--lowering jit|shard_map] [--quiet] [--json] [--png plan.png] [--timings]
+                   [--best-effort] [--cache-dir DIR]
     automap show plan.json [--png plan.png]
     automap demo
 
 TARGET is `path/to/file.py:factory` or `package.module:factory`; the factory returns
-`(fn, example_args)` (abstract `jax.ShapeDtypeStruct`s allowed). Bad arguments get a
-one-line error naming the fix and exit status 2.
+`(fn, example_args)` (abstract `jax.ShapeDtypeStruct`s allowed). Every user error (a bad
+argument, an output path that cannot be written, a factory that fails, a tactic that
+cannot apply, no plan within --memory) gets a one-line error naming the fix and exit
+status 2; output paths are checked before the search starts. `search` also keeps the
+plan in the plan cache (`--cache-dir`, default as `automap.jit`'s), where `automap.jit`
+finds it for the same program, mesh, schedule and device.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import re
 import sys
 from pathlib import Path
 
-from ._plan import LOWERINGS
+from ._args import LOWERINGS
 
 #: --schedule words -> what they build (AXIS is a mesh axis name).
 SCHEDULE_WORDS = ("dp:AXIS", "megatron:AXIS", "fsdp:AXIS", "zero1:AXIS", "zero2:AXIS", "zero3:AXIS", "sp:AXIS",
@@ -34,22 +40,30 @@ class CliError(Exception):
 
 
 def parse_memory(text: str) -> float:
-    """'80GB', '16GiB', '512MB', '1e9' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise CliError(f"--memory {text!r}: write a positive size like 80GB, 16GiB or 512MB")
-    return float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
+    """'80GB', '16GiB', '512MB', '1e9', '1E+9' -> bytes."""
+    m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()] if m else 0.0
+    if not (math.isfinite(value) and value >= 1):
+        raise CliError(f"--memory {text!r}: write a size of at least 1 byte like 80GB, 16GiB, 512MB or 8e10")
+    return value
 
 
 def parse_budget(text: str) -> float:
-    """Seconds, positive."""
+    """Seconds, positive and finite."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not (math.isfinite(value) and value > 0):
         raise CliError(f"--budget {text!r}: give the search time in seconds, a positive number like 30")
     return value
+
+
+def parse_episodes(text: str) -> int:
+    """A positive number of episodes."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise CliError(f"--episodes {text!r}: give a positive integer like 200")
+    return int(text)
 
 
 def parse_mesh(text: str):
@@ -62,7 +76,7 @@ def parse_mesh(text: str):
         raise CliError(f"--mesh: {e}") from None
 
 
-def parse_schedule(text: str, mesh, *, budget, seed, device, memory):
+def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=None):
     """'dp:data,megatron:model,auto' -> tactics."""
     import search
     import tactics as T
@@ -79,7 +93,7 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory):
                 if a not in mesh.names:
                     raise CliError(f"--schedule {word!r}: {a!r} is not a mesh axis; the axes are {list(mesh.names)}")
             out.append(search.AutomaticPartition(axes=axes, budget_s=budget, seed=seed, device=device,
-                                                 memory_limit=memory))
+                                                 memory_limit=memory, max_episodes=episodes, best_effort=True))
         elif name in makers:
             if arg not in mesh.names:
                 raise CliError(f"--schedule {word!r}: name a mesh axis after ':' (one of {list(mesh.names)})")
@@ -113,7 +127,12 @@ def load_target(target: str):
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise CliError(f"TARGET {target!r}: {module_part} has no function {attr!r}")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as e:  # the user's code: one line, and how to see the rest
+        first = (str(e).splitlines() or [""])[0]
+        raise CliError(f"TARGET {target!r}: {attr}() raised {type(e).__name__}: {first} (call it in Python to see "
+                       "the traceback)") from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
         raise CliError(f"TARGET {target!r}: {attr}() must return (fn, example_args)")
     fn, args = made
@@ -149,11 +168,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--memory", default=None, help="memory limit per device, e.g. 80GB (default: the device's)")
     s.add_argument("--budget", default="30", help="search time in seconds")
     s.add_argument("--seed", default="0", help="search seed")
+    s.add_argument("--episodes", default=None,
+                   help="stop the search after this many episodes (a plan that does not depend on the machine)")
     s.add_argument("--out", required=True, help="where to write the plan (JSON)")
     s.add_argument("--lowering", default="jit", choices=LOWERINGS,
                    help="how the plan runs by default: jit (XLA places the collectives) or shard_map "
                         "(exactly the modeled collectives)")
     s.add_argument("--png", default=None, help="also draw the plan to this PNG")
+    s.add_argument("--timings", action="store_true",
+                   help="also write the search's timings beside the plan (plan.timing.json)")
+    s.add_argument("--best-effort", action="store_true",
+                   help="write the best plan even if it does not fit --memory (else an error)")
+    s.add_argument("--cache-dir", default=None,
+                   help="plan cache to keep the plan in for automap.jit (default: $AUTOMAP_CACHE_DIR or "
+                        "~/.cache/automap)")
     s.add_argument("--quiet", action="store_true", help="print nothing but errors")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of tables")
     w = sub.add_parser("show", help="explain a saved plan")
@@ -163,14 +191,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _search(ns) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+def _settings(ns) -> dict:
+    """Every argument of `search` checked, and every output path, before any work."""
     import search
-    from partir import PartitioningError
 
-    from ._api import partition
+    from ._api import cache_folder
+    from ._args import output_path
+    from ._errors import AutomapError
+    from ._plan import timing_path
 
     mesh = parse_mesh(ns.mesh)
     budget = parse_budget(ns.budget)
@@ -183,40 +211,75 @@ def _search(ns) -> int:
     except search.DeviceError as e:
         raise CliError(f"--device: {e}") from None
     memory = parse_memory(ns.memory) if ns.memory is not None else None
-    out = Path(ns.out)
-    if not out.parent.exists():
-        raise CliError(f"--out {ns.out}: folder {out.parent} does not exist")
-    schedule_text = ns.schedule
+    episodes = parse_episodes(ns.episodes) if ns.episodes is not None else None
+    try:
+        out = output_path(ns.out, "--out")
+        png = output_path(ns.png, "--png") if ns.png else None
+        if ns.timings:
+            output_path(timing_path(out), "--timings file")
+        cache = cache_folder(ns.cache_dir, "--cache-dir")
+    except AutomapError as e:
+        raise CliError(str(e)) from None
     device_name = ns.device if not ns.device.endswith((".json", ".toml")) else device
+    schedule = parse_schedule(ns.schedule, mesh, budget=budget, seed=seed, device=device_name, memory=memory,
+                              episodes=episodes)
+    return dict(mesh=mesh, budget=budget, device=device_name, memory=memory, out=out, png=png, cache=cache,
+                schedule=schedule, lowering=ns.lowering)
+
+
+def _search(ns) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ._api import partition
+    from ._cache import PlanCache
+
+    cfg = _settings(ns)
     fn, args = load_target(ns.target)
     quiet = ns.quiet or ns.json
     console = Console(stderr=True, quiet=quiet)
     with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                   console=console, transient=True, disable=quiet) as bar:
-        task = bar.add_task("search", total=budget, info="")
+        task = bar.add_task("search", total=cfg["budget"], info="")
 
         def progress(episodes, best, elapsed):
-            bar.update(task, completed=min(elapsed, budget), info=f"{episodes} episodes, best {best * 1e3:.3f} ms")
+            bar.update(task, completed=min(elapsed, cfg["budget"]),
+                       info=f"{episodes} episodes, best {best * 1e3:.3f} ms")
 
-        schedule = parse_schedule(schedule_text, mesh, budget=budget, seed=seed, device=device_name, memory=memory)
-        schedule = [_with_progress(t, progress) for t in schedule]
-        try:
-            plan = partition(fn, mesh=mesh, schedule=schedule, device=device_name, memory_limit=memory,
-                             lowering=ns.lowering)(*args)
-        except PartitioningError as e:
-            raise CliError(str(e).splitlines()[0]) from None
-    plan.save(out)
-    if ns.png:
-        plan.plot(ns.png)
+        schedule = [_with_progress(t, progress) for t in cfg["schedule"]]
+        plan = _plan(partition, fn, args, cfg, schedule, ns.best_effort)
+    out = cfg["out"]
+    plan.save(out, timings=ns.timings)
+    PlanCache(cfg["cache"]).store(plan)
+    if cfg["png"]:
+        plan.plot(cfg["png"])
     if ns.json:
         c = plan.cost
-        print(json.dumps({"plan": str(out), "mesh": str(mesh), "step_time_s": c.step_time,
+        print(json.dumps({"plan": str(out), "mesh": str(cfg["mesh"]), "step_time_s": c.step_time,
                           "memory_peak_bytes": c.memory_peak, "fits": c.fits, "lowering": plan.lowering,
                           "schedule": [str(t) for t in schedule]}))
     elif not ns.quiet:
         plan.explain()  # on the terminal, or wide when piped
         print(f"plan written to {out}")
     return 0
+
+
+def _plan(partition, fn, args, cfg, schedule, best_effort):
+    """The plan, or a one-line `CliError` for anything the user can fix."""
+    import search
+    from partir import PartitioningError
+
+    from ._api import overflow
+    from ._errors import MemoryLimitError
+
+    try:
+        return partition(fn, mesh=cfg["mesh"], schedule=schedule, device=cfg["device"], memory_limit=cfg["memory"],
+                         best_effort=best_effort, lowering=cfg["lowering"])(*args)
+    except MemoryLimitError as e:
+        raise CliError(f"no plan fits --memory: {overflow(e.plan.cost)}; use a larger --mesh, a remat policy in the "
+                       "train step or a larger --memory, or --best-effort to write this plan") from None
+    except (PartitioningError, search.DeviceError) as e:
+        raise CliError(str(e).splitlines()[0]) from None
 
 
 def _with_progress(tactic, progress):
@@ -230,19 +293,35 @@ def _with_progress(tactic, progress):
 
 
 def _show(ns) -> int:
+    from ._args import output_path
+    from ._errors import AutomapError
     from ._explain import explain_saved
-    from ._plan import PlanError, load_plan
+    from ._plan import timing_path
+    from ._planfile import load_plan
 
     try:
+        png = output_path(ns.png, "--png") if ns.png else None
         saved = load_plan(ns.plan)
-    except PlanError as e:
+    except AutomapError as e:
         raise CliError(str(e)) from None
     explain_saved(saved.data)
-    if ns.png:
+    if png:
         from ._plot import plot
 
-        plot(saved.data, ns.png)
+        plot(saved.data, png, _timings(timing_path(ns.plan)))
     return 0
+
+
+def _timings(path: Path) -> dict | None:
+    """The timings saved beside a plan, if there are usable ones (they only draw the
+    search's progress)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("elapsed_s"), (int, float)) and isinstance(
+        data.get("trace"), list) and all(isinstance(t, list) and len(t) == 3 for t in data["trace"])
+    return data if ok else None
 
 
 def main(argv=None) -> int:
@@ -266,4 +345,11 @@ def main(argv=None) -> int:
         return 2
     except CliError as e:
         print(f"automap: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # automap's and partir's errors (the folder of --out gone mid-search, ...)
+        from partir import PartitioningError
+
+        if not isinstance(e, PartitioningError):
+            raise
+        print(f"automap: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

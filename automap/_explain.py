@@ -107,13 +107,16 @@ def explain(plan, console=None) -> None:
     steps.add_column("plan")
     steps.add_column("step time", justify="right")
     steps.add_column("vs this plan", justify="right")
-    steps.add_row("this plan", time_str(cost.step_time), "1.00x")
+    def ratio(t):  # a program that computes nothing takes no time: no ratio to show
+        return f"{t / cost.step_time:.2f}x" if cost.step_time > 0 else "-"
+
+    steps.add_row("this plan", time_str(cost.step_time), ratio(cost.step_time))
     steps.add_row("this plan, gradient reductions overlapped", time_str(cost.step_time_overlap),
-                  f"{cost.step_time_overlap / cost.step_time:.2f}x")
+                  ratio(cost.step_time_overlap))
     for name, other in alternatives(plan):
         t = other if isinstance(other, float) else other.step_time
         fits = "" if isinstance(other, float) or other.fits else " (does not fit)"
-        steps.add_row(name + fits, time_str(t), f"{t / cost.step_time:.2f}x")
+        steps.add_row(name + fits, time_str(t), ratio(t))
     console.print(steps)
 
 
@@ -125,20 +128,23 @@ def explain_saved(data: dict, console=None) -> None:
                   f"automap {data.get('automap_version')}", highlight=False)
     for i, s in enumerate(data.get("schedule", [])):
         console.print(f"  {i + 1}. {s}", markup=False, highlight=False)
-    for a in data.get("search", {}).get("actions", []):
+    for a in (data.get("search") or {}).get("actions", []):
         console.print(f"       search: {a}", markup=False, highlight=False)
     params = Table(title="inputs and their layouts")
     params.add_column("input", no_wrap=True)
     params.add_column("shape", justify="right")
     params.add_column("spec", no_wrap=True)
-    decided = {d["name"]: d.get("source", "") for d in data["decisions"]}
+    decided = {d.get("name"): d.get("source", "") for d in data["decisions"]}
     params.add_column("decided by")
     for item in data["inputs"]:
         spec = "P(" + ", ".join("None" if e is None else repr(e) if isinstance(e, str) else repr(tuple(e))
                                 for e in item["spec"]) + ")"
         params.add_row(item["name"], str(tuple(item["shape"])), spec, decided.get(item["name"], "propagation"))
     console.print(params)
-    c = data["cost"]
+    c = data.get("cost")
+    if c is None:
+        console.print("the file holds no modeled cost", highlight=False)
+        return
     comm = Table(title="collectives per step, by mesh axis (modeled)")
     for col in ("axes", "count", "bytes/device", "time"):
         comm.add_column(col, justify="left" if col == "axes" else "right")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
+import os
 from pathlib import Path
 
 import jax
@@ -12,41 +11,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import partir
-from partir import MeshSpec, PartitioningError, Tiling
 
 from . import __version__
+from ._args import LOWERINGS, check_lowering, output_path
+from ._errors import PlanError  # noqa: F401  (re-exported: automap._plan.PlanError)
 
-#: The plan file format; bump when a field changes meaning.
-FORMAT, VERSION = "automap-plan", 1
-
-#: How a plan runs: `jax.jit` with the plan's shardings, XLA's partitioner inserting the
-#: collectives ('jit'), or the per-device program with exactly the modeled collectives
-#: under `jax.shard_map` ('shard_map').
-LOWERINGS = ("jit", "shard_map")
-
-
-def check_lowering(lowering) -> str:
-    """`lowering` if it is one of `LOWERINGS`, else a `PartitioningError` listing them."""
-    if lowering not in LOWERINGS:
-        raise PartitioningError(f"lowering={lowering!r} is not one of {', '.join(map(repr, LOWERINGS))}: "
-                                "'jit' lets XLA place the collectives, 'shard_map' runs exactly the modeled ones")
-    return lowering
-
-
-class PlanError(PartitioningError):
-    """A plan that does not fit the program, mesh or file it is used with."""
-
-
-def fingerprint(program, mesh: MeshSpec, schedule_key: str, device_text, extra="") -> str:
-    """A key for a plan: the program's jaxpr, the mesh, the schedule (`schedule_key`: its
-    tactics' identities, serialised), the device and the library version. Object
-    addresses in the jaxpr text are left out (they differ between processes)."""
-    text = re.sub(r"0x[0-9a-f]+", "0x", str(program.closed_jaxpr))
-    h = hashlib.sha256()
-    for part in (text, str(mesh), schedule_key, device_text, extra, __version__):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
+#: The plan file format; bump when a field changes meaning. Version 2 moved the
+#: search's timings out of the plan (see `Plan.timings`); version 1 files still load.
+FORMAT, VERSION = "automap-plan", 2
+READABLE = (1, 2)
+__all__ = ["FORMAT", "LOWERINGS", "READABLE", "VERSION", "Plan", "shard_args"]
 
 
 class Plan:
@@ -61,7 +35,7 @@ class Plan:
     """
 
     def __init__(self, partitioning, *, history=(), search=None, device="h100", memory_limit=None,
-                 donate_argnums=(), schedule_text=(), jax_mesh=None, key="", lowering="jit"):
+                 donate_argnums=(), schedule_text=(), jax_mesh=None, key="", made_for=None, lowering="jit"):
         self.partitioning = partitioning
         self.program = partitioning.program
         self.mesh = partitioning.mesh
@@ -72,7 +46,8 @@ class Plan:
         self.donate_argnums = tuple(donate_argnums)
         self.schedule_text = tuple(schedule_text)
         self.key = key
-        self.lowering = check_lowering(lowering)
+        self.made_for = made_for  # what the key was made from (automap._cache.key_parts)
+        self.lowering = check_lowering(lowering, PlanError)
         self._jax_mesh = jax_mesh
         self._cost = None
         self._jitted = {}
@@ -130,7 +105,7 @@ class Plan:
         lowered as `lowering` says (default: the plan's own, see `LOWERINGS`): 'jit'
         constrains the plan's layouts and lets XLA insert the collectives; 'shard_map'
         runs each device's program with exactly the collectives the cost model lists."""
-        lowering = self.lowering if lowering is None else check_lowering(lowering)
+        lowering = self.lowering if lowering is None else check_lowering(lowering, PlanError)
         if lowering not in self._jitted:
             options = {"free": self._made_from_scalars()} if lowering == "shard_map" else {}
             self._jitted[lowering] = partir.lower(self.partitioning, self.jax_mesh, backend=lowering,
@@ -139,9 +114,9 @@ class Plan:
 
     def _made_from_scalars(self):
         # What the cost model makes wherever it is read instead of moving it.
-        from search._fusion import materialization
+        import search
 
-        return materialization(self.program).from_scalars
+        return search.materialization(self.program).from_scalars
 
     def shard_args(self, *args, process_local: bool | tuple[int, ...] = False):
         """The (non-static) `args` as global arrays laid out as the plan wants them.
@@ -169,25 +144,31 @@ class Plan:
         split over the mesh axes."""
         from ._plot import plot
 
-        plot(self.to_json(), path)
+        path = output_path(path, "plot path")
+        plot(self.to_json(), path, self.timings())
 
     # -- saving -----------------------------------------------------------------------
     def to_json(self) -> dict:
-        """The versioned, human-readable description that `save` writes."""
+        """The versioned, human-readable description that `save` writes. It holds no
+        figure of the machine that planned (timings are in `timings()`), so the same
+        program, mesh, schedule, device and seed give the same file, unless the search
+        was stopped by its time budget (then `search.reproducible` is false)."""
+        import search
+
         prog, part = self.program, self.partitioning
 
         def entry(v, name):
             val = prog.values[v]
-            return {"name": name, "shape": list(val.shape), "dtype": str(np.dtype(val.dtype)) if _plain(val.dtype)
-                    else str(val.dtype), "spec": part.tiling(v).to_json()}
+            return {"name": name, "shape": list(val.shape), "dtype": dtype_text(val.dtype),
+                    "spec": part.tiling(v).to_json()}
 
-        c = self.cost
+        device = search.get_device(self.device)
         out = {
             "format": FORMAT, "version": VERSION, "automap_version": __version__,
-            "key": self.key,
-            "lowering": self.lowering,
+            "key": self.key, "made_for": self.made_for, "lowering": self.lowering,
             "mesh": dict(self.mesh.axes),
-            "device": self.device if isinstance(self.device, str) else getattr(self.device, "name", str(self.device)),
+            "device": self.device if isinstance(self.device, str) else device.name,
+            "device_spec": device.to_dict(),
             "memory_limit": self.memory_limit,
             "donate_argnums": list(self.donate_argnums),
             "schedule": list(self.schedule_text),
@@ -195,24 +176,40 @@ class Plan:
             "outputs": [entry(v, n) if v >= 0 else {"name": n, "spec": []}
                         for v, n in zip(prog.outputs, prog.output_names)],
             "decisions": [d.to_json(prog) for d in part.decisions],
-            "cost": {"step_time_s": c.step_time, "step_time_overlap_s": c.step_time_overlap,
-                     "compute_time_s": c.compute_time, "comm_time_s": c.comm_time, "flops": c.flops,
-                     "memory_peak_bytes": c.memory_peak, "fits": c.fits,
-                     "collectives_by_axis": {",".join(k) or "-": {"count": n, "bytes": b, "time_s": t}
-                                             for k, (n, b, t) in c.by_axis().items()}},
+            "cost": _cost_json(self.cost),
         }
         if self.search is not None:
             result, groups = self.search, self.search.groups
-            out["search"] = {"episodes": result.stats.episodes, "states": result.stats.states,
-                             "cache_hits": result.stats.cache_hits, "elapsed_s": result.stats.elapsed,
-                             "stopped": result.stats.stopped, "root_step_time_s": result.root_step_time,
-                             "trace": [list(t) for t in result.stats.trace],
+            timed = result.stats.stopped == "time budget"
+            out["search"] = {"stopped": result.stats.stopped, "reproducible": not timed,
+                             "root_step_time_s": result.root_step_time,
                              "actions": [a.describe(groups) for a in result.actions]}
+            if timed:
+                out["search"]["note"] = ("stopped by its time budget: another run may search more or fewer "
+                                         "episodes and make another plan; set max_episodes for a plan that "
+                                         "does not depend on the machine")
         return out
 
-    def save(self, path) -> None:
-        """Write the plan as JSON (see `to_json`)."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
+    def timings(self) -> dict | None:
+        """How the search ran on this machine (None when no search ran): episodes,
+        states, cache hits, wall time and the best step time over time, `trace` as
+        `[seconds, episode, step time]` rows. Not part of the plan file: `save(path,
+        timings=True)` writes it beside it (`timing_path`)."""
+        if self.search is None:
+            return None
+        st = self.search.stats
+        return {"format": FORMAT + "-timing", "version": 1, "key": self.key, "episodes": st.episodes,
+                "states": st.states, "cache_hits": st.cache_hits, "elapsed_s": st.elapsed,
+                "trace": [list(t) for t in st.trace]}
+
+    def save(self, path, *, timings: bool = False) -> None:
+        """Write the plan as JSON (see `to_json`); with `timings`, also the search's
+        timings to `timing_path(path)` (when a search ran). The folder must exist."""
+        path = output_path(path, "plan path")
+        data, timed = self.to_json(), self.timings() if timings else None
+        if timed is not None:
+            _write(output_path(timing_path(path), "timing path"), timed)
+        _write(path, data)
 
     def __repr__(self) -> str:
         return f"Plan({self.program}, mesh {self.mesh}, {len(self.partitioning.decisions)} decisions)"
@@ -246,109 +243,32 @@ def shard_args(plan: Plan, args: tuple, process_local: frozenset):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def _plain(dtype) -> bool:
+def _cost_json(c) -> dict:
+    return {"step_time_s": c.step_time, "step_time_overlap_s": c.step_time_overlap,
+            "compute_time_s": c.compute_time, "comm_time_s": c.comm_time, "flops": c.flops,
+            "memory_peak_bytes": c.memory_peak, "fits": c.fits,
+            "collectives_by_axis": {",".join(k) or "-": {"count": n, "bytes": b, "time_s": t}
+                                    for k, (n, b, t) in c.by_axis().items()}}
+
+
+def dtype_text(dtype) -> str:
+    """A dtype as plan files write it ('float32', 'bfloat16', 'key<fry>')."""
     try:
-        np.dtype(dtype)
-        return True
+        return str(np.dtype(dtype))
     except TypeError:
-        return False
+        return str(dtype)
 
 
-class SavedPlan:
-    """A plan read from a file, not yet bound to a program: `bind(fn, *args)` checks it
-    against the program and returns a `Plan`; `data` is the file's content."""
-
-    def __init__(self, data: dict, path: str = "<dict>"):
-        self.data = data
-        self.path = path
-        self.mesh = MeshSpec(tuple((k, int(v)) for k, v in data["mesh"].items()))
-
-    def bind(self, fn, *args, static_argnums=(), jax_mesh=None) -> Plan:
-        """The plan for `fn(*args)`, checked: the mesh, every input's name, shape and
-        dtype, and every split's divisibility. A `PlanError` lists everything that does
-        not fit. Decisions are replayed when the program is the one the plan was made
-        for; otherwise the saved input layouts are applied and propagated."""
-        return self.bind_program(partir.lift(fn, *args, static_argnums=static_argnums), jax_mesh)
-
-    def bind_program(self, prog, jax_mesh=None) -> Plan:
-        """`bind` for a program already lifted."""
-        problems = check(self.data, prog, jax_mesh)
-        if problems:
-            raise PlanError(f"plan {self.path} does not fit this program:\n  - " + "\n  - ".join(problems))
-        part = partir.Partitioning(prog, self.mesh)
-        by_name = dict(zip(prog.input_names, prog.inputs))
-        replay = all(d.get("name") == _name(prog, d.get("value")) for d in self.data["decisions"])
-        if replay:
-            try:
-                decisions = [partir.Decision.from_json(d, prog) for d in self.data["decisions"]]
-            except PartitioningError as e:
-                raise PlanError(f"plan {self.path}: {e}") from None
-            for d in decisions:
-                part.redo(d)
-        else:
-            for item in self.data["inputs"]:
-                v = by_name[item["name"]]
-                t = Tiling.from_json(item["spec"])
-                for dim, axes in enumerate(t.dims):
-                    for a in axes:
-                        part.tile(v, dim, a, source=f"plan {self.path}")
-        return Plan(part, device=self.data.get("device", "h100"), memory_limit=self.data.get("memory_limit"),
-                    donate_argnums=self.data.get("donate_argnums", ()), schedule_text=self.data.get("schedule", ()),
-                    jax_mesh=jax_mesh, key=self.data.get("key", ""), lowering=self.data.get("lowering", "jit"))
+def timing_path(path) -> Path:
+    """Where `Plan.save(path, timings=True)` writes the search's timings: beside the
+    plan, `plan.json` -> `plan.timing.json`."""
+    p = Path(path)
+    return p.with_name(p.stem + ".timing.json")
 
 
-def _name(prog, v):
-    try:
-        return prog.name(v) if isinstance(v, int) and 0 <= v < len(prog.values) else None
-    except Exception:
-        return None
-
-
-def check(data: dict, prog, jax_mesh=None) -> list[str]:
-    """What in plan `data` does not fit program `prog` (and the real mesh, if given)."""
-    problems = []
-    mesh = MeshSpec(tuple((k, int(v)) for k, v in data["mesh"].items()))
-    sizes = mesh.sizes()
-    if jax_mesh is not None and dict(jax_mesh.shape) != sizes:
-        problems.append(f"the plan is for mesh {mesh} but the mesh given is {dict(jax_mesh.shape)}")
-    if mesh.num_devices > len(jax.devices()):
-        problems.append(f"mesh {mesh} needs {mesh.num_devices} devices, {len(jax.devices())} are available")
-    by_name = dict(zip(prog.input_names, prog.inputs))
-    for item in data["inputs"]:
-        v = by_name.get(item["name"])
-        if v is None:
-            problems.append(f"input {item['name']} is not in the program")
-            continue
-        val = prog.values[v]
-        if list(val.shape) != list(item["shape"]):
-            problems.append(f"input {item['name']} has shape {tuple(val.shape)}, the plan expects {tuple(item['shape'])}")
-            continue
-        for d, entry in enumerate(item["spec"]):
-            axes = [] if entry is None else [entry] if isinstance(entry, str) else entry
-            for a in axes:
-                if a not in sizes:
-                    problems.append(f"input {item['name']} dim {d} is split over {a!r}, not an axis of {mesh}")
-            k = mesh.devices_along(a for a in axes if a in sizes)
-            if val.shape[d] % k:
-                problems.append(f"input {item['name']} dim {d} (size {val.shape[d]}) is not divisible by the "
-                                f"{k} devices of {axes}")
-    known = {i["name"] for i in data["inputs"]}
-    missing = [n for n in prog.input_names if n not in known]
-    if missing:
-        problems.append(f"the plan does not know input(s) {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
-    return problems
-
-
-def load_plan(path) -> SavedPlan:
-    """Read a plan file written by `Plan.save`; `bind(fn, *args)` applies it."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise PlanError(f"no plan file at {path}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path} is not a plan file (invalid JSON: {e})") from None
-    if data.get("format") != FORMAT:
-        raise PlanError(f"{path} is not an automap plan (format {data.get('format')!r}, expected {FORMAT!r})")
-    if data.get("version") != VERSION:
-        raise PlanError(f"{path} has plan format version {data.get('version')}, this automap reads {VERSION}")
-    return SavedPlan(data, str(path))
+def _write(path: Path, data: dict) -> None:
+    # Written whole, then renamed: a reader (another process sharing a plan cache)
+    # never sees half a file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)

@@ -45,7 +45,7 @@ import partir  # noqa: E402
 import search  # noqa: E402
 from examples import REGISTRY  # noqa: E402
 from examples.plans import FIDELITY_CONFIGS  # noqa: E402
-from search._fusion import materialization  # noqa: E402
+from search import materialization  # noqa: E402
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after `search`: the sibling benchmark's plans
 from cost_fidelity import plans  # noqa: E402

@@ -110,15 +110,29 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
 
 
 def jit_with_layouts(run, part: Partitioning, mesh, donate_argnums=()) -> "Lowered":
-    """`jax.jit(run)` with the plan's input and output layouts as its shardings."""
+    """`jax.jit(run)` with the plan's input and output layouts as its shardings; arguments
+    of other shapes or dtypes are refused when they retrace."""
     prog = part.program
+
+    def checked(*args):
+        _check_shapes(prog, jax.tree_util.tree_leaves(args))  # at trace time: no cost per call
+        return run(*args)
 
     def sharding(v: int) -> NamedSharding:
         return NamedSharding(mesh, part.tiling(v).spec() if v >= 0 else PartitionSpec())
 
     in_sh = jax.tree_util.tree_unflatten(prog.in_tree, [sharding(v) for v in prog.inputs])
     out_sh = jax.tree_util.tree_unflatten(prog.out_tree, [sharding(v) for v in prog.outputs])
-    return Lowered(jax.jit(run, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
+    return Lowered(jax.jit(checked, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
+
+
+def _check_shapes(prog, leaves) -> None:
+    for name, v, x in zip(prog.input_names, prog.inputs, leaves):
+        val = prog.values[v]
+        if tuple(x.shape) != tuple(val.shape) or x.dtype != val.dtype:
+            raise PartitioningError(
+                f"argument {name} is {x.dtype}{list(x.shape)}, but the plan was made for {val.dtype}{list(val.shape)}: "
+                "plan again for these shapes (automap.jit does so by itself)")
 
 
 class Lowered:

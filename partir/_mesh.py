@@ -41,8 +41,10 @@ class MeshSpec:
 
     @classmethod
     def of(cls, **sizes: int) -> "MeshSpec":
-        """`MeshSpec.of(data=2, model=4)`; keyword order is the axis order."""
-        return cls(tuple((n, int(s)) for n, s in sizes.items()))
+        """`MeshSpec.of(data=2, model=4)`; keyword order is the axis order. Sizes must be
+        integers (numpy's too): 2.5 or True is refused, not rounded."""
+        return cls(tuple((n, int(s) if isinstance(s, (int, np.integer)) and not isinstance(s, bool) else s)
+                         for n, s in sizes.items()))
 
     @classmethod
     def parse(cls, text: str) -> "MeshSpec":

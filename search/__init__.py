@@ -21,6 +21,8 @@ from ._mcts import TreeSearch, mcts  # noqa: E402
 from ._result import SearchResult, SearchStats  # noqa: E402
 from ._auto import AutomaticPartition  # noqa: E402
 from ._exact import ExactResult, exhaustive  # noqa: E402
+from ._fusion import Materialization, materialization  # noqa: E402
 
 __all__ += ["Fidelity", "compare_with_xla", "STOP", "Action", "Group", "input_groups", "valid_actions",
-            "SearchState", "SearchResult", "SearchStats", "TreeSearch", "mcts", "AutomaticPartition", "ExactResult", "exhaustive"]
+            "SearchState", "SearchResult", "SearchStats", "TreeSearch", "mcts", "AutomaticPartition", "ExactResult", "exhaustive",
+            "Materialization", "materialization"]

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import partir
-from tactics import FSDP, Context, DataParallel, Megatron, Remat, SequenceParallel, Tactic, TacticError, roles
+from tactics import (FSDP, Context, DataParallel, Megatron, Remat, SequenceParallel, Tactic, TacticError, check,
+                     roles)
 
 from ._actions import apply_action, input_groups
 from ._cost import CostModel, bytes_str
+from ._device import get_device
 from ._mcts import mcts
 from ._result import SearchResult
 from ._state import SearchState
@@ -60,6 +62,28 @@ class AutomaticPartition(Tactic):
     max_episodes: int | None = None
     best_effort: bool = False
     progress: Callable | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        # Checked when made, not when the search starts: and normalised (a list of axes
+        # to a tuple, budgets and limits to floats) so that equal settings are equal
+        # identities in plan cache keys.
+        where = "AutomaticPartition "
+        for name, value in (("axes", check.axis_names(where + "axes", self.axes, error=TacticError)),
+                            ("budget_s", check.number(where + "budget_s", self.budget_s, example="budget_s=30",
+                                                      error=TacticError)),
+                            ("memory_limit", check.number(where + "memory_limit", self.memory_limit, optional=True,
+                                                          example="memory_limit=80e9 (bytes per device)",
+                                                          error=TacticError)),
+                            ("seed", check.number(where + "seed", self.seed, integer=True, sign="any",
+                                                  example="seed=0", error=TacticError)),
+                            ("max_episodes", check.number(where + "max_episodes", self.max_episodes, integer=True,
+                                                          optional=True, example="max_episodes=200",
+                                                          error=TacticError))):
+            object.__setattr__(self, name, value)
+        get_device(self.device)  # an unknown device fails now, not after the search
+        if self.progress is not None and not callable(self.progress):
+            raise TacticError(f"AutomaticPartition progress={self.progress!r} is not callable: pass "
+                              "a function (episodes, best step time, elapsed) or None")
 
     def apply(self, part, ctx: Context):
         start = time.perf_counter()
@@ -117,8 +141,6 @@ class AutomaticPartition(Tactic):
         axes = tuple(part.mesh.names) if self.axes is None else tuple(self.axes)
         for a in axes:
             part.mesh.size(a)
-        if self.budget_s <= 0:
-            raise TacticError(f"budget_s must be positive, got {self.budget_s}")
         r = roles(part.program)
         groups = input_groups(part.program, r.params + r.batch, group=self.group)
         macros = ()

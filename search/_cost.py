@@ -145,7 +145,7 @@ class CostModel:
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(_dtype(op, prog)) for op in prog.ops])
         self._backward = np.array(prog.backward, dtype=bool)
-        self._trivial = np.array(cls.trivial)
+        self._trivial = np.array(cls.trivial, dtype=bool)
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
@@ -168,7 +168,7 @@ class CostModel:
         # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
         # be made in any layout where they are needed: XLA makes them, never moves them.
         self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
-        heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops])
+        heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops], dtype=bool)
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
@@ -235,7 +235,8 @@ class CostModel:
                     dkey = ("read", v, dst, bool(self._backward[o]))
                 else:
                     dkey = ("made", o, index)
-                keys.append(dkey)
+                if dkey not in keys:  # an op reading one value twice (concat [x, x]) moves it once
+                    keys.append(dkey)
                 self._dedup.setdefault(dkey, {})[o] = (v, cols, buf)
             self._op_cols[o] = keys
 

@@ -119,7 +119,8 @@ class TreeSearch:
         self.cache: dict[int, tuple[float, float]] = {}
         t, peak = self.evaluate()
         self.root_time = t
-        self.t_ideal = state.compute_time() / state.mesh.devices_along(state.axes)
+        # A program that computes nothing (an identity) still needs a scale: 1 fs.
+        self.t_ideal = max(state.compute_time() / state.mesh.devices_along(state.axes), 1e-15)
         self.root_key = state.key()
         self.tree: dict[object, _Node] = {self.root_key: _Node()}
         self.best = _Scored(self.reward(t, peak), (), t, peak)

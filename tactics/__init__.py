@@ -9,6 +9,7 @@ Manual: `Shard`, `Replicate`, `Specs`. Strategies: `DataParallel`, `Megatron`,
 `ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`. Memory: `Remat`.
 """
 
+from . import _checks as check
 from ._base import Context, Partitioned, Step, Tactic, TacticError, apply_schedule
 from ._data import DataParallel, batch_inputs
 from ._groups import Group, input_groups
@@ -20,6 +21,6 @@ from ._roles import Roles, roles, weight_dims, weight_root
 from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
-__all__ = ["Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
+__all__ = ["check", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
            "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "apply_schedule",
            "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 from partir import PartitioningError, Tiling
 from partir._ir import close_names
 
+from . import _checks
 from ._base import Context, Tactic, TacticError
 
 
@@ -37,6 +38,11 @@ class Shard(Tactic):
     dim: int
     axis: str
 
+    def __post_init__(self):
+        _checks.pattern("Shard pattern", self.pattern, error=TacticError)
+        _checks.number("Shard dim", self.dim, integer=True, sign="any", example="dim=1", error=TacticError)
+        _checks.text("Shard axis", self.axis, example="axis='model'", error=TacticError)
+
     def apply(self, part, ctx: Context):
         hits = _matches(part, self.pattern)
         for v in hits:
@@ -50,6 +56,9 @@ class Replicate(Tactic):
     a parameter's optimizer state and update). Consumers that want it split slice it."""
 
     pattern: str
+
+    def __post_init__(self):
+        _checks.pattern("Replicate pattern", self.pattern, error=TacticError)
 
     def apply(self, part, ctx: Context):
         hits = _matches(part, self.pattern)

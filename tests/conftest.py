@@ -20,8 +20,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# Each generated program compiles twice on 8 devices: keep the default run short, and
+# Each generated program compiles twice on 8 devices: keep the default run short (the
+# hand-made cases of tests/generated.py cover every kind of op whatever is drawn), and
 # let `make test-all` (`--hypothesis-profile=thorough`) run many more.
-settings.register_profile("automap", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("automap", max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# `make fuzz N=...` (tests/fuzz.py): N generated cases, shrunk on failure.
+settings.register_profile("fuzz", max_examples=int(os.environ.get("AUTOMAP_FUZZ_N", "2000")), deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.filter_too_much])
 settings.load_profile("automap")

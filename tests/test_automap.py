@@ -146,7 +146,7 @@ def test_save_load_round_trip(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["format"] == "automap-plan" and data["version"] == 1 and data["mesh"] == {"data": 2, "model": 4}
+    assert data["format"] == "automap-plan" and data["version"] == 2 and data["mesh"] == {"data": 2, "model": 4}
     assert {"inputs", "outputs", "decisions", "cost", "search"} <= set(data)
     loaded = automap.load_plan(path).bind(step, *args)
     prog = plan.program
@@ -177,7 +177,7 @@ def test_every_kind_of_decision_round_trips_through_a_saved_plan(tmp_path):
     assert loaded.partitioning.key() == part.key()
     saved[2]["action"] = "shard"
     path.write_text(json.dumps({**json.loads(path.read_text()), "decisions": saved}))
-    with pytest.raises(automap.PlanError, match=r"plan .*plan.json: unknown decision action 'shard'"):
+    with pytest.raises(automap.PlanError, match=r"plan .*plan.json, decision 2 \(shard of x\): unknown decision action .shard."):
         automap.load_plan(path).bind(f, *args)
 
 

@@ -16,15 +16,38 @@ def _run(*args, timeout=300):
 def test_search_then_show(tmp_path):
     plan = tmp_path / "p.json"
     out = _run("search", "examples/gpt.py:factory", "--mesh", "model=8", "--budget", "3", "--device", "cpu",
-               "--out", str(plan), "--png", str(tmp_path / "p.png"))
+               "--out", str(plan), "--png", str(tmp_path / "p.png"), "--timings")
     assert out.returncode == 0, out.stderr
     assert f"plan written to {plan}" in out.stdout and "modeled step time" in out.stdout
     data = json.loads(plan.read_text())
-    assert data["mesh"] == {"model": 8} and data["search"]["episodes"] > 0
+    assert data["mesh"] == {"model": 8} and data["search"]["actions"]
+    # Timings are beside the plan, not in it; a search the clock stopped says so.
+    assert "elapsed_s" not in data["search"] and "episodes" not in data["search"]
+    assert data["search"]["reproducible"] == (data["search"]["stopped"] != "time budget")
+    timing = json.loads((tmp_path / "p.timing.json").read_text())
+    assert timing["episodes"] > 0 and timing["elapsed_s"] > 0 and timing["key"] == data["key"]
     assert (tmp_path / "p.png").stat().st_size > 10_000
     shown = _run("show", str(plan))
     assert shown.returncode == 0, shown.stderr
     assert "params['layers'][0]['mlp']['w1']" in shown.stdout and "modeled step time" in shown.stdout
+
+
+def test_a_searched_plan_is_a_cache_hit_for_automap_jit(tmp_path):
+    import automap
+    import tactics as T
+    from examples import mlp
+
+    cache = tmp_path / "cache"
+    out = _run("search", "examples.mlp:factory", "--mesh", "data=2,model=4", "--schedule", "dp:data,megatron:model",
+               "--quiet", "--out", str(tmp_path / "p.json"), "--cache-dir", str(cache))
+    assert out.returncode == 0, out.stderr
+    [cached] = cache.glob("*.json")
+    assert cached.read_bytes() == (tmp_path / "p.json").read_bytes()
+    step, args = mlp.make_train_step()
+    fn = automap.jit(step, mesh="data=2,model=4", schedule=[T.DataParallel("data"), T.Megatron("model")],
+                     cache_dir=cache)
+    fn.plan_for(*args)
+    assert fn.stats == {"planned": 0, "memory_hits": 0, "disk_hits": 1}
 
 
 def test_search_with_a_schedule_json_and_module_target(tmp_path):

@@ -20,7 +20,7 @@ from examples import REGISTRY, gpt, llama
 from examples.plans import STRATEGIES
 from partir import MeshSpec, PartitioningError, Tiling
 from partir._local import LocalOp, bind_local
-from search._fusion import materialization
+from search import materialization
 
 MESH = MeshSpec.of(data=2, model=4)
 EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates

@@ -338,8 +338,8 @@ def test_tactic_identity_holds_every_compared_setting():
         "specs": {"w": {"PartitionSpec": ["data", ["x", "y"], None]}}, "arg": "params"}}
     assert specs.identity() != T.Specs({"w": P("model")}, arg="params").identity()
     json.dumps(specs.identity(), sort_keys=True)
-    with pytest.raises(T.TacticError, match=r"Shard.pattern is a object .* tactic's identity cannot hold"):
-        T.Shard(object(), 0, "data").identity()
+    with pytest.raises(T.TacticError, match=r"Specs.specs\['w'\] is a object .* tactic's identity cannot hold"):
+        T.Specs({"w": object()}, arg="params").identity()
 
 
 def test_context_rolls_back_what_was_added():
