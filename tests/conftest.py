@@ -13,6 +13,13 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same program (the plain-jit reference of an example under each
+# plan, a plan in-process and again in a subprocess): XLA's persistent cache, in a folder
+# of this session only, compiles each once. Set in the environment so that the tests'
+# subprocesses share it too.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-xla-cache-")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 

@@ -70,6 +70,9 @@ def _run_restart(tmp_path, mesh):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# Three fresh processes (about 16 s); `test_replan_forces_a_new_search` shows the disk
+# hit in-process. In `make test-all`.
+@pytest.mark.slow
 def test_restarted_job_finds_its_plan_on_disk_and_a_new_mesh_replans(tmp_path):
     first = _run_restart(tmp_path, "data=2,model=4")
     assert first["stats"]["planned"] == 1

@@ -3,7 +3,12 @@
 import subprocess
 import sys
 
+import pytest
 
+
+# A subprocess that installs nothing but searches, explains and trains (about 20 s): the
+# pieces it strings together have their own tests; `make test-all` runs the whole.
+@pytest.mark.slow
 def test_demo_searches_shows_and_trains():
     out = subprocess.run([sys.executable, "-m", "automap", "demo"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr

@@ -32,9 +32,11 @@ MODELS = ["mlp", "gpt", "gpt-scan", "gpt-remat", "convnet", "moe", "nnx_mlp"]
 CASES = [(m, s) for m in MODELS for s in STRATEGIES if s != "dp+megatron" or m.startswith("gpt")]
 
 
-# The scan and remat variants under DP and FSDP repeat what their Megatron cases show
-# about nested jaxprs; they run in `make test-all`.
-SLOW = {("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp")}
+# The scan and remat variants under DP and FSDP repeat what their DP + Megatron cases
+# show about nested jaxprs, and each GPT form's DP and Megatron cases are the halves of
+# its DP + Megatron case; they run in `make test-all`.
+SLOW = {("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp"),
+        ("gpt", "dp"), ("gpt", "megatron"), ("gpt-scan", "megatron"), ("gpt-remat", "megatron")}
 
 
 @pytest.mark.parametrize("model,strategy", [pytest.param(m, s, marks=pytest.mark.slow if (m, s) in SLOW else ())
