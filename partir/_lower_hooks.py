@@ -289,8 +289,14 @@ class ScanRemat:
         self.slices: dict[int, dict] = {}  # backward body -> source -> its slice (this trace)
 
     def body_of(self, rid: int) -> int:
-        """The backward body region `rid` is in (itself, or -1 outside any)."""
-        return rid if rid in self.bwd else -1
+        """The backward body region `rid` is in (itself, or the body holding the call or
+        `jax.checkpoint` region `rid`; -1 outside any)."""
+        while rid >= 0 and rid not in self.bwd:
+            region = self.prog.regions[rid]
+            if region.kind in ("scan", "while.body", "while.cond"):
+                return -1  # another loop's body: its values are not this body's
+            rid = region.parent
+        return rid
 
     def source(self, s: int, body: int, values):
         """The value of source `s` of a recomputation in backward body `body` (-1: none)."""
