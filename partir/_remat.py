@@ -66,10 +66,10 @@ def check_policy(policy: str) -> None:
 def blocks(program) -> tuple[Block, ...]:
     """The program's blocks with residuals (cached with it): forward scan bodies, else
     its layers."""
-    return tuple(b for b in _layers_of(program) if b.residuals)
+    return tuple(b for b in layer_blocks(program) if b.residuals)
 
 
-def _layers_of(program) -> tuple[Block, ...]:
+def layer_blocks(program) -> tuple[Block, ...]:
     """Every block, those without residuals too (a layer whose `jax.checkpoint` keeps
     only its input): their inputs are layer boundaries all the same."""
     return program.analysis(_find_blocks)
@@ -265,7 +265,7 @@ def recomputed(program, block: Block, policy: str, part=None) -> tuple[int, ...]
     if policy == "none":
         return ()
     root = program.analysis(_call_roots)
-    boundary = {root[v] for b in _layers_of(program) for v in b.inputs}
+    boundary = {root[v] for b in layer_blocks(program) for v in b.inputs}
     keep = {r for r in block.residuals if root[r] in boundary}
     if policy in ("dots", "collectives"):
         keep |= {r for r in block.residuals if _plain_dot(program, r)}
@@ -325,7 +325,7 @@ def recompute(program, residuals: frozenset) -> Recompute:
     """The recomputation of `residuals` (each a residual of some block)."""
     where = {r: b for b in blocks(program) for r in b.residuals}
     root = program.analysis(_call_roots)
-    kept = {root[v]: v for b in _layers_of(program) for v in sorted(b.inputs)}  # every layer's input is kept
+    kept = {root[v]: v for b in layer_blocks(program) for v in sorted(b.inputs)}  # every layer's input is kept
     sources, ops, by_block = {}, set(), {}
     for r in sorted(residuals):
         b = where.get(r)
