@@ -258,3 +258,10 @@ def relaxation(program, reused: frozenset) -> Relaxation:
                     needed[u] = True
     reads = {w: twins[w] for w in sorted(reused) if needed[w]}
     return Relaxation(frozenset(skipped), reads)
+
+
+def scan_body_of(program, region: int) -> int:
+    """The scan body `region` is (or is inside, through calls and checkpoints), or -1."""
+    while region >= 0 and program.regions[region].kind != "scan":
+        region = program.regions[region].parent
+    return region

@@ -406,10 +406,9 @@ class ScanRemat:
 
 def _loop_of(program, v: int) -> int:
     """The scan body value `v` is made in (through the calls inside it), or -1."""
-    r = program.values[v].region
-    while r >= 0 and program.regions[r].kind != "scan":
-        r = program.regions[r].parent
-    return r
+    from ._checkpoint import scan_body_of
+
+    return scan_body_of(program, program.values[v].region)
 
 
 def _loop_input(program, s: int, kinds=(Link.SCAN_CONST, Link.SCAN_XS)) -> bool:
