@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from ._nested import Link
-from ._remat import _communicates, _plain_dot, check_policy
+from ._remat import _communicates, _plain_dot, check_policy, layer_blocks
 
 #: The region kinds of `jax.checkpoint`.
 CHECKPOINT_KINDS = ("remat2", "checkpoint")
@@ -77,6 +77,12 @@ def checkpoint_of(program, block) -> UserCheckpoint | None:
     count = {c: sum(program.producer[v] in ops for _, v in c.twins) for c in user_checkpoints(program)}
     best = max(count, key=count.get, default=None)  # a causal mask any layer makes is any layer's twin
     return best if best is not None and count[best] else None
+
+
+def remat_layers(program) -> tuple:
+    """The blocks (`partir.layer_blocks`) a rematerialization policy can change: those
+    with residuals, and those whose recomputation the user's checkpoint does."""
+    return tuple(b for b in layer_blocks(program) if b.residuals or checkpoint_of(program, b) is not None)
 
 
 def reusable(program, block, policy: str, part=None) -> tuple[tuple[int, int], ...]:

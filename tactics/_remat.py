@@ -38,7 +38,7 @@ class Remat(Tactic):
         if self.policy not in REMAT_POLICIES:
             raise TacticError(f"Remat policy {self.policy!r} is not one of {', '.join(REMAT_POLICIES)}")
         prog = part.program
-        layers = [b for b in partir.layer_blocks(prog) if b.residuals or partir.checkpoint_of(prog, b)]
+        layers = partir.remat_layers(prog)
         if not layers:
             raise TacticError("found no layers to rematerialize (a scan over layers in the forward pass, or a list "
                               "of alike layers in the arguments): write the layers so, or leave Remat out")

@@ -267,3 +267,11 @@ def test_reuse_takes_only_what_a_user_checkpoint_recomputes():
     for d in part.decisions:  # a plan file's decisions replay
         again.redo(partir.Decision.from_json(d.to_json(prog), prog))
     assert again.reused == part.reused == {w}
+
+
+def test_the_search_can_change_a_user_checkpoint():
+    prog, _ = _user(True, None)
+    assert not partir.blocks(prog)  # a layer only through the user's checkpoint: no residuals
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=1, device="h100")
+    _, macros = auto.search_space(partir.Partitioning(prog, MESH), T.Context())
+    assert {m.policy for m in macros if isinstance(m, T.Remat)} == {"dots", "full"}
