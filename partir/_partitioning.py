@@ -320,10 +320,7 @@ class Partitioning(Propagation):
         if not any(v in b.residuals for b in blocks(self.program)):
             raise PartitioningError(f"cannot rematerialize {self.program.name(v)}: it is not a value a layer's "
                                     "forward pass keeps for the backward pass")
-        self._remat.add(v)
-        self._log.append((_REM, v))
-        self._hash ^= hash((_REM, v))
-        self._decide(Decision("remat", v, None, None, source))
+        self._mark(_REM, self._remat, v, Decision("remat", v, None, None, source))
 
     @property
     def rematerialized(self) -> frozenset:
@@ -343,15 +340,19 @@ class Partitioning(Propagation):
         if v not in twins_of(self.program):
             raise PartitioningError(f"cannot reuse a forward value for {self.program.name(v)}: no jax.checkpoint "
                                     "region of the backward pass recomputes it")
-        self._reuse.add(v)
-        self._log.append((_REU, v))
-        self._hash ^= hash((_REU, v))
-        self._decide(Decision("reuse", v, None, None, source))
+        self._mark(_REU, self._reuse, v, Decision("reuse", v, None, None, source))
 
     @property
     def reused(self) -> frozenset:
         """The values of user checkpoints read from the forward pass, not recomputed."""
         return frozenset(self._reuse)
+
+    def _mark(self, kind: int, chosen: set, v: int, decision: Decision) -> None:
+        """Add value `v` to the set `chosen` (undone as `kind` on rollback)."""
+        chosen.add(v)
+        self._log.append((kind, v))
+        self._hash ^= hash((kind, v))
+        self._decide(decision)
 
     def constrain(self, value, tiling, *, source: str = "user") -> None:
         """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)

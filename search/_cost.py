@@ -331,13 +331,9 @@ class CostModel:
 
     def _moves(self) -> list:
         """(key, entry) of the reshards (entry: op -> (value, collectives, buffer)) of the
-        ops that run: a relaxed checkpoint's skipped ops move nothing."""
+        ops that run (a relaxed checkpoint's skipped ops move nothing)."""
         view = self._view()
-        if view is None or not len(view.skipped):
-            return list(self._dedup.items())
-        skipped = set(view.skipped.tolist())
-        kept = ((key, {o: x for o, x in e.items() if o not in skipped}) for key, e in self._dedup.items())
-        return [(key, e) for key, e in kept if e]
+        return list(self._dedup.items()) if view is None else view.running(self._dedup)
 
     def _memory(self, value_bytes, *, exact: bool):
         """(peak, op index, buffer bytes, liveness, keys of the extra buffers): the
@@ -402,10 +398,7 @@ class CostModel:
         order = np.argsort(-times, kind="stable")[:top]
         work = self._flops / div * self.materialization.live_op
         view = self._view()
-        redo, skip = 0.0, 0.0
-        if view is not None:
-            redo = float((work * self._mult)[view.ops].sum()) - float((work * self._mult)[view.skipped].sum())
-            skip = float(work[view.skipped].sum())
+        redo, skip = view.work(work, self._mult) if view is not None else (0.0, 0.0)
         return Cost(
             device=self.device.name,
             mesh=str(self.part.mesh),

@@ -88,6 +88,21 @@ class RematView:
         self.liveness = Liveness(program, mat, donated, forward_only=forward_only, extend=extend)
         self.extra = extra
 
+    def running(self, dedup: dict) -> list:
+        """The `(key, entry)` items of the cost model's reshards (`entry`: op -> ...)
+        without the ops a relaxed checkpoint skips."""
+        if not len(self.skipped):
+            return list(dedup.items())
+        skipped = set(self.skipped.tolist())
+        kept = ((key, {o: x for o, x in e.items() if o not in skipped}) for key, e in dedup.items())
+        return [(key, e) for key, e in kept if e]
+
+    def work(self, work, mult) -> tuple[float, float]:
+        """(flops run again per step, net of the skipped ops; flops of the skipped ops,
+        loops once) for per-op `work` run `mult` times per step."""
+        again = float((work * mult)[self.ops].sum()) - float((work * mult)[self.skipped].sum())
+        return again, float(work[self.skipped].sum())
+
     def buffers(self, value_bytes):
         """(starts, ends, bytes) of the extra temporaries for per-device `value_bytes`."""
         if not self.extra:
