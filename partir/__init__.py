@@ -19,7 +19,7 @@ from ._mesh import MeshSpec
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
 from ._remat import Block, Recompute, blocks, layer_blocks, recompute, recomputed
-from ._checkpoint import (Relaxation, UserCheckpoint, checkpoint_of, relaxation, remat_layers, reusable,
+from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation, remat_layers, reusable,
                           scan_body_of, user_checkpoints)
 from ._partitioning import Decision, Partitioning, Reshard
 from ._reshard import Transition, transition
@@ -29,7 +29,7 @@ from ._verify import check_equivalence
 
 __all__ = [
     "Block", "REMAT_POLICIES", "Recompute", "blocks", "input_layers", "layer_blocks", "layer_keys", "recompute",
-    "recomputed", "Relaxation", "UserCheckpoint", "checkpoint_of", "relaxation", "remat_layers", "reusable",
+    "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",
     "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",

@@ -19,6 +19,7 @@ region recomputes: the region's twins then read the forward values (`reusable`).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import jax
@@ -71,35 +72,45 @@ def _all_twins(program) -> dict[int, int]:
     return {w: v for c in user_checkpoints(program) for w, v in c.twins}
 
 
-def checkpoint_of(program, block) -> UserCheckpoint | None:
-    """The user's checkpoint that recomputes values of `block` (a `partir.Block`), if any."""
-    ops = set(block.ops)
-    count = {c: sum(program.producer[v] in ops for _, v in c.twins) for c in user_checkpoints(program)}
-    best = max(count, key=count.get, default=None)  # a causal mask any layer makes is any layer's twin
-    return best if best is not None and count[best] else None
+def checkpoints_of(program, block) -> tuple[UserCheckpoint, ...]:
+    """The user's checkpoints that recompute values of `block` (a `partir.Block`): each
+    belongs to the block most of its twins' forward values are made in (a causal mask
+    any layer makes is any layer's twin)."""
+    return program.analysis(_checkpoint_blocks).get(block.index, ())
+
+
+def _checkpoint_blocks(program) -> dict[int, tuple]:
+    owner = {o: b.index for b in layer_blocks(program) for o in b.ops}
+    found: dict[int, list] = {}
+    for c in user_checkpoints(program):
+        count = Counter(owner[program.producer[v]] for _, v in c.twins if program.producer[v] in owner)
+        if count:
+            found.setdefault(count.most_common(1)[0][0], []).append(c)
+    return {b: tuple(cs) for b, cs in found.items()}
 
 
 def remat_layers(program) -> tuple:
     """The blocks (`partir.layer_blocks`) a rematerialization policy can change: those
     with residuals, and those whose recomputation the user's checkpoint does."""
-    return tuple(b for b in layer_blocks(program) if b.residuals or checkpoint_of(program, b) is not None)
+    return tuple(b for b in layer_blocks(program) if b.residuals or checkpoints_of(program, b))
 
 
 def reusable(program, block, policy: str, part=None) -> tuple[tuple[int, int], ...]:
-    """The twins `(recomputed, forward)` of `block`'s user checkpoint whose forward value
+    """The twins `(recomputed, forward)` of `block`'s user checkpoints whose forward value
     `policy` keeps: relaxing the checkpoint to `policy` reads those forward values in
     the backward pass instead of recomputing them."""
     check_policy(policy)
-    ckpt = checkpoint_of(program, block)
-    if ckpt is None or policy == "full":
+    ckpts = checkpoints_of(program, block)
+    if not ckpts or policy == "full":
         return ()
     made_of_scalars = program.analysis(_from_scalars)  # a causal mask: remade for free, never kept
+
     def dot(v):  # the matmul itself: a view of it is recomputed from it for free
         return program.ops[program.producer[v]].primitive == "dot_general" and _plain_dot(program, v)
 
     keep = {"none": lambda v: True, "dots": dot,
             "collectives": lambda v: dot(v) or _communicates(part, program.producer[v])}[policy]
-    return tuple((w, v) for w, v in ckpt.twins if keep(v) and not made_of_scalars[v])
+    return tuple((w, v) for c in ckpts for w, v in c.twins if keep(v) and not made_of_scalars[v])
 
 
 def _from_scalars(program) -> list[bool]:

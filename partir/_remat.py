@@ -153,7 +153,7 @@ def _layer_blocks(program, backward, late) -> list[Block]:
                 break
         if s is not None:
             spine[s] = i
-    if len(spine) != len(layers) - 1:
+    if len(layers) < 2 or len(spine) != len(layers) - 1:  # a layer not found (reading an input only)
         return []
     # Alike layers run alike ops in program order: layer i is what runs after x_i up to
     # x_(i+1), and the first and last layers are as long as the others.

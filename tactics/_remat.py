@@ -56,10 +56,11 @@ class Remat(Tactic):
             for w, _ in reused:
                 part.reuse(w, source=str(self))
             count += len(recomputed)
-            ckpt = partir.checkpoint_of(prog, block)
-            if ckpt is not None:
+            ckpts = partir.checkpoints_of(prog, block)
+            if ckpts:
                 verdict = "tightened" if recomputed else "relaxed" if reused else "kept"
-                users.setdefault((ckpt.policy_name, verdict), []).append(len(reused))
+                name = "/".join(sorted({c.policy_name for c in ckpts}))
+                users.setdefault((name, verdict), []).append(len(reused))
         again = partir.recompute(prog, part.rematerialized).ops if part.rematerialized else ()
         kept = sum(len(b.residuals) for b in chosen) - count
         notes = [f"policy {self.policy!r} on {len(chosen)} layer(s): {count} residual(s) recomputed in the backward "

@@ -4,6 +4,8 @@ taking remat as a decision under a memory limit."""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import partir
@@ -275,3 +277,38 @@ def test_the_search_can_change_a_user_checkpoint():
     auto = search.AutomaticPartition(budget_s=600, max_episodes=1, device="h100")
     _, macros = auto.search_space(partir.Partitioning(prog, MESH), T.Context())
     assert {m.policy for m in macros if isinstance(m, T.Remat)} == {"dots", "full"}
+
+
+def _two_checkpoints_per_layer():
+    """A train step whose layers each hold two `jax.checkpoint`s, on arrays."""
+
+    def layer(p, x):
+        h = jax.checkpoint(lambda p, x: x + jnp.tanh(x @ p["a"]))(p, x)
+        return jax.checkpoint(lambda p, h: h + jnp.sin(h @ p["b"]))(p, h)
+
+    def loss(params, x):
+        x = jnp.tanh(x)
+        for p in params:
+            x = layer(p, x)
+        return (x ** 2).mean()
+
+    def step(params, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = [{"a": jax.random.normal(keys[2 * i], (16, 16)) / 4, "b": jax.random.normal(keys[2 * i + 1], (16, 16)) / 4}
+              for i in range(2)]
+    return step, (params, jax.random.normal(keys[4], (8, 16)))
+
+
+def test_every_checkpoint_of_a_layer_is_relaxed():
+    step, args = _two_checkpoints_per_layer()
+    prog = partir.lift(step, *args)
+    layers = partir.remat_layers(prog)
+    assert len(layers) == 2 and all(len(partir.checkpoints_of(prog, b)) == 2 for b in layers)
+    res = T.apply_schedule(prog, MESH, [T.DataParallel("data"), T.Remat("none")])
+    ckpts = [c for b in layers for c in partir.checkpoints_of(prog, b)]
+    assert all(set(res.partitioning.reused) & {w for w, _ in c.twins} for c in ckpts)
+    for backend in ("jit", "shard_map"):
+        partir.check_equivalence(step, args, res.partitioning, backend=backend)
