@@ -129,8 +129,11 @@ def _from_scalars(program) -> list[bool]:
 
 def _find_checkpoints(program) -> tuple[UserCheckpoint, ...]:
     backward = program.backward
-    regions = [r for r in program.regions if r.kind in CHECKPOINT_KINDS and r.parent >= 0]
-    regions = [r for r in regions if any(backward[o.id] for o in program.ops if o.region == r.id)]
+    by_region: dict[int, list] = {}
+    for op in program.ops:
+        by_region.setdefault(op.region, []).append(op)
+    regions = [r for r in program.regions if r.kind in CHECKPOINT_KINDS and r.parent >= 0
+               and any(backward[o.id] for o in by_region.get(r.id, ()))]
     if not regions:
         return ()
     canon = _Canon(program)
@@ -147,10 +150,9 @@ def _find_checkpoints(program) -> tuple[UserCheckpoint, ...]:
     for r in regions:
         parent = program.regions[r.parent]
         eqn = next(parent.jaxpr.eqns[i] for i, c in parent.children.items() if r.id in c)
-        inside = _inside(program, r.id)
         twins = []
-        for op in program.ops:
-            if op.link or op.region not in inside:
+        for op in sorted((o for rid in _inside(program, r.id) for o in by_region.get(rid, ())), key=lambda o: o.id):
+            if op.link:
                 continue
             match = next((f for f in forward.get(canon.key(op), ()) if _same_params(f.eqn, op.eqn)), None)
             if match is None:
