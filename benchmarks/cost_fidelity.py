@@ -17,8 +17,9 @@ Footnotes, where XLA:CPU does what GPU XLA would not:
       averaging in its second pool; `--max-pool` adds max-pool rows, marked [1], which the
       bands do not cover.
   [2] XLA:CPU ignores `jax.checkpoint` in unrolled code (it merges the recomputation
-      back); `--remat` adds rows of the GPT with remat per layer, marked [2], compared with
-      the same model under `scan` (which XLA:CPU honours), as GPU XLA would run both.
+      back); `--remat` adds rows of the GPT with remat per layer (JAX's default policy and
+      `dots`), marked [2], compared with the same model under `scan` (which XLA:CPU
+      honours), as GPU XLA would run both.
 
 Run: `make bench` or `python benchmarks/cost_fidelity.py [--models gpt mlp] [--meshes 2x4]
 [--plans hand searched random] [--max-pool] [--remat] [--json out.json]`.
@@ -75,9 +76,10 @@ def cases(args):
             cfg = dataclasses.replace(FIDELITY_CONFIGS[name], second_pool="max")
             yield "convnet max-pool", "[1]", *REGISTRY[name](cfg, abstract=True), name
         if name == "gpt" and args.remat:
-            for scan in (False, True):
-                cfg = dataclasses.replace(FIDELITY_CONFIGS[name], remat=True, scan_layers=scan)
-                label, note = ("gpt remat scan", "") if scan else ("gpt remat", "[2]")
+            for policy, scan in ((p, s) for p in (None, "dots") for s in (False, True)):
+                cfg = dataclasses.replace(FIDELITY_CONFIGS[name], remat=True, remat_policy=policy, scan_layers=scan)
+                label = "gpt remat" + (f"-{policy}" if policy else "")
+                label, note = (label + " scan", "") if scan else (label, "[2]")
                 yield label, note, *gpt.make_train_step(cfg, abstract=True), name
 
 

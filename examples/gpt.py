@@ -26,6 +26,11 @@ import jax.numpy as jnp
 
 from examples._common import build_train_step, dense_init, next_token_loss, normal, stack_layers, token_batch
 
+#: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.
+REMAT_POLICIES = {
+    None: None,  # jax.checkpoint's default: save only the layer's inputs
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -40,6 +45,7 @@ class GPTConfig:
     batch: int = 8
     scan_layers: bool = False  # stack layer params on [L] and run lax.scan
     remat: bool = False  # wrap each layer in jax.checkpoint
+    remat_policy: str | None = None  # a key of REMAT_POLICIES (only with remat=True)
     fused_qkv: bool = False  # one [D, 3D] projection instead of wq/wk/wv
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
@@ -47,6 +53,10 @@ class GPTConfig:
     def __post_init__(self):
         if self.d_model % self.n_heads:
             raise ValueError("d_model must be divisible by n_heads")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"GPTConfig: unknown remat_policy {self.remat_policy!r}; allowed: {list(REMAT_POLICIES)}")
+        if self.remat_policy is not None and not self.remat:
+            raise ValueError(f"GPTConfig: remat_policy={self.remat_policy!r} needs remat=True")
 
     @property
     def d_head(self) -> int:
@@ -147,7 +157,7 @@ def forward(params: dict, tokens: jax.Array, config: GPTConfig) -> jax.Array:
     x = params["embed"]["tokens"][tokens] + params["embed"]["positions"]
     layer = functools.partial(block, config=config)
     if config.remat:
-        layer = jax.checkpoint(layer)
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat_policy])
     if config.scan_layers:
         x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, params["layers"])
     else:

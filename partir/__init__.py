@@ -18,7 +18,9 @@ from . import _shardmap  # noqa: F401  (registers the shard_map lowering backend
 from ._mesh import MeshSpec
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
-from ._remat import Block, Recompute, blocks, recompute, recomputed
+from ._remat import Block, Recompute, blocks, layer_blocks, recompute, recomputed
+from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation, remat_layers, reusable,
+                          scan_body_of, user_checkpoints)
 from ._partitioning import Decision, Partitioning, Reshard
 from ._reshard import Transition, transition
 from ._rule import FactorRule, factor_rule
@@ -26,7 +28,9 @@ from ._tiling import Tiling
 from ._verify import check_equivalence
 
 __all__ = [
-    "Block", "REMAT_POLICIES", "Recompute", "blocks", "input_layers", "layer_keys", "recompute", "recomputed",
+    "Block", "REMAT_POLICIES", "Recompute", "blocks", "input_layers", "layer_blocks", "layer_keys", "recompute",
+    "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
+    "scan_body_of", "user_checkpoints",
     "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",

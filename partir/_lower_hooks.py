@@ -28,7 +28,7 @@ class JitHooks:
         self.prog = part.program
         self.constrain = constrain
         self.reads = Reads(part, mesh)
-        self.remat = Recomputation(part, self) if part.rematerialized else None
+        self.remat = Recomputation(part, self) if part.rematerialized or part.reused else None
         self.values: dict = {}
 
     def start(self) -> None:
@@ -164,9 +164,15 @@ class Recomputation:
     come from, taken through an `optimization_barrier` together with a backward value so
     that XLA can neither merge the recomputation with the forward pass nor move it
     earlier. The forward residual is then read by nothing after the forward pass, and
-    XLA frees it."""
+    XLA frees it.
+
+    And reads the forward values a relaxed user checkpoint reuses (`Partitioning.reuse`):
+    a read of a reused value in the checkpoint's backward region reads its forward twin
+    (in a scan's backward body, its slice of the stack the forward loop makes of it); the
+    twin's own op is then dead, and XLA drops it."""
 
     def __init__(self, part, hooks):
+        from ._checkpoint import relaxation
         from ._remat import _call_roots, blocks, recompute
 
         prog = self.prog = part.program
@@ -176,7 +182,10 @@ class Recomputation:
         self.block_of = {self.root[r]: b for b, rs in self.rec.by_block.items() for r in rs}
         self.residual_of = {self.root[r]: r for rs in self.rec.by_block.values() for r in rs}
         self.ops = {b.index: [o for o in self.rec.ops if o in set(b.ops)] for b in blocks(prog)}
-        self.scans = ScanRemat(prog, self.rec, [b for b in blocks(prog) if b.loop >= 0 and b.index in self.rec.by_block])
+        reads = relaxation(prog, part.reused).reads
+        self.reuse = {self.root[w]: v for w, v in reads.items()}
+        self.scans = ScanRemat(prog, self.rec, [b for b in blocks(prog) if b.loop >= 0 and b.index in self.rec.by_block],
+                               reads)
         self.scans.owner = self
         self.block_of.update({self.root[s]: b for s, b in self.scans.slice_block.items()})
         self.residual_of.update({self.root[s]: r for s, r in self.scans.slice_residual.items()})
@@ -199,8 +208,11 @@ class Recomputation:
         backward = prog.backward[oid] if oid >= 0 else "transpose(" in str(eqn.source_info.name_stack)
         if not backward:
             return invals
-        hit = [k for k, u in enumerate(ids) if u >= 0 and self.root[u] in self.block_of]
         body = self.scans.body_of(rid)
+        if any(u >= 0 and self.root[u] in self.reuse for u in ids):
+            invals = [self._reused(u, body) if u >= 0 and self.root[u] in self.reuse else x
+                      for u, x in zip(ids, invals)]
+        hit = [k for k, u in enumerate(ids) if u >= 0 and self.root[u] in self.block_of]
         if not hit:
             self._remember(ids, invals, body)
             return invals
@@ -210,6 +222,21 @@ class Recomputation:
             r = self.residual_of[self.root[ids[k]]]
             invals[k] = self._block(self.block_of[self.root[ids[k]]], anchor, rid)[r]
         return invals
+
+    def _reused(self, u: int, body: int):
+        """The forward value read for reused value `u` (once per backward body trace)."""
+        key = (("reuse", self.root[u]), body)
+        if key not in self.done:
+            v = self.reuse[self.root[u]]
+            self.done[key] = self._forward_value(self.scans.source(v, body, self._values()), v, u)
+        return self.done[key]
+
+    def _values(self):
+        return self.hooks.values
+
+    def _forward_value(self, x, v: int, u: int):
+        """Forward value `v`'s `x` as the value `u` it stands for (in `u`'s layout)."""
+        return self.hooks.constrain(x, u)
 
     def _remember(self, ids, invals, body: int) -> None:
         for u, x in zip(ids, invals):
@@ -257,9 +284,17 @@ class ScanRemat:
     say); the backward loop slices those extra stacks, and recomputes the residuals in
     its body from its slices of the kept stacks and of the extra ones."""
 
-    def __init__(self, program, rec, loop_blocks):
+    def __init__(self, program, rec, loop_blocks, reuse=None):
+        from ._remat import layer_blocks
+
         self.prog = program
         self.fwd = {b.loop: b for b in loop_blocks}  # forward body region -> block
+        reused = {}  # forward body -> the forward values relaxed checkpoints in the backward body read
+        for w, v in (reuse or {}).items():
+            fwd, bwd = _loop_of(program, v), _loop_of(program, w)
+            if fwd >= 0 and bwd >= 0:
+                self.fwd.setdefault(fwd, next(b for b in layer_blocks(program) if b.loop == fwd))
+                reused.setdefault(fwd, []).append(v)
         stacked, sliced, self.slice_block, self.slice_residual = {}, {}, {}, {}
         for op in program.ops:
             if op.link and op.primitive == Link.SCAN_YS:
@@ -269,7 +304,8 @@ class ScanRemat:
         self.stacked, self.sliced = stacked, sliced
         gone = {r for b in loop_blocks for r in rec.by_block[b.index]}
         self.placeholders = {stacked[r] for r in gone if r in stacked}
-        self.bwd: dict[int, int] = {}  # backward body region -> forward body region
+        self.bwd: dict[int, int] = {_loop_of(program, w): _loop_of(program, v)  # backward body -> forward body
+                                    for w, v in (reuse or {}).items() if _loop_of(program, v) >= 0}
         for (stack, body), s in sliced.items():
             r = next((r for r in gone if stacked.get(r) == stack), None)
             if r is not None:
@@ -279,9 +315,11 @@ class ScanRemat:
         self.extra: dict[int, list] = {}  # forward body -> the body values it stacks in addition
         self.sliced_sources: dict[int, list] = {}  # forward body -> (its slice, the stacked input)
         for fwd, b in self.fwd.items():
-            srcs = sorted({s for r in rec.by_block[b.index] for s in rec.sources[r]})
+            srcs = sorted({s for r in rec.by_block.get(b.index, ()) for s in rec.sources[r]})
             self.extra[fwd] = [s for s in srcs if program.values[s].region == fwd and s not in stacked
                                and not _loop_input(program, s)]
+            self.extra[fwd] += [v for v in dict.fromkeys(reused.get(fwd, ())) if v not in stacked
+                                and v not in self.extra[fwd]]
             self.sliced_sources[fwd] = [(s, program.ops[program.producer[s]].operands[0]) for s in srcs
                                         if _loop_input(program, s, Link.SCAN_XS)]
         self.stacks: dict[int, tuple] = {}  # forward body -> its extra stacks (this trace)
@@ -289,8 +327,14 @@ class ScanRemat:
         self.slices: dict[int, dict] = {}  # backward body -> source -> its slice (this trace)
 
     def body_of(self, rid: int) -> int:
-        """The backward body region `rid` is in (itself, or -1 outside any)."""
-        return rid if rid in self.bwd else -1
+        """The backward body region `rid` is in (itself, or the body holding the call or
+        `jax.checkpoint` region `rid`; -1 outside any)."""
+        while rid >= 0 and rid not in self.bwd:
+            region = self.prog.regions[rid]
+            if region.kind in ("scan", "while.body", "while.cond"):
+                return -1  # another loop's body: its values are not this body's
+            rid = region.parent
+        return rid
 
     def source(self, s: int, body: int, values):
         """The value of source `s` of a recomputation in backward body `body` (-1: none)."""
@@ -358,6 +402,13 @@ class ScanRemat:
         carry, ys = jax.lax.scan(body, tuple(ins.carry), tuple(ins.xs) + tuple(extra_stacks), length=p["length"],
                                  reverse=p["reverse"], unroll=p["unroll"])
         return [*carry, *ys]
+
+
+def _loop_of(program, v: int) -> int:
+    """The scan body value `v` is made in (through the calls inside it), or -1."""
+    from ._checkpoint import scan_body_of
+
+    return scan_body_of(program, program.values[v].region)
 
 
 def _loop_input(program, s: int, kinds=(Link.SCAN_CONST, Link.SCAN_XS)) -> bool:

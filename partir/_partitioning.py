@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
-from ._propagate import _BND, _FAC, _PIN, _REM, _VAL, Propagation, _fhash, _vhash
+from ._propagate import _BND, _FAC, _PIN, _REM, _REU, _VAL, Propagation, _fhash, _vhash
 from ._tiling import Tiling
 
 
 #: The actions a `Decision` records (the `Partitioning` methods that take them).
-ACTIONS = ("tile", "replicate", "constrain", "pin", "remat")
+ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +118,9 @@ class Partitioning(Propagation):
         self._boundary: set[int] = set()
         # Residuals recomputed in the backward pass instead of kept (`remat`).
         self._remat: set[int] = set()
+        # Values a user's `jax.checkpoint` recomputes that the backward reads from the
+        # forward pass instead (`reuse`).
+        self._reuse: set[int] = set()
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -300,6 +303,8 @@ class Partitioning(Propagation):
             self.constrain(v, d.tiling, source=d.source)
         elif d.action == "remat":
             self.remat(v, source=d.source)
+        elif d.action == "reuse":
+            self.reuse(v, source=d.source)
         else:
             self.pin(v, axes=d.axes, source=d.source)
 
@@ -315,15 +320,39 @@ class Partitioning(Propagation):
         if not any(v in b.residuals for b in blocks(self.program)):
             raise PartitioningError(f"cannot rematerialize {self.program.name(v)}: it is not a value a layer's "
                                     "forward pass keeps for the backward pass")
-        self._remat.add(v)
-        self._log.append((_REM, v))
-        self._hash ^= hash((_REM, v))
-        self._decide(Decision("remat", v, None, None, source))
+        self._mark(_REM, self._remat, v, Decision("remat", v, None, None, source))
 
     @property
     def rematerialized(self) -> frozenset:
         """The residuals recomputed in the backward pass instead of kept."""
         return frozenset(self._remat)
+
+    def reuse(self, value, *, source: str = "user") -> None:
+        """Relax the user's `jax.checkpoint`: its backward region reads, instead of
+        recomputing `value`, the forward value it is a twin of (`partir._checkpoint`),
+        which the forward pass then keeps. A no-op when it is reused already; a
+        `PartitioningError` for a value no user checkpoint recomputes."""
+        from ._checkpoint import twins_of
+
+        v = self.program.resolve(value)
+        if v in self._reuse:
+            return
+        if v not in twins_of(self.program):
+            raise PartitioningError(f"cannot reuse a forward value for {self.program.name(v)}: no jax.checkpoint "
+                                    "region of the backward pass recomputes it")
+        self._mark(_REU, self._reuse, v, Decision("reuse", v, None, None, source))
+
+    @property
+    def reused(self) -> frozenset:
+        """The values of user checkpoints read from the forward pass, not recomputed."""
+        return frozenset(self._reuse)
+
+    def _mark(self, kind: int, chosen: set, v: int, decision: Decision) -> None:
+        """Add value `v` to the set `chosen` (undone as `kind` on rollback)."""
+        chosen.add(v)
+        self._log.append((kind, v))
+        self._hash ^= hash((kind, v))
+        self._decide(decision)
 
     def constrain(self, value, tiling, *, source: str = "user") -> None:
         """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)
@@ -412,6 +441,9 @@ class Partitioning(Propagation):
             elif kind == _REM:
                 self._remat.discard(entry[1])
                 h ^= hash((_REM, entry[1]))
+            elif kind == _REU:
+                self._reuse.discard(entry[1])
+                h ^= hash((_REU, entry[1]))
             else:
                 self._decisions.pop()
         self._hash = h
@@ -461,7 +493,7 @@ class Partitioning(Propagation):
         c._d, c._f = list(self._d), list(self._f)
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
-        c._remat = set(self._remat)
+        c._remat, c._reuse = set(self._remat), set(self._reuse)
         c._log, c._decisions = [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c

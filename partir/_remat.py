@@ -33,8 +33,10 @@ from ._layers import input_layers
 from ._nested import Link
 
 #: Ops that only reshape or cast what they read (a matmul's output seen through them is
-#: still a matmul's output).
-VIEWS = ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims", "copy", "copy_p")
+#: still a matmul's output). `jax.checkpoint` marks each value its policy saves with a
+#: `reduce_precision` to the value's own precision.
+VIEWS = ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
+         "reduce_precision")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
 POLICIES = ("none", "collectives", "dots", "full")
@@ -62,7 +64,14 @@ def check_policy(policy: str) -> None:
 
 
 def blocks(program) -> tuple[Block, ...]:
-    """The program's blocks (cached with it): forward scan bodies, else its layers."""
+    """The program's blocks with residuals (cached with it): forward scan bodies, else
+    its layers."""
+    return tuple(b for b in layer_blocks(program) if b.residuals)
+
+
+def layer_blocks(program) -> tuple[Block, ...]:
+    """Every block, those without residuals too (a layer whose `jax.checkpoint` keeps
+    only its input): their inputs are layer boundaries all the same."""
     return program.analysis(_find_blocks)
 
 
@@ -75,7 +84,7 @@ def _find_blocks(program) -> tuple[Block, ...]:
             found.append(_scan_block(program, r, late, len(found)))
     if not found:
         found = _layer_blocks(program, backward, late)
-    return tuple(b for b in found if b.residuals)
+    return tuple(found)
 
 
 def _forward_call(program, region, backward) -> bool:
@@ -144,7 +153,7 @@ def _layer_blocks(program, backward, late) -> list[Block]:
                 break
         if s is not None:
             spine[s] = i
-    if len(spine) != len(layers) - 1:
+    if len(layers) < 2 or len(spine) != len(layers) - 1:  # a layer not found (reading an input only)
         return []
     # Alike layers run alike ops in program order: layer i is what runs after x_i up to
     # x_(i+1), and the first and last layers are as long as the others.
@@ -256,7 +265,7 @@ def recomputed(program, block: Block, policy: str, part=None) -> tuple[int, ...]
     if policy == "none":
         return ()
     root = program.analysis(_call_roots)
-    boundary = {root[v] for b in blocks(program) for v in b.inputs}
+    boundary = {root[v] for b in layer_blocks(program) for v in b.inputs}
     keep = {r for r in block.residuals if root[r] in boundary}
     if policy in ("dots", "collectives"):
         keep |= {r for r in block.residuals if _plain_dot(program, r)}
@@ -316,7 +325,7 @@ def recompute(program, residuals: frozenset) -> Recompute:
     """The recomputation of `residuals` (each a residual of some block)."""
     where = {r: b for b in blocks(program) for r in b.residuals}
     root = program.analysis(_call_roots)
-    kept = {root[v]: v for b in blocks(program) for v in sorted(b.inputs)}  # every layer's input is kept
+    kept = {root[v]: v for b in layer_blocks(program) for v in sorted(b.inputs)}  # every layer's input is kept
     sources, ops, by_block = {}, set(), {}
     for r in sorted(residuals):
         b = where.get(r)

@@ -150,7 +150,7 @@ class Interpreter:
         self.values, self.wholes = _Blocks(self), {}
         self._ids: dict = {}
         self.remat = None
-        if part.rematerialized:
+        if part.rematerialized or part.reused:
             from ._shardmap_remat import Recomputation
 
             self.remat = Recomputation(part, self)

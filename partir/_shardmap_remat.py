@@ -1,9 +1,9 @@
 """Rematerialization under the `shard_map` lowering.
 
 Which residuals are recomputed, from which kept values, on which backward read, and
-how a scan's two loops carry what recomputing needs are the jit lowering's
-(`partir._lower_hooks.Recomputation` and `ScanRemat`); here the recomputed forward ops
-run on blocks, each with its moves (collectives included, as the cost model charges
+how a scan's two loops carry what recomputing needs (and the forward values a relaxed
+user checkpoint reads) are the jit lowering's (`partir._lower_hooks.Recomputation` and
+`ScanRemat`); here the recomputed forward ops run on blocks, each with its moves (collectives included, as the cost model charges
 them: the `collectives` policy keeps what moved data, so it repeats none).
 """
 
@@ -34,6 +34,10 @@ class Recomputation(_Recomputation):
         for u, old, new in zip(vids, blocks, self.substitute(rid, i, eqn, vids, blocks)):
             if new is not old:
                 frame.replace(u, new)
+
+    def _forward_value(self, x, v: int, u: int):
+        """Forward value `v`'s block `x` moved to the layout of the value `u` it stands for."""
+        return cross(self.interp, x, v, u)
 
     def _block(self, b: int, anchor, rid: int = 0) -> dict:
         """The recomputed blocks of block `b`'s residuals (made on its first backward

@@ -148,7 +148,7 @@ class AutomaticPartition(Tactic):
             # FSDP without ZeRO's trial Megatron: the search tries both orders itself.
             macros = tuple(m for a in axes if part.mesh.size(a) > 1
                            for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
-            if partir.blocks(part.program):
+            if partir.remat_layers(part.program):
                 macros += tuple(Remat(p) for p in REMAT_MACROS)
         return axes, groups, macros
 

@@ -301,7 +301,7 @@ class CostModel:
         member's all-reduced result there at once."""
         starts, ends, sizes, keys = [], [], [], []
         grads = []
-        for key, e in self._dedup.items():
+        for key, e in self._moves():
             first = min(e)
             _, cols, buf = e[first]
             if key[0] == "made" and any(c.gradient for c in cols):
@@ -320,13 +320,20 @@ class CostModel:
 
     def _view(self):
         """The rematerialization view of the current recomputed residuals, or None."""
-        rec = self.part.rematerialized
-        if not rec:
+        rec, reused = self.part.rematerialized, self.part.reused
+        if not rec and not reused:
             return None
-        view = self._views.get(rec)
+        view = self._views.get((rec, reused))
         if view is None:
-            view = self._views[rec] = RematView(self.program, self.materialization, self._donated, rec)
+            view = self._views[(rec, reused)] = RematView(self.program, self.materialization, self._donated, rec,
+                                                          reused)
         return view
+
+    def _moves(self) -> list:
+        """(key, entry) of the reshards (entry: op -> (value, collectives, buffer)) of the
+        ops that run (a relaxed checkpoint's skipped ops move nothing)."""
+        view = self._view()
+        return list(self._dedup.items()) if view is None else view.running(self._dedup)
 
     def _memory(self, value_bytes, *, exact: bool):
         """(peak, op index, buffer bytes, liveness, keys of the extra buffers): the
@@ -346,6 +353,7 @@ class CostModel:
         view = self._view()
         if view is None:
             return 0.0, []
+        skipped = -float(times[view.skipped].sum())  # a relaxed checkpoint's ops that no longer run
         # A recomputed op runs in the backward pass: a value it reads in a layout the
         # backward already moves it to (an FSDP weight gathered for the gradients) or
         # another recomputed op already read it in, is moved once there.
@@ -358,7 +366,7 @@ class CostModel:
                         continue
                     moved.add(again)
                 cols += self._dedup[key][o][1]
-        return float(times[view.ops].sum()), cols
+        return float(times[view.ops].sum()) + skipped, cols
 
     def exact_peak(self) -> float:
         """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
@@ -371,7 +379,7 @@ class CostModel:
         self._sync()
         times, _ = self._op_times()
         again, again_cols = self._recomputed(times)
-        comm = self.links.total_time([c for e in self._dedup.values() for c in e[min(e)][1]] + again_cols)
+        comm = self.links.total_time([c for _, e in self._moves() for c in e[min(e)][1]] + again_cols)
         peak = self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
         return float(times.sum()) + again + comm, peak
 
@@ -381,7 +389,7 @@ class CostModel:
         prog = self.program
         times, div = self._op_times()
         again, again_cols = self._recomputed(times)
-        firsts = sorted(((min(e), e[min(e)]) for e in self._dedup.values()), key=lambda t: (t[0], t[1][0]))
+        firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))
         cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(again_cols)
         value_bytes = self._nbytes / self._class_div[self._value_class]
         peak, t, buf, liveness, extra = self._memory(value_bytes, exact=True)
@@ -390,12 +398,12 @@ class CostModel:
         order = np.argsort(-times, kind="stable")[:top]
         work = self._flops / div * self.materialization.live_op
         view = self._view()
-        redo = float((work * self._mult)[view.ops].sum()) if view is not None else 0.0
+        redo, skip = view.work(work, self._mult) if view is not None else (0.0, 0.0)
         return Cost(
             device=self.device.name,
             mesh=str(self.part.mesh),
             flops=float((work * self._mult).sum() + redo) + sum(c.flops * c.count for c in cols),
-            flops_loops_once=float(work.sum()) + sum(c.flops for c in cols),
+            flops_loops_once=float(work.sum()) - skip + sum(c.flops for c in cols),
             transcendentals=float((self._trans / div * self._mult * self.materialization.live_op).sum()),
             compute_time=float(times.sum()) + again,
             backward_compute_time=float(times[self._backward].sum()) + again,

@@ -12,8 +12,18 @@ Recomputing a residual instead of keeping it
 - runs its forward ops again, in the backward pass, collectives included (the
   `collectives` policy keeps what moved data, so it repeats none).
 
-`RematView(program, base, recomputed)` holds these static facts for one set of
-recomputed residuals; the cost model keeps one per set it meets.
+Relaxing a user's `jax.checkpoint` (`partir.relaxation`: values its backward region
+reads from the forward pass instead of recomputing them)
+
+- skips the region's ops that made them (and what only those read): no work, no
+  collectives;
+- keeps each forward value read until the backward reads it (a fused one: its
+  sources); in a scan, the forward loop stacks it (its trips times its bytes, until the
+  backward loop ends).
+
+`RematView(program, base, donated, recomputed, reused)` holds these static facts for
+one set of recomputed residuals and reused values; the cost model keeps one per pair
+of sets it meets.
 """
 
 from __future__ import annotations
@@ -33,12 +43,21 @@ class RematView:
     residuals `recomputed` are rematerialized; `extra` lists additional temporaries as
     `(start, end, value, scale)`, of `scale` times the value's bytes."""
 
-    def __init__(self, program, materialization, donated, recomputed: frozenset):
+    def __init__(self, program, materialization, donated, recomputed: frozenset, reused: frozenset = frozenset()):
         rec = partir.recompute(program, recomputed)
         self.ops = np.array(rec.ops, dtype=np.int64)
         backward = program.backward
         virtual = materialization.virtual.copy()
         sources = dict(materialization.sources)
+        live_op = materialization.live_op.copy()
+        relax = partir.relaxation(program, reused)
+        self.skipped = np.array(sorted(relax.skipped), dtype=np.int64)
+        live_op[self.skipped] = False
+        for o in self.skipped.tolist():
+            for r in program.ops[o].results:
+                if r >= 0:
+                    virtual[r] = True
+                    sources.pop(r, None)
         forward_only, extra, added, extend = set(), [], set(), {}
         stacked = {op.operands[0]: op.results[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
         for r, srcs in rec.sources.items():
@@ -64,9 +83,25 @@ class RematView:
                 if s not in stacked and _is_invar(program, s) and s not in added:
                     added.add(s)
                     extra.append((_made(program, s), len(program.ops) - 1, s, trips))  # stacked for it
-        mat = dataclasses.replace(materialization, virtual=virtual, sources=sources)
+        extra += _reads_kept(program, relax.reads, virtual, sources)
+        mat = dataclasses.replace(materialization, virtual=virtual, sources=sources, live_op=live_op)
         self.liveness = Liveness(program, mat, donated, forward_only=forward_only, extend=extend)
         self.extra = extra
+
+    def running(self, dedup: dict) -> list:
+        """The `(key, entry)` items of the cost model's reshards (`entry`: op -> ...)
+        without the ops a relaxed checkpoint skips."""
+        if not len(self.skipped):
+            return list(dedup.items())
+        skipped = set(self.skipped.tolist())
+        kept = ((key, {o: x for o, x in e.items() if o not in skipped}) for key, e in dedup.items())
+        return [(key, e) for key, e in kept if e]
+
+    def work(self, work, mult) -> tuple[float, float]:
+        """(flops run again per step, net of the skipped ops; flops of the skipped ops,
+        loops once) for per-op `work` run `mult` times per step."""
+        again = float((work * mult)[self.ops].sum()) - float((work * mult)[self.skipped].sum())
+        return again, float(work[self.skipped].sum())
 
     def buffers(self, value_bytes):
         """(starts, ends, bytes) of the extra temporaries for per-device `value_bytes`."""
@@ -85,3 +120,29 @@ def _is_invar(program, v: int) -> bool:
     """Is `v` a body's invar not stacked by the forward loop (its layer input, say)?"""
     p = program.producer[v]
     return p >= 0 and program.ops[p].link and program.ops[p].primitive in (Link.SCAN_CARRY_IN, Link.SCAN_CARRY_LOOP)
+
+
+def _reads_kept(program, reads: dict, virtual, sources: dict) -> list:
+    """The forward values a relaxed checkpoint reads, kept for it (`virtual` and
+    `sources` updated): in line, the read value stands for its forward twin, which then
+    lives until the read, a buffer even where XLA would fuse it into its forward readers
+    (the checkpoint region reads its operands through an `optimization_barrier`); across
+    a scan's two loops, the extra temporaries of the stacks the forward loop makes."""
+    extra, stacked = [], set()
+    ys = {op.operands[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
+    for w, v in reads.items():
+        fwd, bwd = _loop_of(program, v), _loop_of(program, w)
+        if fwd < 0 or bwd < 0:
+            virtual[v], sources[w] = False, (v,)
+            sources.pop(v, None)
+            continue
+        sources.pop(w, None)
+        if v not in ys and v not in stacked:  # a stacked residual is kept already
+            stacked.add(v)
+            end = max(o.id for o in program.ops if partir.scan_body_of(program, o.region) == bwd)
+            extra.append((_made(program, v), end, v, program.regions[fwd].trip_count or 1))
+    return extra
+
+
+def _loop_of(program, v: int) -> int:
+    return partir.scan_body_of(program, program.values[v].region)

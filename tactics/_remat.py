@@ -23,6 +23,12 @@ class Remat(Tactic):
     `none` (everything: no recomputation). What is not kept is recomputed from what is,
     just before the backward pass reads it; the lowering keeps XLA from merging the
     recomputation back into the forward pass.
+
+    On a layer the user wrapped in `jax.checkpoint`, the policy replaces the user's: it
+    *tightens* the checkpoint where it keeps less (the values the user's policy saved
+    are recomputed too), *relaxes* it where it keeps more (the backward region reads
+    the forward values it would recompute, `Partitioning.reuse`), and *keeps* it where
+    it keeps the same. The history note says which.
     """
 
     policy: str = "full"
@@ -32,22 +38,35 @@ class Remat(Tactic):
         if self.policy not in REMAT_POLICIES:
             raise TacticError(f"Remat policy {self.policy!r} is not one of {', '.join(REMAT_POLICIES)}")
         prog = part.program
-        blocks = partir.blocks(prog)
-        if not blocks:
+        layers = partir.remat_layers(prog)
+        if not layers:
             raise TacticError("found no layers to rematerialize (a scan over layers in the forward pass, or a list "
                               "of alike layers in the arguments): write the layers so, or leave Remat out")
-        chosen = [b for b in blocks if self.pattern is None or any(
+        chosen = [b for b in layers if self.pattern is None or any(
             v in prog.input_set and path_matches(self.pattern, prog.name(v)) for v in b.inputs)]
         if not chosen:
             raise TacticError(f"pattern {self.pattern!r} matches the parameters of no layer; layers read e.g. "
-                              f"{sorted(prog.name(v) for v in blocks[0].inputs if v in prog.input_set)[:3]}")
-        count = 0
+                              f"{sorted(prog.name(v) for v in layers[0].inputs if v in prog.input_set)[:3]}")
+        count, users = 0, {}
         for block in chosen:
-            for r in partir.recomputed(prog, block, self.policy, part):
+            recomputed = partir.recomputed(prog, block, self.policy, part)
+            reused = partir.reusable(prog, block, self.policy, part)
+            for r in recomputed:
                 part.remat(r, source=str(self))
-                count += 1
+            for w, _ in reused:
+                part.reuse(w, source=str(self))
+            count += len(recomputed)
+            ckpts = partir.checkpoints_of(prog, block)
+            if ckpts:
+                verdict = "tightened" if recomputed else "relaxed" if reused else "kept"
+                name = "/".join(sorted({c.policy_name for c in ckpts}))
+                users.setdefault((name, verdict), []).append(len(reused))
         again = partir.recompute(prog, part.rematerialized).ops if part.rematerialized else ()
         kept = sum(len(b.residuals) for b in chosen) - count
         notes = [f"policy {self.policy!r} on {len(chosen)} layer(s): {count} residual(s) recomputed in the backward "
                  f"pass, {kept} kept; {sum(1 for o in again if not prog.ops[o].link)} forward op(s) run again"]
+        for (name, verdict), reused in users.items():
+            notes.append(f"the user's jax.checkpoint (policy {name!r}) on {len(reused)} layer(s): {verdict}"
+                         + (f", {sum(reused)} recomputed value(s) read from the forward pass instead"
+                            if verdict == "relaxed" else ""))
         return part, notes

@@ -2,6 +2,10 @@
 tactic, numerics of the recomputing lowering, the cost model against XLA, and the search
 taking remat as a decision under a memory limit."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import pytest
 
 import partir
@@ -144,3 +148,167 @@ def test_recomputation_does_not_gather_again_what_the_backward_gathers():
     modeled = [(c.kind, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives
                if c.kind == "all-gather" and c.bytes >= weight]
     assert sorted(compiled) == sorted(modeled)
+
+
+# -- the user's own jax.checkpoint: kept, tightened or relaxed -------------------------
+
+#: A GPT small enough to compile twice in a test, with the user's checkpoint per layer.
+SMALL = dict(n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab=32, seq_len=8, batch=4, adam_eps=1e-3, remat=True)
+
+
+def _user(scan, policy, **kw):
+    cfg = dataclasses.replace(ACTIVE, scan_layers=scan, remat_policy=policy, **{"remat": True, **kw})
+    step, args = gpt.make_train_step(cfg, abstract=True)
+    return partir.lift(step, *args), args
+
+
+def _actions(res):
+    return {d.action for d in res.history[-1].decisions}
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_user_checkpoint_twins_are_the_recomputed_forward_ops(scan):
+    full, _ = _user(scan, None)
+    dots, _ = _user(scan, "dots")
+    for prog, policy in ((full, "full"), (dots, "dots")):
+        ckpts = partir.user_checkpoints(prog)
+        assert len(ckpts) == (1 if scan else ACTIVE.n_layers)
+        for c in ckpts:
+            assert c.policy_name == policy
+            matmuls = [w for w, _ in c.twins if prog.ops[prog.producer[w]].primitive == "dot_general"]
+            # full: q, k, v, scores, attention, out and mlp-in projections run again (the
+            # last matmul's output is not needed); dots: only the two batched ones
+            assert len(matmuls) == (7 if policy == "full" else 2)
+            for w, v in c.twins:
+                assert not prog.backward[prog.producer[v]] and prog.backward[prog.producer[w]]
+
+
+def _fidelity(part, args):
+    f = search.compare_with_xla(part, args)
+    return f.memory_model, f.memory_xla, f.flops_model, f.flops_xla
+
+
+@pytest.mark.parametrize("policy", [None, "dots"])
+def test_kept_user_checkpoint_is_costed_as_xla_runs_it(policy):
+    # No Remat: the plan keeps the user's checkpoint. The backward region's recomputation
+    # is counted as work and what the policy drops is not live: XLA agrees (scan form).
+    prog, args = _user(True, policy)
+    plain, _ = _user(True, None, remat=False)
+    part = T.apply_schedule(prog, MESH, DP_TP).partitioning
+    mem, xla_mem, flops, xla_flops = _fidelity(part, args)
+    assert 0.9 <= mem / xla_mem <= 1.1, (mem, xla_mem)
+    assert 0.97 <= flops / xla_flops <= 1.03, (flops, xla_flops)
+    base = search.CostModel(T.apply_schedule(plain, MESH, DP_TP).partitioning, "cpu").cost()
+    assert flops > 1.05 * base.flops_loops_once and mem < 0.5 * base.memory_peak
+
+
+def test_kept_user_checkpoint_costs_alike_unrolled_and_scanned():
+    # XLA:CPU ignores jax.checkpoint in unrolled code: the unrolled form is held to the
+    # scanned one, as GPU XLA runs both.
+    costs = []
+    for form in (False, True):
+        prog, _ = _user(form, "dots")
+        costs.append(search.CostModel(T.apply_schedule(prog, MESH, DP_TP).partitioning, "cpu").cost())
+    assert abs(costs[0].flops / costs[1].flops - 1) < 0.01
+    assert abs(costs[0].memory_peak / costs[1].memory_peak - 1) < 0.1
+
+
+def test_remat_tightens_a_looser_user_checkpoint():
+    prog, args = _user(True, "dots")
+    kept = T.apply_schedule(prog, MESH, DP_TP + [T.Remat("dots")])
+    assert _actions(kept) == set() and "kept" in kept.history[-1].notes[-1]
+    res = T.apply_schedule(prog, MESH, DP_TP + [T.Remat("full")])
+    assert _actions(res) == {"remat"} and not res.partitioning.reused
+    assert "tightened" in res.history[-1].notes[-1]
+    mem, xla_mem, flops, xla_flops = _fidelity(res.partitioning, args)
+    _, xla_user, _, xla_user_flops = _fidelity(kept.partitioning, args)
+    assert xla_mem < 0.95 * xla_user and xla_flops > 1.1 * xla_user_flops  # the saved dots are recomputed
+    assert 0.8 <= mem / xla_mem <= 1.2, (mem, xla_mem)
+
+
+@pytest.mark.parametrize("user,policy", [(None, "none"), (None, "dots"), ("dots", "none")])
+def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
+    # The backward region reads the forward values instead of recomputing them: XLA runs
+    # the work of the looser policy (no checkpoint at all for `none`) and holds the memory
+    # the model says.
+    prog, args = _user(True, user)
+    res = T.apply_schedule(prog, MESH, DP_TP + [T.Remat(policy)])
+    assert _actions(res) == {"reuse"} and not res.partitioning.rematerialized
+    assert "relaxed" in res.history[-1].notes[-1]
+    mem, xla_mem, flops, xla_flops = _fidelity(res.partitioning, args)
+    if policy == "none":
+        plain, _ = _user(True, None, remat=False)
+        target = T.apply_schedule(plain, MESH, DP_TP).partitioning
+    else:
+        target = T.apply_schedule(_user(True, policy)[0], MESH, DP_TP).partitioning
+    _, _, _, xla_target_flops = _fidelity(target, args)
+    assert abs(xla_flops / xla_target_flops - 1) < 0.01
+    assert 0.9 <= mem / xla_mem <= 1.1, (mem, xla_mem)
+    assert 0.97 <= flops / xla_flops <= 1.03, (flops, xla_flops)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("backend", ["jit", "shard_map"])
+@pytest.mark.parametrize("user,policy", [("dots", "full"), (None, "none")], ids=["tighten", "relax"])
+def test_changed_user_checkpoint_matches_jit(scan, backend, user, policy):
+    step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=scan, remat_policy=user, **SMALL))
+    res = T.apply_schedule(partir.lift(step, *args), MESH, DP_TP + [T.Remat(policy)])
+    assert res.partitioning.rematerialized or res.partitioning.reused
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6, backend=backend)
+
+
+def test_reuse_takes_only_what_a_user_checkpoint_recomputes():
+    prog, _ = _user(True, None)
+    part = partir.Partitioning(prog, MESH)
+    (ckpt,) = partir.user_checkpoints(prog)
+    with pytest.raises(partir.PartitioningError, match="no jax.checkpoint region of the backward pass recomputes it"):
+        part.reuse(prog.inputs[0])
+    w = ckpt.twins[-1][0]
+    part.reuse(w)
+    again = partir.Partitioning(prog, MESH)
+    for d in part.decisions:  # a plan file's decisions replay
+        again.redo(partir.Decision.from_json(d.to_json(prog), prog))
+    assert again.reused == part.reused == {w}
+
+
+def test_the_search_can_change_a_user_checkpoint():
+    prog, _ = _user(True, None)
+    assert not partir.blocks(prog)  # a layer only through the user's checkpoint: no residuals
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=1, device="h100")
+    _, macros = auto.search_space(partir.Partitioning(prog, MESH), T.Context())
+    assert {m.policy for m in macros if isinstance(m, T.Remat)} == {"dots", "full"}
+
+
+def _two_checkpoints_per_layer():
+    """A train step whose layers each hold two `jax.checkpoint`s, on arrays."""
+
+    def layer(p, x):
+        h = jax.checkpoint(lambda p, x: x + jnp.tanh(x @ p["a"]))(p, x)
+        return jax.checkpoint(lambda p, h: h + jnp.sin(h @ p["b"]))(p, h)
+
+    def loss(params, x):
+        x = jnp.tanh(x)
+        for p in params:
+            x = layer(p, x)
+        return (x ** 2).mean()
+
+    def step(params, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = [{"a": jax.random.normal(keys[2 * i], (16, 16)) / 4, "b": jax.random.normal(keys[2 * i + 1], (16, 16)) / 4}
+              for i in range(2)]
+    return step, (params, jax.random.normal(keys[4], (8, 16)))
+
+
+def test_every_checkpoint_of_a_layer_is_relaxed():
+    step, args = _two_checkpoints_per_layer()
+    prog = partir.lift(step, *args)
+    layers = partir.remat_layers(prog)
+    assert len(layers) == 2 and all(len(partir.checkpoints_of(prog, b)) == 2 for b in layers)
+    res = T.apply_schedule(prog, MESH, [T.DataParallel("data"), T.Remat("none")])
+    ckpts = [c for b in layers for c in partir.checkpoints_of(prog, b)]
+    assert all(set(res.partitioning.reused) & {w for w, _ in c.twins} for c in ckpts)
+    for backend in ("jit", "shard_map"):
+        partir.check_equivalence(step, args, res.partitioning, backend=backend)
