@@ -204,7 +204,7 @@ class Interpreter:
             local = LocalOp(eqn, tuple(need.get(k) for k in range(len(eqn.invars))),
                             tuple(Tiling(made[k]) if k in made else None for k in range(len(eqn.outvars))),
                             tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.invars),
-                            tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh)
+                            tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh, partial)
             outs = bind_local(local, operands)
         for k, v in enumerate(op.results):
             if v >= 0:
