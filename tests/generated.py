@@ -383,7 +383,8 @@ def check_case(case) -> tuple[int, int]:
     program = partir.lift(step, *args)
     part, applied, refused = partition(case, program)
     tol = 3e-2 if uses_bf16(case) else 1e-4
-    partir.check_equivalence(step, args, part, rtol=tol, atol=tol / 10)
+    for backend in ("jit", "shard_map"):
+        partir.check_equivalence(step, args, part, rtol=tol, atol=tol / 10, backend=backend)
     return applied, refused
 
 
