@@ -189,7 +189,7 @@ class Interpreter:
         part, op = self.part, self.prog.ops[oid]
         if self._made_whole(frame, eqn, op):
             return
-        slots, partial, kind = part.op_layout(oid)
+        slots, partial, kind = part.block_layout(oid)
         need = {k: Tiling(d) for side, k, _, d in slots if side == "operand"}
         made = {k: d for side, k, _, d in slots if side == "result"}
         backward = self.backward[oid]

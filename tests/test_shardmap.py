@@ -191,6 +191,26 @@ def test_a_scatter_add_of_split_updates_adds_its_operand_once(rows):
     partir.check_equivalence(f, (table, ids), part, rtol=1e-5, atol=1e-5, backend="shard_map")
 
 
+RESHAPES = {  # (x, y) -> a reshape of x times y, whose shape is the reshape's result
+    "merge": ((4, 4, 4), (4, 16), lambda x, y: jax.nn.softmax(x.reshape(4, 16), axis=0) * y),
+    "split": ((4, 16), (4, 4, 4), lambda x, y: jnp.tanh(x.reshape(4, 4, 4)) * y),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RESHAPES))
+def test_a_reshape_of_a_split_minor_factor_reads_it_whole(kind):
+    # [4, 4] <-> [16] with the minor 4 split over "data": the merged dim's blocks would
+    # interleave, not lie contiguous; the op reads that factor whole (found by fuzzing).
+    xs, ys, fn = RESHAPES[kind]
+    x, y = jax.random.normal(jax.random.key(0), xs), jax.random.normal(jax.random.key(1), ys)
+    f = jax.value_and_grad(lambda x, y: jnp.sum(fn(x, y) ** 2), argnums=(0, 1))
+    part = partir.Partitioning(partir.lift(f, x, y), MESH)
+    part.tile("x" if kind == "merge" else "y", 2, "data")
+    partir.check_equivalence(f, (x, y), part, rtol=1e-5, atol=1e-5, backend="shard_map")
+    text = _lower(part).lower(x, y).compile().as_text()
+    assert compiled_collectives(text, MESH.jax_mesh()) == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
 def test_split_iotas_and_random_draws_match_a_whole_draw():
     def f(key, x):
         noise = jax.random.normal(key, x.shape)
