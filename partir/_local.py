@@ -11,6 +11,13 @@ table keyed by primitive (as JAX keeps its rules): per-device shapes for
 random bits drawn whole along their generated dims and sliced, so every layout draws
 the same numbers. A primitive without a rule whose results come out with other than
 the per-device shapes raises a `PartitioningError` naming it: it is never guessed.
+
+A result partial over mesh axes is the sum (or max, ...) of the devices' results along
+them, which is right only for operands split along those axes (they hold the split
+reduction factor). An operand whole along them is read on every one of those devices:
+right where the op does not sum it (a gather's indices, a dot's scales), wrong where it
+does (a scatter-add's operand would be added once per device, so its rule adds it on
+the first device only). Any other such operand raises a `PartitioningError`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class LocalOp:
     in_shapes: tuple
     out_shapes: tuple
     mesh: MeshSpec
+    partial: tuple[str, ...] = ()  # the mesh axes the results are partial over
 
     def local_out(self, k: int) -> tuple[int, ...]:
         """Per-device shape of result `k`."""
@@ -49,6 +57,12 @@ class LocalOp:
     def split(self) -> bool:
         """Does any of the op's values have a split dim?"""
         return any(t is not None and t.axes() for t in self.ins + self.outs)
+
+    def whole_along_partial(self, k: int) -> tuple[str, ...]:
+        """The axes (of more than one device) the results are partial over that operand
+        `k` is not split along: each of their devices reads the same block of it."""
+        split = self.ins[k].axes() if self.ins[k] is not None else ()
+        return tuple(a for a in self.partial if a not in split and self.mesh.size(a) > 1)
 
     def offset(self, k: int, d: int):
         """Where this device's block of dim `d` of operand `k` starts (a traced scalar)."""
@@ -76,6 +90,7 @@ def bind_local(op: LocalOp, operands: list) -> list:
     """The results of `op` on one device's blocks of its operands (in `op.ins` layouts)."""
     eqn = op.eqn
     name = eqn.primitive.name
+    _check_partial(op)
     rule = _RULES.get(name)
     if rule is None or not op.split():
         try:
@@ -88,6 +103,29 @@ def bind_local(op: LocalOp, operands: list) -> list:
         if op.outs[k] is not None and tuple(jnp.shape(out)) != op.local_out(k):
             raise _no_rule(name, f"result {k} comes out {tuple(jnp.shape(out))}, the block is {op.local_out(k)}")
     return outs
+
+
+#: Operands an op may read whole along the axes its results are partial over (see the
+#: module docstring): the op does not sum them (indices, group sizes, scales), or its
+#: local rule counts them once (a scatter-add's operand).
+_WHOLE_ALONG_PARTIAL = {
+    "gather": {1},  # the indices
+    "ragged_dot_general": {2},  # the group sizes
+    "scaled_dot": {2, 3},  # the scales, whole along a split minor factor of their blocks
+    "scatter-add": {0},  # the operand, masked to one device by `_scatter`
+    "scatter_add": {0},
+}
+
+
+def _check_partial(op: LocalOp) -> None:
+    name = op.eqn.primitive.name
+    for k in range(len(op.ins)):
+        axes = op.whole_along_partial(k)
+        if axes and k not in _WHOLE_ALONG_PARTIAL.get(name, ()):
+            raise PartitioningError(
+                f"primitive {name!r} cannot run on blocks under the shard_map lowering: its results are partial "
+                f"over {axes}, along which operand {k} is not split, so each device there would count it again. "
+                "Keep the op's reduced dims whole along those axes (pin its values) or use lowering='jit'")
 
 
 def _no_rule(name: str, why: str) -> PartitioningError:
@@ -232,9 +270,12 @@ def _scatter(op: LocalOp, operands: list) -> list:
     for d, u in zip(window, dn.update_window_dims):
         windows[d] = upd_shape[u]
     operand, idx, *rest = operands
+    once = op.whole_along_partial(0)  # an additive scatter's partial sums: add the operand on one device
+    if once:
+        operand = jnp.where(block_index(once, op.mesh) == 0, operand, jnp.zeros_like(operand))
     moved, axes = _local_indices(op, idx, dn.scatter_dims_to_operand_dims, windows, p["mode"])
     if not axes:
-        return _bind(op.eqn, operands)
+        return _bind(op.eqn, [operand, idx, *rest])
     # Updates for rows held elsewhere fall out of the block's bounds and are dropped
     # (indices out of bounds of the whole operand fall out of every block).
     return _bind(op.eqn, [operand, moved, *rest], mode=GatherScatterMode.FILL_OR_DROP)

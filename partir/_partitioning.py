@@ -183,8 +183,28 @@ class Partitioning(Propagation):
         uses or produces, and
         `partial` the axes its results are partial over. Reshard points are where a
         slot's dims (or partial) differ from the value's at-rest tiling."""
+        return self._layout(op, self.factor_tiling(op))
+
+    def block_layout(self, op: int):
+        """`op_layout` as a device computes op `op` on contiguous blocks: without the axes
+        of a factor that follows, in some dim, a factor not split all the way (a merged
+        `[i, j]` with only `j` split holds interleaved, not contiguous, blocks of `i*j`).
+        The op reads such factors whole: for a reshape, the bytes of the gather that
+        `op_layout` implies at the merged dim, moved where the factor is a dim of its own."""
         o = self.program.ops[op]
         F = self.factor_tiling(op)
+        along, sizes = self.mesh.devices_along, o.rule.sizes
+        hidden = set()
+        for spec in o.rule.operands + o.rule.results:
+            for fs in spec:
+                cut = next((n for n, f in enumerate(fs) if along(F[f]) != sizes[f]), len(fs))
+                hidden.update(f for f in fs[cut + 1:] if F[f])
+        if not hidden:
+            return self._layout(op, F)
+        return self._layout(op, tuple(() if f in hidden else axes for f, axes in enumerate(F)))
+
+    def _layout(self, op: int, F):
+        o = self.program.ops[op]
         key = (id(o.rule), F)
         shape = self._layouts.get(key)
         if shape is None:  # ops of repeated layers share rules and factor tilings

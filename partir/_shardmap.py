@@ -189,7 +189,7 @@ class Interpreter:
         part, op = self.part, self.prog.ops[oid]
         if self._made_whole(frame, eqn, op):
             return
-        slots, partial, kind = part.op_layout(oid)
+        slots, partial, kind = part.block_layout(oid)
         need = {k: Tiling(d) for side, k, _, d in slots if side == "operand"}
         made = {k: d for side, k, _, d in slots if side == "result"}
         backward = self.backward[oid]
@@ -204,7 +204,7 @@ class Interpreter:
             local = LocalOp(eqn, tuple(need.get(k) for k in range(len(eqn.invars))),
                             tuple(Tiling(made[k]) if k in made else None for k in range(len(eqn.outvars))),
                             tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.invars),
-                            tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh)
+                            tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh, partial)
             outs = bind_local(local, operands)
         for k, v in enumerate(op.results):
             if v >= 0:

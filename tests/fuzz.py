@@ -67,7 +67,9 @@ def summary(work: Path, n: int, status: int, wall: float, saved: Path | None) ->
             "share_with_a_refused_action": round(sum(r["refused"] >= 1 for r in rows) / max(len(rows), 1), 3),
             "plans": dict(collections.Counter(r["plan"] for r in rows)),
             "mesh_axes": dict(collections.Counter(str(r["mesh_axes"]) for r in rows)),
-            "bf16_cases": sum(r["bf16"] for r in rows), "ops": dict(sorted(ops.items())),
+            "bf16_cases": sum(r["bf16"] for r in rows),
+            "shard_map_cases": sum("shard_map" in r.get("lowerings", ()) for r in rows),
+            "ops": dict(sorted(ops.items())),
             "saved_regression": str(saved.relative_to(ROOT)) if saved else None}
 
 

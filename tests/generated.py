@@ -383,11 +383,21 @@ def check_case(case) -> tuple[int, int]:
     program = partir.lift(step, *args)
     part, applied, refused = partition(case, program)
     tol = 3e-2 if uses_bf16(case) else 1e-4
-    partir.check_equivalence(step, args, part, rtol=tol, atol=tol / 10)
+    for backend in lowerings(case):
+        partir.check_equivalence(step, args, part, rtol=tol, atol=tol / 10, backend=backend)
     return applied, refused
+
+
+def lowerings(case) -> tuple[str, ...]:
+    """The lowerings `check_case` checks the case under: both, but not `shard_map` where
+    the recipe updates a slice of a value with values read from it (`dupdate`). XLA:CPU
+    miscompiles that in-place `dynamic_update_slice` when the value reaches it through a
+    bitcast, as the shard_map lowering's gathers make it: it reads positions it has
+    already written (JAX 0.10.2 and 0.12; plain `jax.jit` too, after a reshape)."""
+    return ("jit",) if any(op[0] == "dupdate" for op in case["recipe"]) else ("jit", "shard_map")
 
 
 def describe(case) -> dict:
     """What a case covers, for the fuzz run's summary: op kinds, mesh rank, plan kind."""
     return {"ops": sorted({op[0] for op in case["recipe"]}), "mesh_axes": len(case["mesh"]),
-            "plan": case["plan"]["kind"], "bf16": uses_bf16(case)}
+            "plan": case["plan"]["kind"], "bf16": uses_bf16(case), "lowerings": list(lowerings(case))}

@@ -175,6 +175,42 @@ def test_vocabulary_parallel_lookup_and_its_gradient(mode):
     assert compiled_collectives(text, MESH.jax_mesh()) == modeled_collectives(search.CostModel(part, "cpu").cost())
 
 
+@pytest.mark.parametrize("rows", [None, "model"])
+def test_a_scatter_add_of_split_updates_adds_its_operand_once(rows):
+    # Updates split along their scattered dim leave partial sums over "data"; the table,
+    # which no device splits along that dim, must be added into them once, not per device.
+    def f(table, ids):
+        return table.at[ids].add(jnp.tanh(table[ids]))
+
+    table = jax.random.normal(jax.random.key(0), (16, 8))
+    ids = jax.random.randint(jax.random.key(1), (4, 8), 0, 16)
+    part = partir.Partitioning(partir.lift(f, table, ids), MESH)
+    part.tile("ids", 0, "data")
+    if rows:
+        part.tile("table", 0, rows)
+    partir.check_equivalence(f, (table, ids), part, rtol=1e-5, atol=1e-5, backend="shard_map")
+
+
+RESHAPES = {  # (x, y) -> a reshape of x times y, whose shape is the reshape's result
+    "merge": ((4, 4, 4), (4, 16), lambda x, y: jax.nn.softmax(x.reshape(4, 16), axis=0) * y),
+    "split": ((4, 16), (4, 4, 4), lambda x, y: jnp.tanh(x.reshape(4, 4, 4)) * y),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RESHAPES))
+def test_a_reshape_of_a_split_minor_factor_reads_it_whole(kind):
+    # [4, 4] <-> [16] with the minor 4 split over "data": the merged dim's blocks would
+    # interleave, not lie contiguous; the op reads that factor whole (found by fuzzing).
+    xs, ys, fn = RESHAPES[kind]
+    x, y = jax.random.normal(jax.random.key(0), xs), jax.random.normal(jax.random.key(1), ys)
+    f = jax.value_and_grad(lambda x, y: jnp.sum(fn(x, y) ** 2), argnums=(0, 1))
+    part = partir.Partitioning(partir.lift(f, x, y), MESH)
+    part.tile("x" if kind == "merge" else "y", 2, "data")
+    partir.check_equivalence(f, (x, y), part, rtol=1e-5, atol=1e-5, backend="shard_map")
+    text = _lower(part).lower(x, y).compile().as_text()
+    assert compiled_collectives(text, MESH.jax_mesh()) == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
 def test_split_iotas_and_random_draws_match_a_whole_draw():
     def f(key, x):
         noise = jax.random.normal(key, x.shape)
@@ -195,6 +231,18 @@ def test_a_primitive_whose_shape_params_a_split_changes_is_never_guessed():
         jax.jit(jax.shard_map(lambda x: bind_local(op, [x, 0.0])[0], mesh=MESH.jax_mesh(),
                               in_specs=jax.sharding.PartitionSpec("data"),
                               out_specs=jax.sharding.PartitionSpec("data"), check_vma=False)).lower(jnp.ones(8))
+
+
+def test_an_operand_an_op_would_count_once_per_device_is_refused():
+    # A result partial over "data" sums the devices' results: an operand whole along
+    # "data" that the op sums (a rule that leaves a reduction factor off it) would be
+    # counted twice; only the operands the op does not sum may be (a gather's indices).
+    jaxpr = jax.make_jaxpr(jnp.dot)(jnp.ones((4, 8)), jnp.ones((8, 2)))
+    (eqn,) = jaxpr.eqns
+    split, whole = Tiling(((), ("data",))), Tiling(((), ()))
+    op = LocalOp(eqn, (split, whole), (whole,), ((4, 8), (8, 2)), ((4, 2),), MESH, partial=("data",))
+    with pytest.raises(PartitioningError, match=r"'dot_general' .* partial over \('data',\), along which operand 1"):
+        bind_local(op, [jnp.ones((4, 4)), jnp.ones((8, 2))])
 
 
 def test_a_free_mask_of_the_wrong_size_is_refused():
