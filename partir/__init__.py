@@ -21,7 +21,8 @@ from ._remat import POLICIES as REMAT_POLICIES
 from ._remat import Block, Recompute, blocks, layer_blocks, recompute, recomputed
 from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation, remat_layers, reusable,
                           scan_body_of, user_checkpoints)
-from ._partitioning import Decision, Partitioning, Reshard
+from ._decision import Decision, Reshard
+from ._partitioning import Partitioning
 from ._reshard import Transition, transition
 from ._rule import FactorRule, factor_rule
 from ._tiling import Tiling
