@@ -354,17 +354,18 @@ class CostModel:
         if view is None:
             return 0.0, []
         skipped = -float(times[view.skipped].sum())  # a relaxed checkpoint's ops that no longer run
-        # A recomputed op runs in the backward pass: a value it reads in a layout the
-        # backward already moves it to (an FSDP weight gathered for the gradients) or
-        # another recomputed op already read it in, is moved once there.
+        # A recomputed op runs in the backward pass, behind the barrier that keeps XLA
+        # from merging it into the forward pass: what it reads it moves again, even in a
+        # layout the backward pass moves the value to as well (an FSDP weight gathered
+        # for the gradients), as XLA runs it in unrolled code and in a scan's backward
+        # loop alike; recomputed ops that read a value in one layout move it once.
         cols, moved = [], set()
         for o in view.ops.tolist():
             for key in self._op_cols.get(o, ()):
                 if key[0] == "read":
-                    again = ("read", key[1], key[2], True)
-                    if again in self._dedup or again in moved:
+                    if key in moved:
                         continue
-                    moved.add(again)
+                    moved.add(key)
                 cols += self._dedup[key][o][1]
         return float(times[view.ops].sum()) + skipped, cols
 
