@@ -49,6 +49,18 @@ TEMPORARY, ARGUMENT, OUTPUT = 0, 1, 2
 COPYING_LINKS = ()
 
 
+def backward_reads(program) -> np.ndarray:
+    """Per op, does it read for the backward pass: a backward op, or a link that carries
+    a value to one (a residual passed into a call the backward pass makes, such as the
+    derivative of `jax.nn.silu`). `Program.backward` leaves links out."""
+    out = np.array(program.backward, dtype=bool)
+    for o in range(len(program.ops) - 1, -1, -1):  # a link's readers come after it
+        op = program.ops[o]
+        if op.link:
+            out[o] = any(out[u] for r in op.results if r >= 0 for u in program.users[r])
+    return out
+
+
 class Liveness:
     """Static buffer structure of a program: `buffer[v]` per value (virtual values map to
     a buffer of no bytes), and per buffer its live interval `[start, end]` in op indices
@@ -92,7 +104,7 @@ class Liveness:
         end = np.zeros(nb, dtype=np.int64)
         last = _last_reads(program, mat)
         loops = _Loops(program)
-        backward = program.backward
+        backward = program.analysis(backward_reads)
         cut = {int(self.buffer[v]) for v in forward_only}
         home = np.zeros(nb, dtype=np.int64)  # the region of a buffer's first member
         for v in range(len(program.values)):

@@ -35,7 +35,7 @@ import numpy as np
 import partir
 from partir import Link
 
-from ._memory import Liveness
+from ._memory import Liveness, backward_reads
 
 
 class RematView:
@@ -46,7 +46,7 @@ class RematView:
     def __init__(self, program, materialization, donated, recomputed: frozenset, reused: frozenset = frozenset()):
         rec = partir.recompute(program, recomputed)
         self.ops = np.array(rec.ops, dtype=np.int64)
-        backward = program.backward
+        backward = program.analysis(backward_reads)
         virtual = materialization.virtual.copy()
         sources = dict(materialization.sources)
         live_op = materialization.live_op.copy()
