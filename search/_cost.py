@@ -36,7 +36,7 @@ from ._comm import CollectiveCost, LinkModel
 from ._device import get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
-from ._memory import Liveness
+from ._memory import Liveness, fused_reads_end
 from ._remat import RematView
 
 
@@ -172,6 +172,9 @@ class CostModel:
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
+        # Without a native reduce-scatter, XLA all-reduces the whole value and fuses the
+        # slice into the value's elementwise readers: the whole buffer lives until them.
+        self._whole_until = None if self.device.reduce_scatter else fused_reads_end(prog, mat)
         self._views: dict = {}  # recomputed residuals -> RematView
         self._buffer_name = {}
         self._op_cols: dict[int, list] = {}
@@ -307,7 +310,8 @@ class CostModel:
             if key[0] == "made" and any(c.gradient for c in cols):
                 grads.append((first, key, cols, buf))
             elif buf > 0:
-                starts.append(first), ends.append(max(e)), sizes.append(buf), keys.append(key)
+                starts.append(first), ends.append(self._whole_end(key, e[first], max(e)))
+                sizes.append(buf), keys.append(key)
         for group in _gradient_groups(sorted(grads, key=lambda g: g[0])):
             last = group[-1][0]
             for first, key, cols, buf in group:
@@ -317,6 +321,14 @@ class CostModel:
             if whole > 0:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
+
+    def _whole_end(self, key, entry, end: int) -> int:
+        """Where the buffer of a reshard ends: a value all-reduced whole and sliced
+        (a reduce-scatter on a backend without one) lives until its last fused reader."""
+        v, cols, _ = entry
+        if self._whole_until is None or key[0] != "made" or not any(c.kind == "all-reduce" for c in cols):
+            return end
+        return max(end, int(self._whole_until[v]))
 
     def _view(self):
         """The rematerialization view of the current recomputed residuals, or None."""
