@@ -297,7 +297,8 @@ class CostModel:
 
     def _reshard_buffers(self):
         """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
-        its readers want, live from the first such reader to the last; the whole result of
+        its readers want, live from the first such reader (on a breadth-first backend,
+        from where the value is made) to the last; the whole result of
         an op that is reduce-scattered or sliced after it, for that op. Gradient
         reductions are combined (see `_gradient_groups`): a gradient's whole result waits
         for its group's collective, and a backend without reduce-scatter holds every
@@ -306,11 +307,11 @@ class CostModel:
         grads = []
         for key, e in self._moves():
             first = min(e)
-            _, cols, buf = e[first]
+            v, cols, buf = e[first]
             if key[0] == "made" and any(c.gradient for c in cols):
                 grads.append((first, key, cols, buf))
             elif buf > 0:
-                starts.append(first), ends.append(self._whole_end(key, e[first], max(e)))
+                starts.append(self._move_start(key, v, first)), ends.append(self._whole_end(key, e[first], max(e)))
                 sizes.append(buf), keys.append(key)
         for group in _gradient_groups(sorted(grads, key=lambda g: g[0])):
             last = group[-1][0]
@@ -321,6 +322,17 @@ class CostModel:
             if whole > 0:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
+
+    def _move_start(self, key, v: int, first: int) -> int:
+        """Where the buffer of a move starts: at its first reader, or, on a backend that
+        schedules breadth first, as soon as the value is made (in the readers' loop
+        body, else at the reader)."""
+        if not self.device.breadth_first or key[0] != "read":
+            return first
+        p, region = self.program.producer[v], self.program.ops[first].region
+        if p < 0:
+            return 0 if region == 0 else first
+        return min(first, p) if self.program.ops[p].region == region else first
 
     def _whole_end(self, key, entry, end: int) -> int:
         """Where the buffer of a reshard ends: a value all-reduced whole and sliced

@@ -66,6 +66,17 @@ def test_searched_and_random_plans_match_xla(model):
         _assert_matches_xla(search.compare_with_xla(part, args))
 
 
+def test_random_plan_that_reduce_scatters_the_mlp_hidden_matches_xla():
+    # This random plan splits the GPT's MLP biases over all 8 devices, so each MLP hidden is
+    # reduce-scattered: XLA:CPU all-reduces it whole and fuses the slice into the GELU's
+    # readers, forward and backward, keeping the whole buffer until the backward pass; and
+    # its breadth-first schedule gathers the GELU output for the weight gradient as soon as
+    # it is made. Both are in the `cpu` device's model.
+    step, args = _example("gpt")
+    part = random_plan(partir.lift(step, *args), MeshSpec.of(data=1, model=8), seed=0)
+    _assert_matches_xla(search.compare_with_xla(part, args))
+
+
 def test_loops_cost_their_trip_count():
     cfg = dict(d_model=128, d_ff=512, n_heads=8, seq_len=32, vocab=512, batch=8, n_layers=4)
     mesh = MeshSpec.of(data=2, model=4)
