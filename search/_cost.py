@@ -313,7 +313,8 @@ class CostModel:
             elif buf > 0:
                 starts.append(self._move_start(key, v, first)), ends.append(self._whole_end(key, e[first], max(e)))
                 sizes.append(buf), keys.append(key)
-        for group in _gradient_groups(sorted(grads, key=lambda g: g[0])):
+        region = [op.region for op in self.program.ops]
+        for group in _gradient_groups(sorted(grads, key=lambda g: g[0]), region):
             last = group[-1][0]
             for first, key, cols, buf in group:
                 if buf > 0:
@@ -460,13 +461,15 @@ class CostModel:
         return name
 
 
-def _gradient_groups(grads) -> list[list]:
+def _gradient_groups(grads, region) -> list[list]:
     """Gradient reductions (in op order) in the groups XLA's combiner makes of them: the
-    same collectives over the same axes, up to `GRADIENT_COMBINE_BYTES` each."""
+    same collectives over the same axes in one computation (a loop body is one of its
+    own: a scan's weight gradients are reduced in every trip), up to
+    `GRADIENT_COMBINE_BYTES` each. `region[o]` is op o's region."""
     open_groups: dict = {}
     done = []
     for g in grads:
-        kind = tuple((c.kind, c.axes) for c in g[2])
+        kind = (region[g[0]],) + tuple((c.kind, c.axes) for c in g[2])
         nbytes = sum(c.bytes for c in g[2])
         group = open_groups.get(kind)
         if group is not None and group[0] + nbytes > GRADIENT_COMBINE_BYTES:
