@@ -32,18 +32,13 @@ import numpy as np
 
 from partir import Tiling
 
-from ._comm import CollectiveCost, LinkModel
+from ._comm import CollectiveCost, LinkModel, gradient_groups
 from ._device import get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
 from ._memory import Liveness, fused_reads_end
 from ._remat import RematView
 
-
-#: Bytes of gradient reductions XLA combines into one collective (its all-reduce
-#: combiner's threshold on GPU, `xla_gpu_all_reduce_combine_threshold_bytes`): the
-#: gradients of a group are all held until the group's collective runs.
-GRADIENT_COMBINE_BYTES = 30 * 2**20
 
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
 _MEMO_LIMIT = 200_000
@@ -300,7 +295,7 @@ class CostModel:
         its readers want, live from the first such reader (on a breadth-first backend,
         from where the value is made) to the last; the whole result of
         an op that is reduce-scattered or sliced after it, for that op. Gradient
-        reductions are combined (see `_gradient_groups`): a gradient's whole result waits
+        reductions are combined (see `gradient_groups`): a gradient's whole result waits
         for its group's collective, and a backend without reduce-scatter holds every
         member's all-reduced result there at once."""
         starts, ends, sizes, keys = [], [], [], []
@@ -314,7 +309,7 @@ class CostModel:
                 starts.append(self._move_start(key, v, first)), ends.append(self._whole_end(key, e[first], max(e)))
                 sizes.append(buf), keys.append(key)
         region = [op.region for op in self.program.ops]
-        for group in _gradient_groups(sorted(grads, key=lambda g: g[0]), region):
+        for group in gradient_groups(sorted(grads, key=lambda g: g[0]), region):
             last = group[-1][0]
             for first, key, cols, buf in group:
                 if buf > 0:
@@ -459,27 +454,6 @@ class CostModel:
             inputs = [v for v in members if v in is_input]
             name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
         return name
-
-
-def _gradient_groups(grads, region) -> list[list]:
-    """Gradient reductions (in op order) in the groups XLA's combiner makes of them: the
-    same collectives over the same axes in one computation (a loop body is one of its
-    own: a scan's weight gradients are reduced in every trip), up to
-    `GRADIENT_COMBINE_BYTES` each. `region[o]` is op o's region."""
-    open_groups: dict = {}
-    done = []
-    for g in grads:
-        kind = (region[g[0]],) + tuple((c.kind, c.axes) for c in g[2])
-        nbytes = sum(c.bytes for c in g[2])
-        group = open_groups.get(kind)
-        if group is not None and group[0] + nbytes > GRADIENT_COMBINE_BYTES:
-            done.append(group[1])
-            group = None
-        if group is None:
-            group = open_groups[kind] = [0.0, []]
-        group[0] += nbytes
-        group[1].append(g)
-    return done + [g[1] for g in open_groups.values()]
 
 
 def _shards(dims, mesh) -> int:
