@@ -140,6 +140,7 @@ class CostModel:
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(_dtype(op, prog)) for op in prog.ops])
         self._backward = np.array(prog.backward, dtype=bool)
+        self._op_region = [op.region for op in prog.ops]
         self._trivial = np.array(cls.trivial, dtype=bool)
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
@@ -306,10 +307,9 @@ class CostModel:
             if key[0] == "made" and any(c.gradient for c in cols):
                 grads.append((first, key, cols, buf))
             elif buf > 0:
-                starts.append(self._move_start(key, v, first)), ends.append(self._whole_end(key, e[first], max(e)))
-                sizes.append(buf), keys.append(key)
-        region = [op.region for op in self.program.ops]
-        for group in gradient_groups(sorted(grads, key=lambda g: g[0]), region):
+                starts.append(self._move_start(key, v, first)), sizes.append(buf), keys.append(key)
+                ends.append(self._whole_end(key, e[first], max(e)))
+        for group in gradient_groups(sorted(grads, key=lambda g: g[0]), self._op_region):
             last = group[-1][0]
             for first, key, cols, buf in group:
                 if buf > 0:
