@@ -67,14 +67,16 @@ def test_searched_and_random_plans_match_xla(model):
         _assert_matches_xla(search.compare_with_xla(part, args))
 
 
-def test_random_plan_that_reduce_scatters_the_mlp_hidden_matches_xla():
-    # This random plan splits the GPT's MLP biases over all 8 devices, so each MLP hidden is
-    # reduce-scattered: XLA:CPU all-reduces it whole and fuses the slice into the GELU's
-    # readers, forward and backward, keeping the whole buffer until the backward pass; and
-    # its breadth-first schedule gathers the GELU output for the weight gradient as soon as
-    # it is made. Both are in the `cpu` device's model.
-    step, args = _example("gpt")
-    part = random_plan(partir.lift(step, *args), MeshSpec.of(data=1, model=8), seed=0)
+@pytest.mark.parametrize("model,plan", [("gpt", "random"), ("moe", "searched")])
+def test_plans_that_move_activations_for_the_backward_match_xla(model, plan):
+    # On one 8-way axis, this random GPT plan reduce-scatters each MLP hidden (split by its
+    # bias): XLA:CPU all-reduces it whole and fuses the slice into its elementwise readers,
+    # forward and backward, keeping the whole buffer until the backward pass. Both plans
+    # gather forward activations for weight gradients, which XLA:CPU's breadth-first
+    # schedule does as soon as they are made. Both are in the `cpu` device's model.
+    step, args = _example(model)
+    prog, mesh = partir.lift(step, *args), MeshSpec.of(data=1, model=8)
+    part = random_plan(prog, mesh, seed=0) if plan == "random" else searched_plan(prog, mesh)
     _assert_matches_xla(search.compare_with_xla(part, args))
 
 
