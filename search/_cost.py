@@ -36,7 +36,8 @@ from ._comm import CollectiveCost, LinkModel, gradient_groups
 from ._device import get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
-from ._memory import Liveness, fused_reads_end
+from ._memory import Liveness
+from ._moves import MoveBuffers
 from ._remat import RematView
 
 
@@ -168,9 +169,7 @@ class CostModel:
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
-        # Without a native reduce-scatter, XLA all-reduces the whole value and fuses the
-        # slice into the value's elementwise readers: the whole buffer lives until them.
-        self._whole_until = None if self.device.reduce_scatter else fused_reads_end(prog, mat)
+        self._move_buffers = MoveBuffers(part, self.device, mat)  # the backend's ways with moves
         self._views: dict = {}  # recomputed residuals -> RematView
         self._buffer_name = {}
         self._op_cols: dict[int, list] = {}
@@ -293,12 +292,12 @@ class CostModel:
 
     def _reshard_buffers(self):
         """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
-        its readers want, live from the first such reader (on a breadth-first backend,
-        from where the value is made) to the last; the whole result of
+        its readers want, live from the first such reader to the last; the whole result of
         an op that is reduce-scattered or sliced after it, for that op. Gradient
         reductions are combined (see `gradient_groups`): a gradient's whole result waits
         for its group's collective, and a backend without reduce-scatter holds every
-        member's all-reduced result there at once."""
+        member's all-reduced result there at once. `MoveBuffers` says how the backend
+        differs."""
         starts, ends, sizes, keys = [], [], [], []
         grads = []
         for key, e in self._moves():
@@ -307,8 +306,9 @@ class CostModel:
             if key[0] == "made" and any(c.gradient for c in cols):
                 grads.append((first, key, cols, buf))
             elif buf > 0:
-                starts.append(self._move_start(key, v, first)), sizes.append(buf), keys.append(key)
-                ends.append(self._whole_end(key, e[first], max(e)))
+                mb = self._move_buffers
+                starts.append(mb.start(key, v, first)), sizes.append(buf * mb.copies(key, v, e))
+                ends.append(mb.end(key, e[first], max(e))), keys.append(key)
         for group in gradient_groups(sorted(grads, key=lambda g: g[0]), self._op_region):
             last = group[-1][0]
             for first, key, cols, buf in group:
@@ -318,25 +318,6 @@ class CostModel:
             if whole > 0:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
-
-    def _move_start(self, key, v: int, first: int) -> int:
-        """Where the buffer of a move starts: at its first reader, or, on a backend that
-        schedules breadth first, as soon as the value is made (in the readers' loop
-        body, else at the reader)."""
-        if not self.device.breadth_first or key[0] != "read":
-            return first
-        p, region = self.program.producer[v], self.program.ops[first].region
-        if p < 0:
-            return 0 if region == 0 else first
-        return min(first, p) if self.program.ops[p].region == region else first
-
-    def _whole_end(self, key, entry, end: int) -> int:
-        """Where the buffer of a reshard ends: a value all-reduced whole and sliced
-        (a reduce-scatter on a backend without one) lives until its last fused reader."""
-        v, cols, _ = entry
-        if self._whole_until is None or key[0] != "made" or not any(c.kind == "all-reduce" for c in cols):
-            return end
-        return max(end, int(self._whole_until[v]))
 
     def _view(self):
         """The rematerialization view of the current recomputed residuals, or None."""

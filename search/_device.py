@@ -35,7 +35,7 @@ class DeviceError(ValueError):
 
 _FLOAT_FIELDS = ("hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
 #: Backend behaviours (true or false), optional in a device description.
-_FLAGS = ("reduce_scatter", "breadth_first")
+_FLAGS = ("reduce_scatter", "breadth_first", "gather_copies")
 
 
 def _number(where: str, v) -> float:
@@ -68,7 +68,9 @@ class DeviceSpec:
     and a slice (XLA:CPU). `breadth_first` is True for a backend that schedules breadth
     first, each op as soon as its operands are ready (XLA:CPU's default scheduler, which
     also runs after optimization barriers are gone): a value moved for its readers is
-    moved as soon as it is made, even for the backward pass.
+    moved as soon as it is made, even for the backward pass. `gather_copies` is True
+    for a backend that all-gathers with the gathered dim major and copies the result
+    row-major for each way dots read it (XLA:CPU).
     """
 
     name: str
@@ -82,6 +84,7 @@ class DeviceSpec:
     devices_per_node: int
     reduce_scatter: bool = True
     breadth_first: bool = False
+    gather_copies: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -120,8 +123,8 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> DeviceSpec:
-        """Inverse of `to_dict`; `reduce_scatter` and `breadth_first` may be left out
-        (defaults True and False).
+        """Inverse of `to_dict`; the backend flags `reduce_scatter`, `breadth_first` and
+        `gather_copies` may be left out (defaults True, False, False).
 
         Unknown or missing keys raise `DeviceError` naming them and the allowed keys.
         """
@@ -203,11 +206,13 @@ PRESETS: dict[str, DeviceSpec] = {
     # per device for every float dtype (XLA:CPU computes bf16/f16 through f32), 8 GB of host
     # RAM each, ~20 GB/s DRAM, copies at 10 GB/s (a memcpy reads and writes) with 10 us per
     # step (a thread rendezvous); one shared memory, so inter = intra. XLA:CPU lowers
-    # reduce-scatter to an all-reduce and a slice, and schedules breadth first
-    # (`xla_cpu_enable_concurrency_optimized_scheduler`, on by default).
+    # reduce-scatter to an all-reduce and a slice, schedules breadth first
+    # (`xla_cpu_enable_concurrency_optimized_scheduler`, on by default) and lays an
+    # all-gather's result out with the gathered dim major.
     "cpu": DeviceSpec(
         "cpu", _flops(30e9, 30e9, 30e9), 8e9, 20e9,
         10e9, 10e-6, 10e9, 10e-6, devices_per_node=8, reduce_scatter=False, breadth_first=True,
+        gather_copies=True,
     ),
 }
 

@@ -29,7 +29,8 @@ independent ops to lower the peak; on train steps the peak is where the forward 
 left every residual live, which no order avoids, and `tests/test_cost.py` holds the
 model to `compiled.memory_analysis()` on the examples. On a backend that schedules
 breadth first (XLA:CPU) the one exception the model makes is the moves: a value is
-moved for its readers as soon as it is made (`CostModel` starts those buffers there).
+moved for its readers as soon as it is made (`_moves.MoveBuffers` starts those
+buffers there).
 The arena is assumed packed without gaps (XLA's best-fit packing can leave a few
 percent). A buffer's bytes per
 device are its largest member's shard.

@@ -67,16 +67,22 @@ def test_searched_and_random_plans_match_xla(model):
         _assert_matches_xla(search.compare_with_xla(part, args))
 
 
-@pytest.mark.parametrize("model,plan", [("gpt", "random"), ("moe", "searched")])
+@pytest.mark.parametrize("model,plan", [("gpt", "random 0"), ("moe", "searched"), ("gpt remat-dots scan", "random 2")])
 def test_plans_that_move_activations_for_the_backward_match_xla(model, plan):
-    # On one 8-way axis, this random GPT plan reduce-scatters each MLP hidden (split by its
+    # On one 8-way axis, the random GPT plan reduce-scatters each MLP hidden (split by its
     # bias): XLA:CPU all-reduces it whole and fuses the slice into its elementwise readers,
-    # forward and backward, keeping the whole buffer until the backward pass. Both plans
+    # forward and backward, keeping the whole buffer until the backward pass. All three
     # gather forward activations for weight gradients, which XLA:CPU's breadth-first
-    # schedule does as soon as they are made. Both are in the `cpu` device's model.
-    step, args = _example(model)
+    # schedule does as soon as they are made; the remat-dots GPT's gathered MLP hidden is
+    # read by dots in two ways, and XLA:CPU copies it row-major once for each. All of this
+    # is in the `cpu` device's model.
+    if model == "gpt remat-dots scan":
+        cfg = dataclasses.replace(FIDELITY_CONFIGS["gpt"], remat=True, remat_policy="dots", scan_layers=True)
+        step, args = gpt.make_train_step(cfg, abstract=True)
+    else:
+        step, args = _example(model)
     prog, mesh = partir.lift(step, *args), MeshSpec.of(data=1, model=8)
-    part = random_plan(prog, mesh, seed=0) if plan == "random" else searched_plan(prog, mesh)
+    part = searched_plan(prog, mesh) if plan == "searched" else random_plan(prog, mesh, seed=int(plan.split()[1]))
     _assert_matches_xla(search.compare_with_xla(part, args))
 
 

@@ -76,9 +76,10 @@ def test_headline_figures():
 def test_cpu_preset_is_nominal_and_has_no_reduce_scatter():
     cpu = PRESETS["cpu"]
     assert cpu.devices_per_node == 8
-    assert cpu.reduce_scatter is False and cpu.breadth_first is True
+    assert cpu.reduce_scatter is False and cpu.breadth_first is True and cpu.gather_copies is True
     assert 10e9 <= cpu.flops_for(np.float32) <= 100e9
-    assert all(spec.reduce_scatter and not spec.breadth_first for key, spec in PRESETS.items() if key != "cpu")
+    assert all(spec.reduce_scatter and not spec.breadth_first and not spec.gather_copies
+               for key, spec in PRESETS.items() if key != "cpu")
 
 
 # ------------------------------------------------------------------------- flops_for
