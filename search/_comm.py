@@ -38,6 +38,12 @@ from dataclasses import dataclass
 from partir import Tiling, transition
 
 
+#: Bytes of gradient reductions XLA combines into one collective (its all-reduce
+#: combiner's threshold on GPU, `xla_gpu_all_reduce_combine_threshold_bytes`): the
+#: gradients of a group are all held until the group's collective runs.
+GRADIENT_COMBINE_BYTES = 30 * 2**20
+
+
 @dataclass(frozen=True, slots=True)
 class CollectiveCost:
     """One modeled collective: kind, mesh axes, bytes per device, seconds, where it is
@@ -54,6 +60,27 @@ class CollectiveCost:
     count: float = 1.0
     gradient: bool = False
     flops: float = 0.0
+
+
+def gradient_groups(grads, region) -> list[list]:
+    """Gradient reductions (in op order) in the groups XLA's combiner makes of them: the
+    same collectives over the same axes in one computation (a loop body is one of its
+    own: a scan's weight gradients are reduced in every trip), up to
+    `GRADIENT_COMBINE_BYTES` each. `region[o]` is op o's region."""
+    open_groups: dict = {}
+    done = []
+    for g in grads:
+        kind = (region[g[0]],) + tuple((c.kind, c.axes) for c in g[2])
+        nbytes = sum(c.bytes for c in g[2])
+        group = open_groups.get(kind)
+        if group is not None and group[0] + nbytes > GRADIENT_COMBINE_BYTES:
+            done.append(group[1])
+            group = None
+        if group is None:
+            group = open_groups[kind] = [0.0, []]
+        group[0] += nbytes
+        group[1].append(g)
+    return done + [g[1] for g in open_groups.values()]
 
 
 class LinkModel:

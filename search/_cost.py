@@ -32,18 +32,14 @@ import numpy as np
 
 from partir import Tiling
 
-from ._comm import CollectiveCost, LinkModel
+from ._comm import CollectiveCost, LinkModel, gradient_groups
 from ._device import get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
 from ._memory import Liveness
+from ._moves import MoveBuffers
 from ._remat import RematView
 
-
-#: Bytes of gradient reductions XLA combines into one collective (its all-reduce
-#: combiner's threshold on GPU, `xla_gpu_all_reduce_combine_threshold_bytes`): the
-#: gradients of a group are all held until the group's collective runs.
-GRADIENT_COMBINE_BYTES = 30 * 2**20
 
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
 _MEMO_LIMIT = 200_000
@@ -145,6 +141,7 @@ class CostModel:
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(_dtype(op, prog)) for op in prog.ops])
         self._backward = np.array(prog.backward, dtype=bool)
+        self._op_region = [op.region for op in prog.ops]
         self._trivial = np.array(cls.trivial, dtype=bool)
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
@@ -172,6 +169,7 @@ class CostModel:
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
+        self._move_buffers = MoveBuffers(part, self.device, mat)  # the backend's ways with moves
         self._views: dict = {}  # recomputed residuals -> RematView
         self._buffer_name = {}
         self._op_cols: dict[int, list] = {}
@@ -296,19 +294,22 @@ class CostModel:
         """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
         its readers want, live from the first such reader to the last; the whole result of
         an op that is reduce-scattered or sliced after it, for that op. Gradient
-        reductions are combined (see `_gradient_groups`): a gradient's whole result waits
+        reductions are combined (see `gradient_groups`): a gradient's whole result waits
         for its group's collective, and a backend without reduce-scatter holds every
-        member's all-reduced result there at once."""
+        member's all-reduced result there at once. `MoveBuffers` says how the backend
+        differs."""
         starts, ends, sizes, keys = [], [], [], []
         grads = []
         for key, e in self._moves():
             first = min(e)
-            _, cols, buf = e[first]
+            v, cols, buf = e[first]
             if key[0] == "made" and any(c.gradient for c in cols):
                 grads.append((first, key, cols, buf))
             elif buf > 0:
-                starts.append(first), ends.append(max(e)), sizes.append(buf), keys.append(key)
-        for group in _gradient_groups(sorted(grads, key=lambda g: g[0])):
+                mb = self._move_buffers
+                starts.append(mb.start(key, v, first)), sizes.append(buf * mb.copies(key, v, e))
+                ends.append(mb.end(key, e[first], max(e))), keys.append(key)
+        for group in gradient_groups(sorted(grads, key=lambda g: g[0]), self._op_region):
             last = group[-1][0]
             for first, key, cols, buf in group:
                 if buf > 0:
@@ -435,25 +436,6 @@ class CostModel:
             inputs = [v for v in members if v in is_input]
             name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
         return name
-
-
-def _gradient_groups(grads) -> list[list]:
-    """Gradient reductions (in op order) in the groups XLA's combiner makes of them: the
-    same collectives over the same axes, up to `GRADIENT_COMBINE_BYTES` each."""
-    open_groups: dict = {}
-    done = []
-    for g in grads:
-        kind = tuple((c.kind, c.axes) for c in g[2])
-        nbytes = sum(c.bytes for c in g[2])
-        group = open_groups.get(kind)
-        if group is not None and group[0] + nbytes > GRADIENT_COMBINE_BYTES:
-            done.append(group[1])
-            group = None
-        if group is None:
-            group = open_groups[kind] = [0.0, []]
-        group[0] += nbytes
-        group[1].append(g)
-    return done + [g[1] for g in open_groups.values()]
 
 
 def _shards(dims, mesh) -> int:

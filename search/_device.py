@@ -34,6 +34,8 @@ class DeviceError(ValueError):
 
 
 _FLOAT_FIELDS = ("hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
+#: Backend behaviours (true or false), optional in a device description.
+_FLAGS = ("reduce_scatter", "breadth_first", "gather_copies")
 
 
 def _number(where: str, v) -> float:
@@ -63,7 +65,12 @@ class DeviceSpec:
     are bytes/s per device per direction; latencies are seconds per ring hop.
     `devices_per_node` devices (consecutive ids) share the fast intra-node link.
     `reduce_scatter` is False for a backend that lowers reduce-scatter to an all-reduce
-    and a slice (XLA:CPU).
+    and a slice (XLA:CPU). `breadth_first` is True for a backend that schedules breadth
+    first, each op as soon as its operands are ready (XLA:CPU's default scheduler, which
+    also runs after optimization barriers are gone): a value moved for its readers is
+    moved as soon as it is made, even for the backward pass. `gather_copies` is True
+    for a backend that all-gathers with the gathered dim major and copies the result
+    row-major for each way dots read it (XLA:CPU).
     """
 
     name: str
@@ -76,6 +83,8 @@ class DeviceSpec:
     inter_latency: float
     devices_per_node: int
     reduce_scatter: bool = True
+    breadth_first: bool = False
+    gather_copies: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -93,8 +102,9 @@ class DeviceSpec:
         d = self.devices_per_node
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
             raise DeviceError(f"devices_per_node must be an integer >= 1, got {d!r}")
-        if not isinstance(self.reduce_scatter, bool):
-            raise DeviceError(f"reduce_scatter must be true or false, got {self.reduce_scatter!r}")
+        for flag in _FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise DeviceError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
 
     def flops_for(self, dtype) -> float:
         """Peak flop/s for `dtype` (a numpy/JAX dtype, scalar type, array or name).
@@ -113,7 +123,8 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> DeviceSpec:
-        """Inverse of `to_dict`; `reduce_scatter` may be left out (default True).
+        """Inverse of `to_dict`; the backend flags `reduce_scatter`, `breadth_first` and
+        `gather_copies` may be left out (defaults True, False, False).
 
         Unknown or missing keys raise `DeviceError` naming them and the allowed keys.
         """
@@ -121,7 +132,7 @@ class DeviceSpec:
             raise DeviceError(f"a device description must be a mapping, got {type(d).__name__}")
         allowed = [f.name for f in fields(cls)]
         unknown = [k for k in d if k not in allowed]
-        missing = [k for k in allowed if k not in d and k != "reduce_scatter"]
+        missing = [k for k in allowed if k not in d and k not in _FLAGS]
         if unknown or missing:
             parts = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
             raise DeviceError(f"bad device description: {'; '.join(parts)}; allowed keys: {', '.join(allowed)}")
@@ -195,10 +206,13 @@ PRESETS: dict[str, DeviceSpec] = {
     # per device for every float dtype (XLA:CPU computes bf16/f16 through f32), 8 GB of host
     # RAM each, ~20 GB/s DRAM, copies at 10 GB/s (a memcpy reads and writes) with 10 us per
     # step (a thread rendezvous); one shared memory, so inter = intra. XLA:CPU lowers
-    # reduce-scatter to an all-reduce and a slice.
+    # reduce-scatter to an all-reduce and a slice, schedules breadth first
+    # (`xla_cpu_enable_concurrency_optimized_scheduler`, on by default) and lays an
+    # all-gather's result out with the gathered dim major.
     "cpu": DeviceSpec(
         "cpu", _flops(30e9, 30e9, 30e9), 8e9, 20e9,
-        10e9, 10e-6, 10e9, 10e-6, devices_per_node=8, reduce_scatter=False,
+        10e9, 10e-6, 10e9, 10e-6, devices_per_node=8, reduce_scatter=False, breadth_first=True,
+        gather_copies=True,
     ),
 }
 

@@ -18,15 +18,21 @@ to the last op that reads it or any of its aliases; a value resharded for its re
 (an all-gathered parameter, an all-to-all'd activation) is a temporary of its own in the
 readers' layout, from the first reader to the last, since XLA moves it once and keeps
 the result (`CostModel` passes these); a reduce-scatter or a slice after an op needs the
-op's whole result for a moment.
+op's whole result for a moment, and a reduce-scatter on a backend without one (an
+all-reduce and a slice, which XLA fuses into the value's elementwise readers) until the
+last of those (`fused_reads_end`).
 
 Scheduling assumption: ops run in lift order, which is JAX's order (the forward pass,
 the backward pass in reverse, the optimizer update), with a loop body's ops in line,
 once: a body's temporaries count once, not per iteration. XLA's scheduler may reorder
 independent ops to lower the peak; on train steps the peak is where the forward pass has
 left every residual live, which no order avoids, and `tests/test_cost.py` holds the
-model to `compiled.memory_analysis()` on the examples. The arena is assumed packed
-without gaps (XLA's best-fit packing can leave a few percent). A buffer's bytes per
+model to `compiled.memory_analysis()` on the examples. On a backend that schedules
+breadth first (XLA:CPU) the one exception the model makes is the moves: a value is
+moved for its readers as soon as it is made (`_moves.MoveBuffers` starts those
+buffers there).
+The arena is assumed packed without gaps (XLA's best-fit packing can leave a few
+percent). A buffer's bytes per
 device are its largest member's shard.
 """
 
@@ -236,6 +242,27 @@ def _donations(program, donated: set) -> list[tuple[int, int]]:
             if outs:
                 pairs.append((v, outs.pop(0)))
     return pairs
+
+
+def fused_reads_end(program, mat) -> np.ndarray:
+    """Per value, the last op that reads it inside a fusion (an elementwise op, a
+    reduction, a broadcast, or a consumer they are fused into), -1 if none. A backend
+    that makes a value whole and slices it (XLA:CPU's all-reduce and dynamic slice for a
+    reduce-scatter) fuses the slice into such readers, which then read the whole
+    buffer: it lives until this op."""
+    from ._fusion import FUSING
+
+    last = _last_reads(program, mat)
+    out = np.full(len(program.values), -1, dtype=np.int64)
+    for op in program.ops:
+        if op.link or op.primitive not in FUSING or not mat.live_op[op.id]:
+            continue
+        results = [r for r in op.results if r >= 0]
+        when = max(last[r] for r in results) if results and all(mat.virtual[r] for r in results) else op.id
+        for v in op.operands:
+            if v >= 0:
+                out[v] = max(out[v], when)
+    return out
 
 
 def _last_reads(program, mat) -> np.ndarray:

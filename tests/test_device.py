@@ -76,9 +76,10 @@ def test_headline_figures():
 def test_cpu_preset_is_nominal_and_has_no_reduce_scatter():
     cpu = PRESETS["cpu"]
     assert cpu.devices_per_node == 8
-    assert cpu.reduce_scatter is False
+    assert cpu.reduce_scatter is False and cpu.breadth_first is True and cpu.gather_copies is True
     assert 10e9 <= cpu.flops_for(np.float32) <= 100e9
-    assert all(spec.reduce_scatter for key, spec in PRESETS.items() if key != "cpu")
+    assert all(spec.reduce_scatter and not spec.breadth_first and not spec.gather_copies
+               for key, spec in PRESETS.items() if key != "cpu")
 
 
 # ------------------------------------------------------------------------- flops_for
@@ -163,7 +164,7 @@ def test_from_dict_names_unknown_and_missing_keys():
     "field, value",
     [
         ("hbm_bandwidth", -1.0), ("hbm_bandwidth", "fast"), ("intra_latency", 0.0), ("hbm_bytes", True),
-        ("devices_per_node", 0), ("devices_per_node", 8.0), ("reduce_scatter", "yes"), ("name", ""),
+        ("devices_per_node", 0), ("devices_per_node", 8.0), ("reduce_scatter", "yes"), ("breadth_first", 1), ("name", ""),
         ("peak_flops", {"bfloat16": 1e12}), ("peak_flops", {"float32": float("nan")}), ("peak_flops", [1, 2]),
     ],
 )
