@@ -483,6 +483,3 @@ def bytes_str(n: float) -> str:
 def time_str(s: float) -> str:
     """Human-readable seconds."""
     return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.2f} us"
-
-
-
