@@ -91,6 +91,12 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         if not val.shape or not _numeric(val.dtype) or getattr(x, "ndim", len(val.shape)) != len(val.shape):
             return x  # (a scalar standing for a stack a scan no longer keeps)
         p = prog.producer[v]
+        made = part.produced(v) if p >= 0 else None
+        if made is not None and made.partial and _scatters(made, part.tiling(v)):
+            # A partial sum kept split along an axis it is summed over (a reduce-scatter):
+            # say the summed layout first, else XLA computes the op split along an idle
+            # axis and permutes the result to the kept layout.
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.without_partial().spec()))
         if p >= 0 and prog.ops[p].primitive in CUTS:
             made = part.produced(v)
             if not made.partial and made.dims != part.tiling(v).dims:
@@ -205,3 +211,9 @@ def _eval_region(prog, rid: int, args, hooks):
                 env[var], ids[var] = hooks.constrain(o, v), v
                 hooks.record(v, env[var])
     return [read(x) for x in jaxpr.outvars]
+
+
+def _scatters(made, kept) -> bool:
+    """Is a value made partial kept split along every axis it is summed over?"""
+    split = {a for axes in kept.dims for a in axes}
+    return set(made.partial) <= split

@@ -82,9 +82,10 @@ class Reads:
     """Makes XLA move values where the plan says, as the cost model counts them.
 
     An op that reads a value split along a dim its rule blocks (a convolution's spatial
-    dim) reads it through a sharding constraint to the layout the plan says it computes
-    with: XLA then moves it there, instead of computing the op some other way
-    (exchanging halos). Readers of one value in one layout within one pass and one loop
+    dim), or that computes whole along some mesh axis, reads what it moves through a
+    sharding constraint to the layout the plan says it computes with: XLA then moves it
+    there, instead of computing the op some other way (exchanging halos, or splitting it
+    along the idle axis and permuting the result). Readers of one value in one layout within one pass and one loop
     body share one copy (moved once per pass).
 
     And the backward pass moves a forward value again, as FSDP re-gathers a parameter
@@ -123,6 +124,14 @@ class Reads:
         return any(axes and any(f in blocked for f in op.rule.operands[k][d])
                    for d, axes in enumerate(self.part.tiling(v).dims))
 
+    def _idle(self, oid: int) -> bool:
+        """Does op `oid` compute whole along some mesh axis (of more than one device)?
+        XLA would then split it along that idle axis itself, to do less work, and move
+        its operands its own way: the operands it reads moved are constrained to the
+        layout the plan reads them in, so that XLA computes it as planned."""
+        used = {a for axes in self.part.factor_tiling(oid) for a in axes}
+        return any(n > 1 and a not in used for a, n in self.part.mesh.sizes().items())
+
     def __call__(self, oid: int, invals, rid: int):
         prog, part = self.prog, self.part
         if part.classes.trivial[oid]:
@@ -143,7 +152,7 @@ class Reads:
                         x, invals[anchor] = jax.lax.optimization_barrier((x, invals[anchor]))
                     elif self.last is not None:  # a unary reader: after the latest backward value
                         x, _ = jax.lax.optimization_barrier((x, self.last))
-                if self._pinned(oid, k):
+                if self._pinned(oid, k) or self._idle(oid):
                     x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, need.spec()))
                 self.made[key] = x
             invals[k] = self.made[key]
