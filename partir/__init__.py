@@ -23,7 +23,7 @@ from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation
                           scan_body_of, user_checkpoints)
 from ._decision import Decision, Reshard
 from ._partitioning import Partitioning
-from ._reshard import Transition, transition
+from ._reshard import Transition, permuted_dims, transition
 from ._rule import FactorRule, factor_rule
 from ._tiling import Tiling
 from ._verify import check_equivalence
@@ -37,5 +37,6 @@ __all__ = [
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
     "dump",
     "factor_rule", "lift", "lower", "path_matches", "register_backend", "rules", "summarize",
+    "permuted_dims",
     "transition",
 ]

@@ -21,6 +21,7 @@ from ._errors import PartitioningError
 from ._lower_hooks import JitHooks
 from ._nested import evaluate_nested
 from ._partitioning import Partitioning
+from ._reshard import gathered_first
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
 #: and outputs ('boundary', leaving the interior to XLA's propagation).
@@ -90,19 +91,8 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         val = prog.values[v]
         if not val.shape or not _numeric(val.dtype) or getattr(x, "ndim", len(val.shape)) != len(val.shape):
             return x  # (a scalar standing for a stack a scan no longer keeps)
-        p = prog.producer[v]
-        made = part.produced(v) if p >= 0 else None
-        if made is not None and made.partial and _scatters(made, part.tiling(v)):
-            # A partial sum kept split along an axis it is summed over (a reduce-scatter):
-            # say the summed layout first, else XLA computes the op split along an idle
-            # axis and permutes the result to the kept layout.
-            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.without_partial().spec()))
-        if p >= 0 and prog.ops[p].primitive in CUTS:
-            made = part.produced(v)
-            if not made.partial and made.dims != part.tiling(v).dims:
-                # A piece cut whole and kept split: say both, else XLA reshards the
-                # operand to the kept layout first and exchanges halos to cut it.
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
+        for t in stated_on_the_way(part, v):
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, t.spec()))
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
     hooks = JitHooks(part, mesh, constrain_value)
@@ -211,6 +201,33 @@ def _eval_region(prog, rid: int, args, hooks):
                 env[var], ids[var] = hooks.constrain(o, v), v
                 hooks.record(v, env[var])
     return [read(x) for x in jaxpr.outvars]
+
+
+def stated_on_the_way(part: Partitioning, v: int) -> list:
+    """The layouts, in order, that the `jit` lowering states for value `v` between the
+    op that makes it and its at-rest layout, so that XLA moves it as the model does:
+
+    - a piece cut whole and kept split: the whole piece (else XLA reshards the operand
+      to the kept layout first and exchanges halos to cut it);
+    - a partial sum kept split along every axis it is summed over (a reduce-scatter):
+      the summed layout (else XLA computes the op split along an idle axis and permutes
+      the result to the kept layout);
+    - a dim traded for fewer blocks: the layout gathered to the axes it keeps (else XLA
+      permutes blocks to groups of devices and gathers within them)."""
+    prog = part.program
+    p = prog.producer[v]
+    if p < 0:
+        return []
+    made, kept = part.produced(v), part.tiling(v)
+    out = []
+    if prog.ops[p].primitive in CUTS and not made.partial and made.dims != kept.dims:
+        out.append(made)
+    if made.partial and _scatters(made, kept):
+        out.append(made.without_partial())
+    via = gathered_first(made.without_partial(), kept, part.mesh)
+    if via is not None:
+        out.append(via)
+    return out
 
 
 def _scatters(made, kept) -> bool:

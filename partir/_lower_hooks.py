@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 
 from ._errors import PartitioningError
 from ._nested import Link
+from ._reshard import gathered_first
 
 
 def _numeric(dtype) -> bool:
@@ -152,7 +153,10 @@ class Reads:
                         x, invals[anchor] = jax.lax.optimization_barrier((x, invals[anchor]))
                     elif self.last is not None:  # a unary reader: after the latest backward value
                         x, _ = jax.lax.optimization_barrier((x, self.last))
-                if self._pinned(oid, k) or self._idle(oid):
+                via = gathered_first(part.tiling(op.operands[k]), need, part.mesh)
+                if via is not None:
+                    x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, via.spec()))
+                if via is not None or self._pinned(oid, k) or self._idle(oid):
                     x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, need.spec()))
                 self.made[key] = x
             invals[k] = self.made[key]

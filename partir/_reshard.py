@@ -7,7 +7,12 @@
 - partial over an axis that `dst` does not use: all-reduce;
 - an axis splitting one dim in `src` and another dim in `dst`: all-to-all;
 - an axis splitting a dim in `src` and nothing in `dst`: all-gather;
-- an axis splitting a dim in `dst` only: a local slice (no communication).
+- an axis splitting a dim in `dst` only: a local slice (no communication);
+- a dim that trades the axes after its shared leading ones for others splitting it
+  into as many blocks or more (`P('data') -> P('model')` on a mesh `data=2, model=4`):
+  a collective-permute of the new blocks, each cut from the old block that holds it,
+  as XLA's partitioner moves it (after all-reducing any of the new axes the value is
+  partial over). Traded for fewer blocks, the dim is gathered whole and sliced.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from ._mesh import MeshSpec
 from ._tiling import Tiling
 
 #: Collective kinds, in the order they are applied and reported.
-KINDS = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather", "slice")
+KINDS = ("all-reduce", "reduce-scatter", "collective-permute", "all-to-all", "all-gather", "slice")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +53,18 @@ def transition(src: Tiling, dst: Tiling, mesh: MeshSpec) -> list[Transition]:
         return []
     s, d = _place(src), _place(dst)
     by_kind: dict[str, set[str]] = {}
+    permuted = {a for gone, new in permuted_dims(src, dst, mesh).values() for a in gone + new}
+    # A partial axis that splits a dim which trades axes is reduced whole first: scattered
+    # there, each device would hold a strided set of blocks.
+    trading = {dim for dim, (before, after) in enumerate(zip(src.dims, dst.dims)) if all(traded(before, after))}
     for a in src.partial:
-        by_kind.setdefault("reduce-scatter" if a in d else "all-reduce", set()).add(a)
+        scatter = a in d and d[a][0] not in trading
+        by_kind.setdefault("reduce-scatter" if scatter else "all-reduce", set()).add(a)
+    if permuted:
+        by_kind["collective-permute"] = permuted
     for a, (dim, before) in s.items():
+        if a in permuted:
+            continue
         if a not in d:
             by_kind.setdefault("all-gather", set()).add(a)
         elif d[a][0] != dim:
@@ -59,7 +73,50 @@ def transition(src: Tiling, dst: Tiling, mesh: MeshSpec) -> list[Transition]:
             by_kind.setdefault("all-gather", set()).add(a)
             by_kind.setdefault("slice", set()).add(a)
     for a in d:
-        if a not in s and a not in src.partial:
+        if a not in s and a not in src.partial and a not in permuted:
             by_kind.setdefault("slice", set()).add(a)
     order = mesh.names
     return [Transition(k, tuple(a for a in order if a in by_kind[k])) for k in KINDS if k in by_kind]
+
+
+def traded(before: tuple, after: tuple) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A dim's axes `before` and `after` past the leading run they share: those it
+    loses and those it gains (major to minor)."""
+    k = 0
+    while k < min(len(before), len(after)) and before[k] == after[k]:
+        k += 1
+    return before[k:], after[k:]
+
+
+def permuted_dims(src: Tiling, dst: Tiling, mesh: MeshSpec) -> dict[int, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The dims that `src -> dst` moves by a collective-permute, each with the axes it
+    loses and gains (see `traded`): the gained ones (used by no other dim of either
+    layout, as the lost ones) split it into a multiple of as many blocks, so each new
+    block lies within one old one. Size-1 axes split nothing and are left out."""
+    def real(axes):
+        return tuple(a for a in axes if mesh.size(a) > 1)
+
+    out = {}
+    for dim, (before, after) in enumerate(zip(src.dims, dst.dims)):
+        gone, new = traded(real(before), real(after))
+        if not gone or not new or mesh.devices_along(new) % mesh.devices_along(gone):
+            continue
+        elsewhere = {a for t in (src, dst) for j, axes in enumerate(t.dims) if j != dim for a in axes}
+        if not (set(gone) | set(new)) & elsewhere:
+            out[dim] = (gone, new)
+    return out
+
+
+def gathered_first(src: Tiling, dst: Tiling, mesh: MeshSpec) -> Tiling | None:
+    """The layout `src -> dst` passes through where a dim trades axes for fewer blocks
+    (gathered to the axes it keeps, then sliced: see `transition`), else None. A
+    lowering that leaves the move to XLA states it, or XLA permutes blocks to groups
+    of devices and gathers within them, which the model does not charge."""
+    permuted = permuted_dims(src, dst, mesh)
+    dims, cut = [], False
+    for dim, (before, after) in enumerate(zip(src.dims, dst.dims)):
+        gone, new = traded(before, after)
+        if gone and new and dim not in permuted:
+            before, cut = before[:len(before) - len(gone)], True
+        dims.append(before)
+    return Tiling(tuple(dims)) if cut else None

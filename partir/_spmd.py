@@ -20,6 +20,7 @@ than the model charges.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._mesh import MeshSpec
-from ._reshard import transition
+from ._reshard import permuted_dims, transition
 from ._tiling import Tiling
 
 #: Reduction kind -> the collective that completes a partial value of that kind.
@@ -80,11 +81,61 @@ def move(x, src: Tiling, dst: Tiling, mesh: MeshSpec, *, again: bool = False):
     src, dst = _strip(src, sizes), _strip(dst, sizes)
     if src == dst:
         return x
+    permuted = permuted_dims(src, dst, mesh)
+    if permuted:
+        return _move_permuting(x, src, dst, mesh, permuted, again)
     keeps = [_keep(s, d) for s, d in zip(src.dims, dst.dims)]
     if any(len(s) > k and len(d) > k for s, d, k in zip(src.dims, dst.dims, keeps)):
         shared = Tiling(tuple(s[:k] for s, k in zip(src.dims, keeps)))
         return move(move(x, src, shared, mesh, again=again), shared, dst, mesh, again=again)
     return _Factors(x, src, dst, keeps, mesh, again).run()
+
+
+def _move_permuting(x, src: Tiling, dst: Tiling, mesh: MeshSpec, permuted: dict, again: bool):
+    """`move` for a change in which dims trade axes by a collective-permute: the new
+    axes the value is partial over are all-reduced, each such dim permuted, then the
+    rest moved."""
+    new = {a for _, gained in permuted.values() for a in gained}
+    summed = tuple(a for a in src.partial if a in new)
+    if summed:
+        x = reduce_all(x, summed, src.reduce_kind)
+    for dim, (gone, gained) in permuted.items():
+        x = _permute(x, dim, gone, gained, mesh, again)
+    dims = tuple(dst.dims[d] if d in permuted else axes for d, axes in enumerate(src.dims))
+    partial = tuple(a for a in src.partial if a not in new)
+    return move(x, Tiling(dims, partial, src.reduce_kind if partial else "sum"), dst, mesh, again=again)
+
+
+def _permute(x, dim: int, gone: tuple, gained: tuple, mesh: MeshSpec, again: bool):
+    """This device's block of dim `dim` split over `gained` (after shared leading axes)
+    instead of `gone`: each device cuts, from its old block, the new block of the
+    device it sends to; one collective-permute over the axes of both."""
+    axes = tuple(a for a in mesh.names if a in set(gone) | set(gained))
+    coords = list(itertools.product(*(range(mesh.size(a)) for a in axes)))
+
+    def index(c, over):  # block index of device coords `c` over axes `over`, major first
+        i = 0
+        for a in over:
+            i = i * mesh.size(a) + c[axes.index(a)]
+        return i
+
+    ratio = mesh.devices_along(gained) // mesh.devices_along(gone)
+    wanted: dict[int, list] = {}  # old block -> (receiver, piece of it)
+    for r, c in enumerate(coords):
+        wanted.setdefault(index(c, gained) // ratio, []).append((r, index(c, gained) % ratio))
+    held: dict[int, list] = {}  # old block -> senders holding it
+    for r, c in enumerate(coords):
+        held.setdefault(index(c, gone), []).append(r)
+    pairs, piece = [], [0] * len(coords)
+    for block, receivers in wanted.items():
+        for (receiver, k), sender in zip(receivers, held[block]):
+            pairs.append((sender, receiver))
+            piece[sender] = k
+    n = x.shape[dim] // ratio
+    y = jax.lax.dynamic_slice_in_dim(x, jnp.asarray(piece, jnp.int32)[block_index(axes, mesh)] * n, n, axis=dim)
+    if again:  # a flat buffer, so that XLA does not merge it with the first move's
+        return jax.lax.ppermute(y.reshape(-1), axes, perm=pairs).reshape(y.shape)
+    return jax.lax.ppermute(y, axes, perm=pairs)
 
 
 class _Factors:

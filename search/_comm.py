@@ -7,12 +7,15 @@ first, as XLA orders them):
     reduce-scatter    partial over axes dst splits a dim over     B -> B/n
     slice             axes dst splits and src did not             B -> B/n  (free)
     all-reduce        partial over axes dst does not split        buffer B
+    collective-permute  a dim trades axes for as many or more     B -> B*m/n
     all-to-all        an axis moves from one dim to another       B
     all-gather        axes src splits and dst does not            B -> B*n
 
-except that a dim which loses some axes and gains others (`P('model') -> P('data')`) is
-gathered before it is sliced: slicing first would leave each device a strided set of
-blocks, not a shard of the new layout.
+except that a dim which loses some axes and gains others splitting it into fewer blocks
+(`P('model') -> P('data')` on `data=2, model=4`) is gathered before it is sliced:
+slicing first would leave each device a strided set of blocks, not a shard of the new
+layout. Into as many blocks or more, each device receives its new block from a device
+whose old block holds it (a collective-permute of the new block, as XLA moves it).
 
 Time on a ring of `n` devices with per-hop latency `alpha` and per-direction link
 bandwidth `beta` (the slowest link level among the collective's axes):
@@ -21,6 +24,7 @@ bandwidth `beta` (the slowest link level among the collective's axes):
     reduce-scatter    (n-1) alpha +   (n-1)/n * B / beta        (B = operand)
     all-gather        (n-1) alpha +   (n-1)/n * R / beta        (R = result)
     all-to-all        (n-1) alpha +   (n-1)/n * B / beta
+    collective-permute      alpha +             R / beta        (R = result)
 
 Gradient reductions over the same axes are combined into one collective per step
 (their latency paid once), as XLA's combiner and DDP's buckets do.
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partir import Tiling, transition
+from partir import Tiling, permuted_dims, transition
 
 
 #: Bytes of gradient reductions XLA combines into one collective (its all-reduce
@@ -101,16 +105,17 @@ class LinkModel:
             return 0.0
         bw = min(self.bw[a] for a in axes)
         alpha = max(self.alpha[a] for a in axes)
-        steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+        if kind == "collective-permute":  # one hop: each device sends its block, receives one
+            return alpha + nbytes / bw
         traffic = (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
-        return steps * alpha + traffic / bw
+        return _steps(kind, n) * alpha + traffic / bw
 
     def latency(self, kind: str, axes: tuple[str, ...]) -> float:
         """The latency part of one collective: `steps * alpha`."""
         n = self.mesh.devices_along(axes)
         if n <= 1:
             return 0.0
-        return (2 * (n - 1) if kind == "all-reduce" else n - 1) * max(self.alpha[a] for a in axes)
+        return _steps(kind, n) * max(self.alpha[a] for a in axes)
 
     def total_time(self, cols) -> float:
         """Seconds for collectives `cols` in a step. Gradient reductions over the same
@@ -134,7 +139,7 @@ class LinkModel:
         out = []
         # Size-1 axes move nothing: leave them out of every collective.
         steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
-        for kind in _order(src, dst):
+        for kind in _order(src, dst, mesh):
             axes = steps.get(kind)
             if not axes:
                 continue
@@ -151,22 +156,33 @@ class LinkModel:
                 cur /= n
             elif kind == "all-to-all":
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
+            elif kind == "collective-permute":
+                held = {a for dims in src.dims for a in dims}
+                cur = cur * self.mesh.devices_along(a for a in axes if a in held) // self.mesh.devices_along(
+                    a for dims in dst.dims for a in dims if a in axes)
+                out.append((kind, axes, cur, self.time(kind, axes, cur)))
             else:
                 cur *= n
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
         return out
 
 
+def _steps(kind: str, n: int) -> int:
+    """Ring steps of one collective of `kind` over `n` devices."""
+    return 1 if kind == "collective-permute" else 2 * (n - 1) if kind == "all-reduce" else n - 1
+
+
 #: The order of a layout change's collectives: what shrinks the buffer first.
-ORDER = ("reduce-scatter", "slice", "all-reduce", "all-to-all", "all-gather")
-#: The order when a dim trades axes for others: gathered whole, then sliced.
-ORDER_SWAP = ("reduce-scatter", "all-reduce", "all-to-all", "all-gather", "slice")
+ORDER = ("reduce-scatter", "slice", "all-reduce", "collective-permute", "all-to-all", "all-gather")
+#: The order when a dim trades axes for fewer blocks: gathered whole, then sliced.
+ORDER_SWAP = ("reduce-scatter", "all-reduce", "collective-permute", "all-to-all", "all-gather", "slice")
 
 
-def _order(src: Tiling, dst: Tiling) -> tuple[str, ...]:
+def _order(src: Tiling, dst: Tiling, mesh) -> tuple[str, ...]:
     """`ORDER_SWAP` if some dim of `src` loses axes that `dst` does not split it by and
-    gains others, else `ORDER`."""
-    for before, after in zip(src.dims, dst.dims):
-        if set(before) - set(after) and set(after) - set(before):
+    gains others, not by a collective-permute, else `ORDER`."""
+    permuted = permuted_dims(src, dst, mesh)
+    for dim, (before, after) in enumerate(zip(src.dims, dst.dims)):
+        if set(before) - set(after) and set(after) - set(before) and dim not in permuted:
             return ORDER_SWAP
     return ORDER

@@ -86,6 +86,21 @@ def test_plans_that_move_activations_for_the_backward_match_xla(model, plan):
     _assert_matches_xla(search.compare_with_xla(part, args))
 
 
+@pytest.mark.parametrize("model,shape", [("mlp", (4, 2)), ("convnet", (2, 4)), pytest.param("convnet", (4, 2), marks=pytest.mark.slow)])
+def test_plans_xla_would_move_its_own_way_match_xla(model, shape):
+    # Random plan 2 leaves the MLP's dots whole along `data` and reduce-scatters over the
+    # 2-device `model` axis: XLA would split the dots along `data` and permute the results,
+    # so the jit lowering states the layouts the plan computes in. The convnet's bias,
+    # split over `model`, is added to channels split over `data`, and its gradient, made
+    # split over `data` and partial over `model`, is kept split over `model`: a dim trading
+    # axes, moved by a collective-permute into finer blocks, gathered first into coarser.
+    step, args = _example(model)
+    part = random_plan(partir.lift(step, *args), MeshSpec.of(data=shape[0], model=shape[1]), seed=2)
+    f = search.compare_with_xla(part, args)
+    _assert_matches_xla(f)
+    assert ("collective-permute" in f.kinds) == (model == "convnet")
+
+
 def test_scan_gradients_are_reduced_per_trip_under_fsdp():
     # XLA combines gradient reductions within one computation: the scan body's weight
     # gradients are reduced together in every trip, not with the ones outside the loop,

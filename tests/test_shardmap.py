@@ -273,3 +273,40 @@ def test_automap_runs_a_plan_as_shard_map(tmp_path):
         plan.jit("pjit")
     with pytest.raises(automap.PlanError, match=r"process_local names no argument at \[5\]"):
         plan.shard_args(*args, process_local=(2, 5))
+
+
+# (src dims, partial axes, dst dims) on `MESH` (data=2, model=4): a dim trading its axes
+# for ones that split it into as many blocks or more is moved by a collective-permute.
+TRADES = [
+    (((), ("data",)), (), ((), ("model",))),
+    ((("data",), ()), (), ((("model", "data")), ())),
+    (((), ("data",)), ("model",), ((), ("model",))),
+]
+
+
+@pytest.mark.parametrize("src,partial,dst", TRADES, ids=["refine", "behind", "partial"])
+def test_a_dim_trading_axes_is_permuted_as_modeled(src, partial, dst):
+    # jit (XLA's own reshard, for inputs that are not partial) and the shard_map lowering
+    # move the value as the model charges it: one collective-permute of the new block,
+    # after all-reducing the new axes the value is partial over.
+    jmesh = MESH.jax_mesh()
+    src_t, dst_t = Tiling(src, partial), Tiling(dst)
+    x = jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 32)
+    links = search.LinkModel(MESH, search.get_device("cpu"), {a: "intra" for a in MESH.names})
+    modeled = collections.Counter((k, axes, int(b)) for k, axes, b, _ in links.reshard(src_t, dst_t, x.nbytes, MESH))
+    assert {k for k, _, _ in modeled} - {"all-reduce"} == {"collective-permute"}
+
+    def local(block):
+        if partial:  # a partial sum whose terms add up to the block on every device
+            block = block * (jax.lax.axis_index(partial) == 0)
+        return partir._spmd.move(block, src_t, dst_t, MESH)
+
+    spmd = jax.jit(jax.shard_map(local, mesh=jmesh, in_specs=Tiling(src).spec(), out_specs=dst_t.spec(),
+                                 check_vma=False))
+    np.testing.assert_array_equal(spmd(x), x)
+    assert compiled_collectives(spmd.lower(x).compile().as_text(), jmesh) == modeled
+    if not partial:
+        sh = jax.sharding.NamedSharding
+        jitted = jax.jit(lambda y: y * 2, in_shardings=sh(jmesh, Tiling(src).spec()),
+                         out_shardings=sh(jmesh, dst_t.spec()))
+        assert compiled_collectives(jitted.lower(x).compile().as_text(), jmesh) == modeled
