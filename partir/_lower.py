@@ -35,6 +35,9 @@ LAYOUT_ONLY = ("sharding_constraint", "reshard", "mesh_cast")
 #: Primitives that cut pieces out of a value (along dims their rules block).
 CUTS = ("split", "slice")
 
+#: Contractions, whose partitioning XLA may choose along a mesh axis the plan leaves idle.
+CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
 _BACKENDS: dict[str, Callable] = {}
 
 
@@ -209,9 +212,10 @@ def stated_on_the_way(part: Partitioning, v: int) -> list:
 
     - a piece cut whole and kept split: the whole piece (else XLA reshards the operand
       to the kept layout first and exchanges halos to cut it);
-    - a partial sum kept split along every axis it is summed over (a reduce-scatter):
-      the summed layout (else XLA computes the op split along an idle axis and permutes
-      the result to the kept layout);
+    - a contraction's partial sum kept split along every axis it is summed over (a
+      reduce-scatter): the summed layout (else XLA computes the op split along an idle
+      axis and permutes the result to the kept layout; a scatter-add's, stated so, would
+      have XLA gather its operand instead);
     - a dim traded for fewer blocks: the layout gathered to the axes it keeps (else XLA
       permutes blocks to groups of devices and gathers within them)."""
     prog = part.program
@@ -222,7 +226,7 @@ def stated_on_the_way(part: Partitioning, v: int) -> list:
     out = []
     if prog.ops[p].primitive in CUTS and not made.partial and made.dims != kept.dims:
         out.append(made)
-    if made.partial and _scatters(made, kept):
+    if made.partial and prog.ops[p].primitive in CONTRACTIONS and _scatters(made, kept):
         out.append(made.without_partial())
     via = gathered_first(made.without_partial(), kept, part.mesh)
     if via is not None:
