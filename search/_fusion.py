@@ -11,7 +11,9 @@ The jaxpr is not what XLA executes. Before buffers are assigned, XLA
    consumer re-derives them, in the forward and in the backward, from their *sources*
    (the materialized values they were broadcast from), which must stay live instead;
 3. makes a reshape a view of its operand's buffer (a bitcast in XLA's row-major
-   layouts), so a value and its reshapes are one buffer.
+   layouts), so a value and its reshapes are one buffer;
+4. keeps the activation entering each layer of an unrolled program as a buffer, as a
+   scan's carry is one, however cheap the op that makes it (a residual add).
 
 `materialization(program)` computes these static facts once per program; the cost
 model prices and the liveness counts only what XLA materializes.
@@ -101,6 +103,7 @@ def materialization(program) -> Materialization:
     backward = np.array(program.backward, dtype=bool)
     readers, late = _readers(program, live, backward)
     stacks = _Stacks(program)
+    boundaries = _layer_boundaries(program)
     for op in program.ops:  # lift order: operands are decided before their users
         if not live[op.id]:
             for v in op.results:
@@ -114,6 +117,8 @@ def materialization(program) -> Materialization:
         if kind is None:
             continue
         made, srcs = kind
+        if not made and any(v in boundaries for v in op.results):
+            continue
         for v in op.results:
             if v >= 0 and _single_producer(produced[v], op.id, live):
                 virtual[v] = True
@@ -290,6 +295,17 @@ def _readers(program, live, backward):
             if out[v] is not None:
                 out[v] = None if entry is None else out[v] + entry
     return out, late
+
+
+def _layer_boundaries(program) -> set[int]:
+    """The activations that enter a layer of an unrolled program: XLA makes each a
+    buffer, as a scan's carry is one. Fused into its readers instead (the next layer's
+    norm and residual add, and the backward pass's recomputation), it would keep both
+    summands of every earlier layer's residual add alive: XLA bounds what it fuses."""
+    from partir import layer_blocks
+
+    made = {v for op in program.ops if not op.link for v in op.results if v >= 0}
+    return {v for b in layer_blocks(program) if b.loop < 0 for v in b.inputs if v in made}
 
 
 def _materialized_sources(sources, virtual) -> dict:
