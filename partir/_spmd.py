@@ -12,10 +12,13 @@ gathered or sent away) or in `dst` (`new`: scattered, sliced or received). When 
 has only one of the two, the local block is viewed as one factor per such axis
 (the device's own piece, size 1, or every piece, size n) and a rest; each collective
 brings the factors of its axes to the front, runs once over all its axes at once, and
-puts them back. A dim with both (an axis that stays on its dim but behind other axes)
-cannot be rearranged by one collective of each kind: the value is then gathered to
-the shared layout first and cut to `dst` after, which is always right but moves more
-than the model charges.
+puts them back. A dim with both that `permuted_dims` names (its new axes split it into
+a multiple of its old blocks) is moved by one `ppermute` first, each device cutting
+from its block the new block of the device it sends to. Another dim with both (an
+axis that stays on its dim but behind other axes, or fewer blocks) cannot be
+rearranged by one collective of each kind: the value is then gathered to the shared
+layout first and cut to `dst` after, which is always right and, into fewer blocks,
+what the model charges.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._mesh import MeshSpec
-from ._reshard import permuted_dims, transition
+from ._reshard import permuted_dims, traded, transition
 from ._tiling import Tiling
 
 #: Reduction kind -> the collective that completes a partial value of that kind.
@@ -63,13 +66,6 @@ def _strip(t: Tiling, sizes: dict) -> Tiling:
     return Tiling(dims, tuple(a for a in t.partial if sizes[a] > 1), t.reduce_kind)
 
 
-def _keep(s: tuple, d: tuple) -> int:
-    n = 0
-    while n < min(len(s), len(d)) and s[n] == d[n]:
-        n += 1
-    return n
-
-
 def move(x, src: Tiling, dst: Tiling, mesh: MeshSpec, *, again: bool = False):
     """`x` (the local block of a value laid out as `src`) as its block under `dst`.
 
@@ -84,7 +80,7 @@ def move(x, src: Tiling, dst: Tiling, mesh: MeshSpec, *, again: bool = False):
     permuted = permuted_dims(src, dst, mesh)
     if permuted:
         return _move_permuting(x, src, dst, mesh, permuted, again)
-    keeps = [_keep(s, d) for s, d in zip(src.dims, dst.dims)]
+    keeps = [len(s) - len(traded(s, d)[0]) for s, d in zip(src.dims, dst.dims)]  # the shared leading runs
     if any(len(s) > k and len(d) > k for s, d, k in zip(src.dims, dst.dims, keeps)):
         shared = Tiling(tuple(s[:k] for s, k in zip(src.dims, keeps)))
         return move(move(x, src, shared, mesh, again=again), shared, dst, mesh, again=again)
