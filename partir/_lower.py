@@ -177,6 +177,8 @@ def _eval_region(prog, rid: int, args, hooks):
     env, ids = {}, {}
     for var, c in zip(jaxpr.constvars, region.consts):
         env[var] = c
+    for v, c in zip(region.constvars, region.consts):
+        hooks.record(v, c)  # what a value made from scalars is made again from
     for var, a, v in zip(jaxpr.invars, args, region.invars):
         env[var], ids[var] = (a if rid == 0 else hooks.constrain(a, v)), v
         hooks.record(v, env[var])

@@ -86,6 +86,28 @@ def test_plans_that_move_activations_for_the_backward_match_xla(model, plan):
     _assert_matches_xla(search.compare_with_xla(part, args))
 
 
+def test_a_scatter_into_zeros_computing_whole_along_an_axis_matches_xla():
+    # An embedding gradient: sequence-split rows scatter-added into zeros, summed over
+    # 'data' and kept split by feature; it computes whole along 'model'. Read in their own
+    # feature-split layout, the zeros lead XLA to split the scatter along 'model' too
+    # (an all-to-all, an all-reduce over half of 'model', a gather, a permute); remade
+    # whole where the scatter reads them, they cost nothing and leave one all-reduce.
+    def embedding_grad(table, ids, g):
+        return jax.grad(lambda t: jnp.sum(t[ids] * g))(table)
+
+    args = (jax.ShapeDtypeStruct((512, 128), jnp.float32), jax.ShapeDtypeStruct((8, 32), jnp.int32),
+            jax.ShapeDtypeStruct((8, 32, 128), jnp.float32))
+    prog = partir.lift(embedding_grad, *args)
+    part = partir.Partitioning(prog, MeshSpec.of(data=2, model=4))
+    for name in ("ids", "g"):
+        part.tile(name, 1, "data")
+    part.tile("table", 1, "data")
+    part.tile(prog.outputs[0], 1, "data")
+    f = search.compare_with_xla(part, args)
+    assert {k for k, (mc, mb, xc, xb) in f.kinds.items() if xb} == {"all-reduce"}
+    assert f.bytes_error("all-reduce") <= BYTES_BAND, f.kinds
+
+
 def test_scan_gradients_are_reduced_per_trip_under_fsdp():
     # XLA combines gradient reductions within one computation: the scan body's weight
     # gradients are reduced together in every trip, not with the ones outside the loop,
