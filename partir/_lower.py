@@ -31,9 +31,6 @@ CONSTRAIN_MODES = ("all", "boundary")
 #: constraints replace them.
 LAYOUT_ONLY = ("sharding_constraint", "reshard", "mesh_cast")
 
-#: Primitives that cut pieces out of a value (along dims their rules block).
-CUTS = ("split", "slice")
-
 _BACKENDS: dict[str, Callable] = {}
 
 
@@ -97,12 +94,12 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
             # say the summed layout first, else XLA computes the op split along an idle
             # axis and permutes the result to the kept layout.
             x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.without_partial().spec()))
-        if p >= 0 and prog.ops[p].primitive in CUTS:
-            made = part.produced(v)
-            if not made.partial and made.dims != part.tiling(v).dims:
-                # A piece cut whole and kept split: say both, else XLA reshards the
-                # operand to the kept layout first and exchanges halos to cut it.
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
+        elif made is not None and not made.partial and made.dims != part.tiling(v).dims:
+            # Made in one layout and kept in another (resharded after its op): say both,
+            # else XLA computes the op in the kept layout and moves its operands there
+            # its own way (a cut exchanging halos; a matmul gathering one operand where
+            # the plan moves its result with an all-to-all).
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, made.spec()))
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
     hooks = JitHooks(part, mesh, constrain_value)

@@ -108,6 +108,18 @@ def test_a_scatter_into_zeros_computing_whole_along_an_axis_matches_xla():
     assert f.bytes_error("all-reduce") <= BYTES_BAND, f.kinds
 
 
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_results_made_in_one_layout_and_kept_in_another_match_xla(shape):
+    # Random plan 2 of the GPT with remat under scan splits everything over 'data' alone.
+    # The attention's backward matmul dP = dO V^T is made split by key and kept split by
+    # query (an all-to-all after it): told only the kept layout, XLA gathers V instead
+    # and computes dP split by query (an all-gather in place of the all-to-all).
+    cfg = dataclasses.replace(FIDELITY_CONFIGS["gpt"], remat=True, remat_policy=None, scan_layers=True)
+    step, args = gpt.make_train_step(cfg, abstract=True)
+    part = random_plan(partir.lift(step, *args), MeshSpec.of(data=shape[0], model=shape[1]), seed=2)
+    _assert_matches_xla(search.compare_with_xla(part, args))
+
+
 def test_scan_gradients_are_reduced_per_trip_under_fsdp():
     # XLA combines gradient reductions within one computation: the scan body's weight
     # gradients are reduced together in every trip, not with the ones outside the loop,
