@@ -32,9 +32,6 @@ CONSTRAIN_MODES = ("all", "boundary")
 #: constraints replace them.
 LAYOUT_ONLY = ("sharding_constraint", "reshard", "mesh_cast")
 
-#: Primitives that cut pieces out of a value (along dims their rules block).
-CUTS = ("split", "slice")
-
 #: Contractions, whose partitioning XLA may choose along a mesh axis the plan leaves idle.
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
@@ -170,6 +167,8 @@ def _eval_region(prog, rid: int, args, hooks):
     env, ids = {}, {}
     for var, c in zip(jaxpr.constvars, region.consts):
         env[var] = c
+    for v, c in zip(region.constvars, region.consts):
+        hooks.record(v, c)  # what a value made from scalars is made again from
     for var, a, v in zip(jaxpr.invars, args, region.invars):
         env[var], ids[var] = (a if rid == 0 else hooks.constrain(a, v)), v
         hooks.record(v, env[var])
@@ -210,8 +209,10 @@ def stated_on_the_way(part: Partitioning, v: int) -> list:
     """The layouts, in order, that the `jit` lowering states for value `v` between the
     op that makes it and its at-rest layout, so that XLA moves it as the model does:
 
-    - a piece cut whole and kept split: the whole piece (else XLA reshards the operand
-      to the kept layout first and exchanges halos to cut it);
+    - a result made in one layout and kept in another, not partial: the layout it is
+      made in (else XLA computes the op in the kept layout and moves its operands there
+      its own way: a cut exchanging halos, a matmul gathering one operand where the plan
+      moves its result with an all-to-all);
     - a contraction's partial sum kept split along every axis it is summed over (a
       reduce-scatter): the summed layout (else XLA computes the op split along an idle
       axis and permutes the result to the kept layout; a scatter-add's, stated so, would
@@ -224,7 +225,7 @@ def stated_on_the_way(part: Partitioning, v: int) -> list:
         return []
     made, kept = part.produced(v), part.tiling(v)
     out = []
-    if prog.ops[p].primitive in CUTS and not made.partial and made.dims != kept.dims:
+    if not made.partial and made.dims != kept.dims:
         out.append(made)
     if made.partial and prog.ops[p].primitive in CONTRACTIONS and _scatters(made, kept):
         out.append(made.without_partial())

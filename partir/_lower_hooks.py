@@ -28,7 +28,7 @@ class JitHooks:
     def __init__(self, part, mesh, constrain):
         self.prog = part.program
         self.constrain = constrain
-        self.reads = Reads(part, mesh)
+        self.reads = Reads(part, mesh, self.remake)
         self.remat = Recomputation(part, self) if part.rematerialized or part.reused else None
         self.values: dict = {}
 
@@ -42,6 +42,14 @@ class JitHooks:
     def record(self, v: int, x) -> None:
         """Keep value `v` of the trace (what recomputation starts from)."""
         self.values[v] = x
+
+    def remake(self, v: int):
+        """Value `v`, made from scalars alone (`Program.rematerializable`), made again
+        from this trace's scalars."""
+        op = self.prog.ops[self.prog.producer[v]]
+        args = [self.values[u] if u >= 0 else var.val for u, var in zip(op.operands, op.eqn.invars)]
+        outs = op.eqn.primitive.bind(*args, **op.eqn.params)
+        return outs[op.results.index(v)] if op.eqn.primitive.multiple_results else outs
 
     def operands(self, rid: int, i: int, eqn, ids, invals):
         """What equation `i` of region `rid` reads (`ids`: its operands' value ids)."""
@@ -86,8 +94,11 @@ class Reads:
     dim), or that computes whole along some mesh axis, reads what it moves through a
     sharding constraint to the layout the plan says it computes with: XLA then moves it
     there, instead of computing the op some other way (exchanging halos, or splitting it
-    along the idle axis and permuting the result). Readers of one value in one layout within one pass and one loop
-    body share one copy (moved once per pass).
+    along the idle axis and permuting the result). A value made from scalars alone (a
+    broadcast constant) that such an op reads in another layout is made again there, in
+    that layout, as the cost model has it (it moves nothing); left in its own layout,
+    XLA would split the op the way that value is split. Readers of one value in one
+    layout within one pass and one loop body share one copy (moved once per pass).
 
     And the backward pass moves a forward value again, as FSDP re-gathers a parameter
     for its backward matmuls and sequence parallelism an activation: left alone, XLA
@@ -96,8 +107,8 @@ class Reads:
     an `optimization_barrier` taken together with one of the op's backward operands (or
     the latest backward value), so the move can only happen in the backward pass."""
 
-    def __init__(self, part, mesh):
-        self.part, self.mesh = part, mesh
+    def __init__(self, part, mesh, remake):
+        self.part, self.mesh, self.remake = part, mesh, remake
         self.prog = part.program
         self.made, self.last = {}, None
 
@@ -108,12 +119,18 @@ class Reads:
     def _forward(self, v: int) -> bool:
         return made_in_forward(self.prog, v)
 
-    def _moved(self, oid: int) -> list[int]:
+    def _moved(self, oid: int) -> tuple[list[int], list[int]]:
+        """The operands op `oid` reads in a layout other than their own: those it moves,
+        and those made from scalars alone that it remakes in its layout (when it must)."""
         prog, part = self.prog, self.part
         op = prog.ops[oid]
-        return [k for k, v in enumerate(op.operands)
-                if v >= 0 and prog.values[v].shape and _numeric(prog.values[v].dtype)
-                and part.required(oid, k).dims != part.tiling(v).dims and not prog.rematerializable(v)]
+        other = [k for k, v in enumerate(op.operands)
+                 if v >= 0 and prog.values[v].shape and _numeric(prog.values[v].dtype)
+                 and part.required(oid, k).dims != part.tiling(v).dims]
+        made = [k for k in other if prog.rematerializable(op.operands[k])]
+        if made and not self._idle(oid):
+            made = [k for k in made if self._pinned(oid, k)]
+        return [k for k in other if not prog.rematerializable(op.operands[k])], made
 
     def _pinned(self, oid: int, k: int) -> bool:
         """Must operand `k` of op `oid` be constrained to the layout the op reads it in?
@@ -137,12 +154,15 @@ class Reads:
         prog, part = self.prog, self.part
         if part.classes.trivial[oid]:
             return invals
-        moved = self._moved(oid)
-        if not moved:
+        moved, remade = self._moved(oid)
+        if not moved and not remade:
             return invals
         op, backward = prog.ops[oid], prog.backward[oid]
         anchor = next((k for k, v in enumerate(op.operands) if v >= 0 and k not in moved and not self._forward(v)), None)
         invals = list(invals)
+        for k in remade:
+            x = self.remake(op.operands[k])
+            invals[k] = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, part.required(oid, k).spec()))
         for k in moved:
             need = part.required(oid, k)
             key = (op.operands[k], need.dims, backward, prog.regions[rid].parent >= 0 and rid)

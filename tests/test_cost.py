@@ -101,6 +101,40 @@ def test_plans_xla_would_move_its_own_way_match_xla(model, shape):
     assert ("collective-permute" in f.kinds) == (model == "convnet")
 
 
+def test_a_scatter_into_zeros_computing_whole_along_an_axis_matches_xla():
+    # An embedding gradient: sequence-split rows scatter-added into zeros, summed over
+    # 'data' and kept split by feature; it computes whole along 'model'. Read in their own
+    # feature-split layout, the zeros lead XLA to split the scatter along 'model' too
+    # (an all-to-all, an all-reduce over half of 'model', a gather, a permute); remade
+    # whole where the scatter reads them, they cost nothing and leave one all-reduce.
+    def embedding_grad(table, ids, g):
+        return jax.grad(lambda t: jnp.sum(t[ids] * g))(table)
+
+    args = (jax.ShapeDtypeStruct((512, 128), jnp.float32), jax.ShapeDtypeStruct((8, 32), jnp.int32),
+            jax.ShapeDtypeStruct((8, 32, 128), jnp.float32))
+    prog = partir.lift(embedding_grad, *args)
+    part = partir.Partitioning(prog, MeshSpec.of(data=2, model=4))
+    for name in ("ids", "g"):
+        part.tile(name, 1, "data")
+    part.tile("table", 1, "data")
+    part.tile(prog.outputs[0], 1, "data")
+    f = search.compare_with_xla(part, args)
+    assert {k for k, (mc, mb, xc, xb) in f.kinds.items() if xb} == {"all-reduce"}
+    assert f.bytes_error("all-reduce") <= BYTES_BAND, f.kinds
+
+
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((4, 2), marks=pytest.mark.slow)], ids=["2x4", "4x2"])
+def test_results_made_in_one_layout_and_kept_in_another_match_xla(shape):
+    # Random plan 2 of the GPT with remat under scan splits everything over 'data' alone.
+    # The attention's backward matmul dP = dO V^T is made split by key and kept split by
+    # query (an all-to-all after it): told only the kept layout, XLA gathers V instead
+    # and computes dP split by query (an all-gather in place of the all-to-all).
+    cfg = dataclasses.replace(FIDELITY_CONFIGS["gpt"], remat=True, remat_policy=None, scan_layers=True)
+    step, args = gpt.make_train_step(cfg, abstract=True)
+    part = random_plan(partir.lift(step, *args), MeshSpec.of(data=shape[0], model=shape[1]), seed=2)
+    _assert_matches_xla(search.compare_with_xla(part, args))
+
+
 def test_scan_gradients_are_reduced_per_trip_under_fsdp():
     # XLA combines gradient reductions within one computation: the scan body's weight
     # gradients are reduced together in every trip, not with the ones outside the loop,
