@@ -108,3 +108,15 @@ def test_the_layer_inputs_of_a_deep_unrolled_model_are_buffers_as_a_scans_carry(
     costs = [_cost(T.apply_schedule(p, mesh, schedule).partitioning)
              for p in _programs(llama.make_train_step, dataclasses.replace(llama.LLAMA3_70B, remat=False))]
     _close(*costs)
+
+
+def test_a_recomputed_residual_keeps_no_stack_between_the_loops():
+    # Llama-3-8B's shapes, 4 layers, Megatron's recipe with `dots` remat: the attention
+    # probabilities are recomputed in the backward loop, so the forward loop stacks none
+    # (2 GiB a device here), though what the backward loop fuses into their readers is
+    # re-derived from the recomputed copy: a scan's peak stays the unrolled one's.
+    schedule = llama.dp_tp_sp_zero3("data", "model") + [T.Remat("dots")]
+    config = dataclasses.replace(llama.LLAMA3_8B, n_layers=4, remat=False)
+    costs = [_cost(T.apply_schedule(p, MeshSpec.of(data=8, model=8), schedule).partitioning)
+             for p in _programs(llama.make_train_step, config)]
+    _close(*costs)
