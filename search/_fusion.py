@@ -298,14 +298,21 @@ def _readers(program, live, backward):
 
 
 def _layer_boundaries(program) -> set[int]:
-    """The activations that enter a layer of an unrolled program: XLA makes each a
-    buffer, as a scan's carry is one. Fused into its readers instead (the next layer's
-    norm and residual add, and the backward pass's recomputation), it would keep both
-    summands of every earlier layer's residual add alive: XLA bounds what it fuses."""
+    """The activations that enter a layer of an unrolled program after the first (made
+    by the op just before it, the residual stream's add): XLA makes each a buffer, as a
+    scan's carry is one. Fused into its readers instead (the next layer's norm and
+    residual add, and the backward pass's recomputation), it would keep both summands of
+    every earlier layer's residual add alive: XLA bounds what it fuses. (The first
+    layer's start is where the cut is least sure, and its input, made once, is a
+    constant beside the layers.)"""
     from partir import layer_blocks
 
-    made = {v for op in program.ops if not op.link for v in op.results if v >= 0}
-    return {v for b in layer_blocks(program) if b.loop < 0 for v in b.inputs if v in made}
+    out = set()
+    for b in layer_blocks(program)[1:]:
+        if b.loop < 0:
+            op = program.ops[b.ops[0] - 1]
+            out.update(v for v in op.results if v in b.inputs and not op.link)
+    return out
 
 
 def _materialized_sources(sources, virtual) -> dict:
