@@ -75,7 +75,7 @@ class RematView:
                 if op.link and op.primitive == Link.SCAN_XS and op.operands[0] == stack:
                     sliced = op.results[0]
                     virtual[sliced] = True
-                    reads = _recomputed_reads(program, sliced, virtual, sources)
+                    reads = _recomputed_reads(program, sliced, sources)
                     if reads:
                         extra.append((min(reads), max(reads), sliced, 1))
             trips = program.regions[program.values[r].region].trip_count or 1
@@ -116,31 +116,15 @@ def _made(program, v: int) -> int:
     return max(p, 0)
 
 
-def _recomputed_reads(program, sliced: int, virtual, sources: dict) -> list[int]:
+def _recomputed_reads(program, sliced: int, sources: dict) -> list[int]:
     """The ops of the backward loop that read `sliced` (a recomputed residual's slice of
-    its stack), directly or through values fused into their readers: its recomputed copy
-    lives across them. Those fused values are re-derived from the copy, not the stack
-    (`sources` updated), whose buffer would otherwise span both loops."""
-    reads = list(program.users[sliced])
+    its stack): its recomputed copy lives across them. What fuses into its readers is
+    re-derived from that copy, not from the stack (`sources` updated), as in line (see
+    `Liveness`): else the stack's buffer would span both loops."""
     for v, srcs in list(sources.items()):
         if sliced in srcs:
             sources[v] = tuple(u for u in srcs if u != sliced)
-            reads += _last_fused_read(program, v, virtual)
-    return reads
-
-
-def _last_fused_read(program, v: int, virtual) -> list[int]:
-    """The readers of `v`, and of the fused values made from it, down to buffers."""
-    out, stack, seen = [], [v], set()
-    while stack:
-        u = stack.pop()
-        for o in program.users[u]:
-            out.append(o)
-            for r in program.ops[o].results:
-                if r >= 0 and virtual[r] and r not in seen:
-                    seen.add(r)
-                    stack.append(r)
-    return out
+    return list(program.users[sliced])
 
 
 def _is_invar(program, v: int) -> bool:
