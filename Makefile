@@ -17,11 +17,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Test workers: one per core, at most 4 (each simulates 8 devices and compiles on its own).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses=4
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "" --hypothesis-profile=thorough
+	$(PY) -m pytest -q -n auto --maxprocesses=4 -m "" --hypothesis-profile=thorough
 
 fuzz: $(STAMP)
 	$(PY) tests/fuzz.py $(N)

@@ -15,9 +15,13 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same program (the plain-jit reference of an example under each
 # plan, a plan in-process and again in a subprocess): XLA's persistent cache, in a folder
-# of this session only, compiles each once. Set in the environment so that the tests'
-# subprocesses share it too.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-xla-cache-")
+# of this run only, compiles each once. Set in the environment so that the tests'
+# subprocesses share it too, and named by pytest-xdist's run id so that its workers do.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_XLA_CACHE = os.path.join(tempfile.gettempdir(), f"automap-test-xla-cache-{_RUN}") if _RUN else \
+    tempfile.mkdtemp(prefix="automap-test-xla-cache-")
+os.makedirs(_XLA_CACHE, exist_ok=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
