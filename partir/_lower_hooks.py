@@ -14,6 +14,14 @@ from jax.sharding import NamedSharding
 from ._errors import PartitioningError
 from ._nested import Link
 from ._reshard import gathered_first
+from .rules._indexing import ADDITIVE_SCATTERS, OTHER_SCATTERS
+
+
+#: Ops that read or write at indices: what they move is constrained to the layout they
+#: read it in. Left to move it themselves, XLA's gather partitioner can emit a gather
+#: its own verifier rejects (an operand split along a sliced dim, all-reduced, then
+#: sliced past its local size).
+INDEXED = ("gather", *ADDITIVE_SCATTERS, *OTHER_SCATTERS)
 
 
 def _numeric(dtype) -> bool:
@@ -138,6 +146,8 @@ class Reads:
         spatial dim), XLA would otherwise compute the op its own way (exchanging halos);
         elsewhere it reshards as the plan says on its own."""
         op, v = self.prog.ops[oid], self.prog.ops[oid].operands[k]
+        if op.primitive in INDEXED:
+            return True
         blocked = set(op.rule.blocked)
         return any(axes and any(f in blocked for f in op.rule.operands[k][d])
                    for d, axes in enumerate(self.part.tiling(v).dims))
