@@ -139,7 +139,7 @@ class LinkModel:
         out = []
         # Size-1 axes move nothing: leave them out of every collective.
         steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
-        for kind in _order(src, dst, mesh):
+        for kind in _order(src, dst, permuted_dims(src, dst, mesh) if "collective-permute" in steps else {}):
             axes = steps.get(kind)
             if not axes:
                 continue
@@ -178,10 +178,9 @@ ORDER = ("reduce-scatter", "slice", "all-reduce", "collective-permute", "all-to-
 ORDER_SWAP = ("reduce-scatter", "all-reduce", "collective-permute", "all-to-all", "all-gather", "slice")
 
 
-def _order(src: Tiling, dst: Tiling, mesh) -> tuple[str, ...]:
+def _order(src: Tiling, dst: Tiling, permuted) -> tuple[str, ...]:
     """`ORDER_SWAP` if some dim of `src` loses axes that `dst` does not split it by and
-    gains others, not by a collective-permute, else `ORDER`."""
-    permuted = permuted_dims(src, dst, mesh)
+    gains others, not by a collective-permute (the dims `permuted`), else `ORDER`."""
     for dim, (before, after) in enumerate(zip(src.dims, dst.dims)):
         if set(before) - set(after) and set(after) - set(before) and dim not in permuted:
             return ORDER_SWAP

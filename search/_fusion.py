@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir import Link
+from partir import Link, layer_blocks
 
 #: Elementwise (and data-movement) primitives XLA computes inside the fusions of their
 #: consumers, duplicating them into each (its `IsExpensive` says they are cheap).
@@ -305,8 +305,6 @@ def _layer_boundaries(program) -> set[int]:
     every earlier layer's residual add alive: XLA bounds what it fuses. (The first
     layer's start is where the cut is least sure, and its input, made once, is a
     constant beside the layers.)"""
-    from partir import layer_blocks
-
     out = set()
     for b in layer_blocks(program)[1:]:
         if b.loop < 0:

@@ -58,7 +58,7 @@ class RematView:
                 if r >= 0:
                     virtual[r] = True
                     sources.pop(r, None)
-        forward_only, extra, added, extend = set(), [], set(), {}
+        forward_only, extra, added, extend, slices = set(), [], set(), {}, set()
         stacked = {op.operands[0]: op.results[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
         for r, srcs in rec.sources.items():
             stack = stacked.get(r)
@@ -75,14 +75,16 @@ class RematView:
                 if op.link and op.primitive == Link.SCAN_XS and op.operands[0] == stack:
                     sliced = op.results[0]
                     virtual[sliced] = True
-                    reads = _recomputed_reads(program, sliced, sources)
-                    if reads:
-                        extra.append((min(reads), max(reads), sliced, 1))
+                    slices.add(sliced)
+                    users = program.users[sliced]
+                    if users:
+                        extra.append((min(users), max(users), sliced, 1))
             trips = program.regions[program.values[r].region].trip_count or 1
             for s in srcs:
                 if s not in stacked and _is_invar(program, s) and s not in added:
                     added.add(s)
                     extra.append((_made(program, s), len(program.ops) - 1, s, trips))  # stacked for it
+        _rederived_from_copies(sources, slices)
         extra += _reads_kept(program, relax.reads, virtual, sources)
         mat = dataclasses.replace(materialization, virtual=virtual, sources=sources, live_op=live_op)
         self.liveness = Liveness(program, mat, donated, forward_only=forward_only, extend=extend)
@@ -116,15 +118,16 @@ def _made(program, v: int) -> int:
     return max(p, 0)
 
 
-def _recomputed_reads(program, sliced: int, sources: dict) -> list[int]:
-    """The ops of the backward loop that read `sliced` (a recomputed residual's slice of
-    its stack): its recomputed copy lives across them. What fuses into its readers is
-    re-derived from that copy, not from the stack (`sources` updated), as in line (see
-    `Liveness`): else the stack's buffer would span both loops."""
-    for v, srcs in list(sources.items()):
-        if sliced in srcs:
-            sources[v] = tuple(u for u in srcs if u != sliced)
-    return list(program.users[sliced])
+def _rederived_from_copies(sources: dict, slices: set) -> None:
+    """What fuses into the readers of a recomputed residual's slice in the backward loop
+    is re-derived from its recomputed copy (which lives across the slice's readers), as
+    in line (see `Liveness`), not from the stack: `sources` drops the slices, else the
+    stack's buffer would span both loops."""
+    if not slices:
+        return
+    for v, srcs in sources.items():
+        if slices.intersection(srcs):
+            sources[v] = tuple(u for u in srcs if u not in slices)
 
 
 def _is_invar(program, v: int) -> bool:
