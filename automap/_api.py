@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -12,8 +14,8 @@ import partir
 import tactics
 
 from ._args import Options, options
-from ._cache import PlanCache, key_of, key_parts
-from ._errors import AutomapError, MemoryLimitError
+from ._cache import PlanCache, key_of, key_parts, static_identity
+from ._errors import AutomapError, MemoryLimitError, PlanCacheWarning
 from ._plan import Plan
 
 #: Where plans are cached between runs, unless `cache_dir=` or AUTOMAP_CACHE_DIR says.
@@ -85,21 +87,30 @@ def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, stat
     def make(*args, **kwargs) -> Plan:
         opts.check_call(args, kwargs, fn)
         prog = partir.lift(fn, *args, static_argnums=opts.static_argnums)
-        parts = key_parts(prog, opts)
+        parts = key_parts(prog, opts, opts.static(args))
         return check_fits(plan_program(prog, opts, key=key_of(parts), made_for=parts), opts.best_effort)
 
     return make
 
 
-def cache_folder(cache_dir, what: str = "cache_dir") -> Path:
-    """The plan cache folder: `cache_dir`, else $AUTOMAP_CACHE_DIR, else ~/.cache/automap.
-    `what` names the setting in errors."""
+def cache_folder(cache_dir, what: str = "cache_dir") -> Path | None:
+    """The plan cache folder: `cache_dir`, else $AUTOMAP_CACHE_DIR, else ~/.cache/automap
+    (`~` expanded). `what` names the setting in errors. A `cache_dir` that is a file is an
+    error; $AUTOMAP_CACHE_DIR naming a file, set outside the program, warns once and
+    gives None: plans are made and run uncached."""
     if cache_dir is None:
         env = os.environ.get("AUTOMAP_CACHE_DIR")
-        return Path(env) if env else DEFAULT_CACHE
+        if not env:
+            return DEFAULT_CACHE
+        folder = Path(env).expanduser()
+        if folder.exists() and not folder.is_dir():
+            warnings.warn(f"AUTOMAP_CACHE_DIR={env!r} is a file, not a folder: plans are made and run uncached; "
+                          "point it at a folder for the plans", PlanCacheWarning, stacklevel=3)
+            return None
+        return folder
     if not isinstance(cache_dir, (str, os.PathLike)):
         raise AutomapError(f"{what} {cache_dir!r} is not a path: give a folder path or None")
-    folder = Path(cache_dir)
+    folder = Path(cache_dir).expanduser()
     if folder.exists() and not folder.is_dir():
         raise AutomapError(f"{what} {str(cache_dir)!r} is a file, not a folder: give a folder for the plans")
     return folder
@@ -136,8 +147,11 @@ class AutomapFunction:
     def _signature(self, args):
         dyn = self.options.dynamic(args)
         leaves, tree = jax.tree_util.tree_flatten(dyn)
-        static = tuple(a for i, a in enumerate(args) if i in self.options.static_argnums)
-        return tree, tuple(_leaf_signature(x) for x in leaves), static
+        # Static arguments by type and value, as jax.jit keys them: f(x, 1) and f(x, 1.0)
+        # compare equal but trace different programs.
+        # and compared with `==` (an object without a repr of its value is itself).
+        static = self.options.static(args)
+        return tree, tuple(_leaf_signature(x) for x in leaves), static, json.dumps(static_identity(static))
 
     def plan_for(self, *args) -> Plan:
         """The plan for these arguments (planning, or from a cache)."""
@@ -157,9 +171,9 @@ class AutomapFunction:
             raise AutomapError(f"mesh {opts.mesh} needs {opts.mesh.num_devices} devices, {n} are available: use a "
                                "smaller mesh (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N)")
         prog = partir.lift(self.fn, *args, static_argnums=opts.static_argnums)
-        parts = key_parts(prog, opts)
+        parts = key_parts(prog, opts, opts.static(args))
         key = key_of(parts)
-        plan = None if self.replan else self.cache.load(key, prog, opts.jax_mesh)
+        plan = None if self.replan else self.cache.load(key, prog, opts.jax_mesh, made_for=parts)
         fresh = plan is None
         if fresh:
             plan = plan_program(prog, opts, key=key, made_for=parts)

@@ -65,6 +65,10 @@ class Options:
         plan is called with)."""
         return tuple(i - sum(s < i for s in self.static_argnums) for i in self.donate_argnums)
 
+    def static(self, args) -> tuple:
+        """The static arguments, in order."""
+        return tuple(a for i, a in enumerate(args) if i in self.static_argnums)
+
     def dynamic(self, args) -> tuple:
         """The non-static arguments."""
         return tuple(a for i, a in enumerate(args) if i not in self.static_argnums)

@@ -86,13 +86,13 @@ def test_the_cache_key_changes_with_everything_that_can_change_a_plan(monkeypatc
     base = _key(prog)
     parts = key_parts(prog, options(mesh="data=2,model=4", schedule=None, device="cpu", memory_limit=None,
                                     static_argnums=(), donate_argnums=(), budget_s=30.0, seed=0, best_effort=False))
-    assert set(parts) == {"program", "mesh", "schedule", "device", "memory_limit", "donate_argnums", "lowering",
-                          "jax", "automap"}
+    assert set(parts) == {"program", "static", "mesh", "schedule", "device", "memory_limit", "best_effort",
+                          "donate_argnums", "lowering", "jax", "automap"}
     assert parts["device"]["name"] == "cpu" and parts["lowering"] == "jit"
     faster = dataclasses.replace(search.get_device("cpu"), hbm_bandwidth=1e12)
     changed = [_key(prog, mesh="data=4,model=2"), _key(prog, device="h100"), _key(prog, device=faster),
                _key(prog, memory_limit=1e9), _key(prog, donate_argnums=(0,)), _key(prog, budget_s=31),
-               _key(prog, seed=1), _key(prog, schedule=[T.Shard("x", 0, "data")]),
+               _key(prog, seed=1), _key(prog, best_effort=True), _key(prog, schedule=[T.Shard("x", 0, "data")]),
                _key(prog, schedule=[search.AutomaticPartition(device="cpu", max_episodes=9)]),
                _key(partir.lift(lambda w, x: jnp.tanh(x @ w).mean(), *ARGS))]
     assert len(set(changed + [base])) == len(changed) + 1
