@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 import tactics
-from partir import MeshSpec, PartitioningError
+from partir import MeshSpec, PartitioningError, lowering_mesh
 from tactics import check
 
 from ._errors import AutomapError
@@ -136,6 +136,10 @@ def options(*, mesh, schedule, device, memory_limit, static_argnums, donate_argn
 def mesh_of(mesh) -> tuple[MeshSpec, Mesh | None]:
     """(MeshSpec, jax Mesh or None) from a jax Mesh, a MeshSpec, a dict or 'data=2,model=4'."""
     if isinstance(mesh, Mesh):
+        try:
+            lowering_mesh(mesh)  # Manual axes cannot be planned over
+        except PartitioningError as e:
+            raise AutomapError(f"mesh={mesh}: {e}") from None
         return MeshSpec.from_jax(mesh), mesh
     if isinstance(mesh, MeshSpec):
         return mesh, None

@@ -15,7 +15,7 @@ from ._lift import lift
 from ._lower import CONSTRAIN_MODES, lower, register_backend
 from ._layers import input_layers, layer_keys
 from . import _shardmap  # noqa: F401  (registers the shard_map lowering backend)
-from ._mesh import MeshSpec
+from ._mesh import MeshSpec, lowering_mesh
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
 from ._remat import Block, Recompute, blocks, layer_blocks, recompute, recomputed
@@ -36,7 +36,7 @@ __all__ = [
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
     "dump",
-    "factor_rule", "lift", "lower", "path_matches", "register_backend", "rules", "summarize",
+    "factor_rule", "lift", "lower", "lowering_mesh", "path_matches", "register_backend", "rules", "summarize",
     "permuted_dims",
     "transition",
 ]

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import PartitioningError
 from ._lower_hooks import JitHooks
+from ._mesh import lowering_mesh
 from ._nested import evaluate_nested
 from ._partitioning import Partitioning
 from ._reshard import gathered_first
@@ -51,9 +52,12 @@ def register_backend(name: str):
 def lower(part: Partitioning, mesh=None, *, backend: str = "jit", **options):
     """Lower a partitioning to a callable taking the original (non-static) arguments.
 
-    `mesh` is a `jax.sharding.Mesh` whose axes match the plan's; by default one is built
-    from the first devices. Returns what the backend returns (`jit`: a `jax.jit` object,
-    so `.lower(*args).compile()` shows the partitioned HLO).
+    `mesh` is a `jax.sharding.Mesh` whose axes match the plan's, Auto or Explicit (as
+    `jax.make_mesh` makes them); by default one is built from the first devices. The
+    plan's layouts are stated on the same devices with Auto axes (`lowering_mesh`), and
+    the outputs come back sharded over `mesh` itself, valid in its axis types. Returns
+    what the backend returns (`jit`: a `jax.jit` object, so `.lower(*args).compile()`
+    shows the partitioned HLO).
     """
     if backend not in _BACKENDS:
         raise PartitioningError(f"unknown lowering backend {backend!r}; choose one of {sorted(_BACKENDS)}")
@@ -64,6 +68,7 @@ def lower(part: Partitioning, mesh=None, *, backend: str = "jit", **options):
             f"the plan is for mesh {part.mesh} but the given mesh has axes {dict(mesh.shape)}; "
             "pass a mesh with the same axis names and sizes"
         )
+    lowering_mesh(mesh)  # Manual axes: an error before any work
     return _BACKENDS[backend](part, mesh, **options)
 
 
@@ -77,6 +82,7 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
     if constrain not in CONSTRAIN_MODES:
         raise PartitioningError(f"constrain={constrain!r} is not one of {CONSTRAIN_MODES}")
     prog = part.program
+    user_mesh, mesh = mesh, lowering_mesh(mesh)
     shardings: dict[int, NamedSharding] = {}
 
     def sharding(v: int) -> NamedSharding:
@@ -102,12 +108,15 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hooks)
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
-    return jit_with_layouts(run, part, mesh, donate_argnums)
+    return jit_with_layouts(run, part, user_mesh, donate_argnums)
 
 
 def jit_with_layouts(run, part: Partitioning, mesh, donate_argnums=()) -> "Lowered":
-    """`jax.jit(run)` with the plan's input and output layouts as its shardings; arguments
-    of other shapes or dtypes are refused when they retrace."""
+    """`jax.jit(run)` with the plan's input and output layouts as its shardings, over
+    `mesh` as the user made it; arguments of other shapes or dtypes are refused when they
+    retrace. On a mesh with Explicit axes, `run` (which states its layouts on the same
+    axes made Auto, `lowering_mesh`) runs under `jax.sharding.auto_axes`, so the arrays
+    it takes and gives back are typed by the user's mesh."""
     prog = part.program
 
     def checked(*args):
@@ -119,7 +128,8 @@ def jit_with_layouts(run, part: Partitioning, mesh, donate_argnums=()) -> "Lower
 
     in_sh = jax.tree_util.tree_unflatten(prog.in_tree, [sharding(v) for v in prog.inputs])
     out_sh = jax.tree_util.tree_unflatten(prog.out_tree, [sharding(v) for v in prog.outputs])
-    return Lowered(jax.jit(checked, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
+    body = checked if lowering_mesh(mesh) is mesh else jax.sharding.auto_axes(checked, out_sharding=out_sh)
+    return Lowered(jax.jit(body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
 
 
 def _check_shapes(prog, leaves) -> None:

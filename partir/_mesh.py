@@ -116,3 +116,22 @@ class MeshSpec:
 
     def __str__(self) -> str:
         return ",".join(f"{n}={s}" for n, s in self.axes)
+
+
+def lowering_mesh(mesh):
+    """The mesh a plan is lowered on for the user's `mesh`: the same devices and axes,
+    every axis Auto (`with_sharding_constraint` refers to Auto axes only; `jax.make_mesh`
+    gives Explicit ones). A mesh with Manual axes (the mesh inside a `shard_map`) is a
+    `PartitioningError`: automap plans the whole program over the mesh outside it."""
+    from jax.sharding import AxisType, Mesh
+
+    types = tuple(getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names))
+    manual = [n for n, t in zip(mesh.axis_names, types) if t == AxisType.Manual]
+    if manual:
+        raise PartitioningError(
+            f"mesh axes {manual} are Manual (a mesh inside shard_map): automap plans over Auto or Explicit axes; "
+            "pass the mesh the program runs on outside shard_map, e.g. jax.make_mesh(shape, names)")
+    if all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+

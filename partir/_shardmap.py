@@ -30,6 +30,7 @@ from jax.extend.core import Literal
 from ._boundaries import BOUNDARIES, call
 from ._errors import PartitioningError
 from ._local import LocalOp, bind_local
+from ._mesh import lowering_mesh
 from ._lower import LAYOUT_ONLY, jit_with_layouts, register_backend
 from ._lower_hooks import made_in_forward
 from ._partitioning import Partitioning
@@ -48,7 +49,7 @@ def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
     interp = Interpreter(part, _free_mask(prog, free))
     in_specs = tuple(part.tiling(v).spec() for v in prog.inputs)
     out_specs = tuple(part.tiling(v).spec() if v >= 0 else jax.sharding.PartitionSpec() for v in prog.outputs)
-    body = jax.shard_map(lambda *xs: tuple(interp.top(xs)), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+    body = jax.shard_map(lambda *xs: tuple(interp.top(xs)), mesh=lowering_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
     def run(*args):
