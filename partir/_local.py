@@ -31,6 +31,7 @@ import numpy as np
 from jax.lax import GatherScatterMode
 
 from ._errors import PartitioningError
+from ._eval import bind_equation, eval_jaxpr
 from ._mesh import MeshSpec
 from ._spmd import block_index, move
 from ._tiling import Tiling
@@ -72,15 +73,20 @@ class LocalOp:
 
 LocalRule = Callable[[LocalOp, list], list]
 _RULES: dict[str, LocalRule] = {}
+#: Primitives whose local rule runs even when no value of the op is split (their params
+#: describe the whole mesh, which binding them on blocks would misread).
+_ALWAYS: set[str] = set()
 
 
-def local_rule(*names: str):
+def local_rule(*names: str, always: bool = False):
     """Decorator: `fn(op: LocalOp, operands) -> results` computes primitives `names` on
-    one device's blocks."""
+    one device's blocks (`always`: even when none of the op's values is split)."""
 
     def deco(fn: LocalRule) -> LocalRule:
         for name in names:
             _RULES[name] = fn
+            if always:
+                _ALWAYS.add(name)
         return fn
 
     return deco
@@ -92,9 +98,9 @@ def bind_local(op: LocalOp, operands: list) -> list:
     name = eqn.primitive.name
     _check_partial(op)
     rule = _RULES.get(name)
-    if rule is None or not op.split():
+    if rule is None or not (op.split() or name in _ALWAYS):
         try:
-            outs = _bind(eqn, operands)
+            outs = bind_equation(eqn, operands)
         except (TypeError, ValueError) as e:
             raise _no_rule(name, f"it fails on the blocks ({type(e).__name__}: {e})") from None
     else:
@@ -135,22 +141,25 @@ def _no_rule(name: str, why: str) -> PartitioningError:
         "or keep its dims whole (pin its values) or use lowering='jit'")
 
 
-def _bind(eqn, operands, **changes) -> list:
-    outs = eqn.primitive.bind(*operands, **{**eqn.params, **changes})
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
 # -- shapes ------------------------------------------------------------------------------
+
+
+@local_rule("shard_map", always=True)
+def _by_hand(op: LocalOp, operands: list) -> list:
+    """A region the user partitioned by hand: its body, written for one device's blocks,
+    runs on them (read in the layouts its specs fix, `FixedLayout`), its collectives
+    over the axes of the `shard_map` this interpreter runs in (the same mesh)."""
+    return eval_jaxpr(op.eqn.params["jaxpr"], (), operands)
 
 
 @local_rule("broadcast_in_dim")
 def _broadcast(op: LocalOp, operands: list) -> list:
-    return _bind(op.eqn, operands, shape=op.local_out(0))
+    return bind_equation(op.eqn, operands, shape=op.local_out(0))
 
 
 @local_rule("reshape")
 def _reshape(op: LocalOp, operands: list) -> list:
-    return _bind(op.eqn, operands, new_sizes=op.local_out(0))
+    return bind_equation(op.eqn, operands, new_sizes=op.local_out(0))
 
 
 @local_rule("empty", "empty2")
@@ -161,7 +170,7 @@ def _empty(op: LocalOp, operands: list) -> list:
 @local_rule("iota")
 def _iota(op: LocalOp, operands: list) -> list:
     p = op.eqn.params
-    (out,) = _bind(op.eqn, operands, shape=op.local_out(0))
+    (out,) = bind_equation(op.eqn, operands, shape=op.local_out(0))
     axes = op.outs[0].dims[p["dimension"]]
     if not axes:
         return [out]
@@ -177,14 +186,14 @@ def _slice(op: LocalOp, operands: list) -> list:
     split = [bool(a) for a in op.ins[0].dims]
     start = tuple(0 if s else b for s, b in zip(split, p["start_indices"]))
     limit = tuple(n if s else b for s, n, b in zip(split, local, p["limit_indices"]))
-    return _bind(op.eqn, operands, start_indices=start, limit_indices=limit)
+    return bind_equation(op.eqn, operands, start_indices=start, limit_indices=limit)
 
 
 @local_rule("dynamic_slice")
 def _dynamic_slice(op: LocalOp, operands: list) -> list:
     local = op.ins[0].shard_shape(op.in_shapes[0], op.mesh)
     sizes = tuple(n if a else s for a, n, s in zip(op.ins[0].dims, local, op.eqn.params["slice_sizes"]))
-    return _bind(op.eqn, operands, slice_sizes=sizes)
+    return bind_equation(op.eqn, operands, slice_sizes=sizes)
 
 
 # -- random bits -------------------------------------------------------------------------
@@ -194,7 +203,7 @@ def _dynamic_slice(op: LocalOp, operands: list) -> list:
 def _random(op: LocalOp, operands: list) -> list:
     # Drawn whole along the generated dims (the key dims lead and pass through), then
     # sliced: each device keeps its block of the very numbers a whole draw gives.
-    (out,) = _bind(op.eqn, operands)
+    (out,) = bind_equation(op.eqn, operands)
     rank = len(op.in_shapes[0])
     drawn = Tiling(op.outs[0].dims[:rank] + ((),) * (len(op.out_shapes[0]) - rank))
     return [move(out, drawn, op.outs[0], op.mesh)]
@@ -228,8 +237,8 @@ def _gather(op: LocalOp, operands: list) -> list:
     operand, idx = operands
     moved, axes = _local_indices(op, idx, dn.start_index_map, p["slice_sizes"], p["mode"])
     if not axes:
-        return _bind(op.eqn, [operand, idx], slice_sizes=sizes)
-    (out,) = _bind(op.eqn, [operand, moved], slice_sizes=sizes, mode=GatherScatterMode.FILL_OR_DROP, fill_value=0)
+        return bind_equation(op.eqn, [operand, idx], slice_sizes=sizes)
+    (out,) = bind_equation(op.eqn, [operand, moved], slice_sizes=sizes, mode=GatherScatterMode.FILL_OR_DROP, fill_value=0)
     if p["mode"] == GatherScatterMode.FILL_OR_DROP:
         out = _refill(op, out, idx, p, axes)
     return [out]
@@ -275,7 +284,7 @@ def _scatter(op: LocalOp, operands: list) -> list:
         operand = jnp.where(block_index(once, op.mesh) == 0, operand, jnp.zeros_like(operand))
     moved, axes = _local_indices(op, idx, dn.scatter_dims_to_operand_dims, windows, p["mode"])
     if not axes:
-        return _bind(op.eqn, [operand, idx, *rest])
+        return bind_equation(op.eqn, [operand, idx, *rest])
     # Updates for rows held elsewhere fall out of the block's bounds and are dropped
     # (indices out of bounds of the whole operand fall out of every block).
-    return _bind(op.eqn, [operand, moved, *rest], mode=GatherScatterMode.FILL_OR_DROP)
+    return bind_equation(op.eqn, [operand, moved, *rest], mode=GatherScatterMode.FILL_OR_DROP)

@@ -18,6 +18,7 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import PartitioningError
+from ._eval import bind_equation, lowering_params
 from ._lower_hooks import JitHooks
 from ._mesh import lowering_mesh
 from ._nested import evaluate_nested
@@ -204,9 +205,7 @@ def _eval_region(prog, rid: int, args, hooks):
             elif eqn.primitive.name in LAYOUT_ONLY:
                 outs = invals  # the plan decides layouts; the program's own requests give way
             else:
-                outs = eqn.primitive.bind(*invals, **eqn.params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                outs = bind_equation(eqn, invals, **lowering_params(eqn, hooks.mesh))
                 hooks.produced(oid, outs)
         for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
             if v >= 0:

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from ._errors import PartitioningError
+from ._eval import bind_equation, lowering_params
 from ._nested import Link
 from ._reshard import gathered_first
 from .rules._indexing import ADDITIVE_SCATTERS, OTHER_SCATTERS
@@ -35,6 +36,7 @@ class JitHooks:
 
     def __init__(self, part, mesh, constrain):
         self.prog = part.program
+        self.mesh = mesh
         self.constrain = constrain
         self.reads = Reads(part, mesh, self.remake)
         self.remat = Recomputation(part, self) if part.rematerialized or part.reused else None
@@ -56,8 +58,7 @@ class JitHooks:
         from this trace's scalars."""
         op = self.prog.ops[self.prog.producer[v]]
         args = [self.values[u] if u >= 0 else var.val for u, var in zip(op.operands, op.eqn.invars)]
-        outs = op.eqn.primitive.bind(*args, **op.eqn.params)
-        return outs[op.results.index(v)] if op.eqn.primitive.multiple_results else outs
+        return bind_equation(op.eqn, args)[op.results.index(v)]
 
     def operands(self, rid: int, i: int, eqn, ids, invals):
         """What equation `i` of region `rid` reads (`ids`: its operands' value ids)."""
@@ -311,8 +312,7 @@ class Recomputation:
                     local[op.results[0]] = get(op.operands[0])
                 continue
             args = [get(u) if u >= 0 else x.val for u, x in zip(op.operands, op.eqn.invars)]
-            outs = op.eqn.primitive.bind(*args, **op.eqn.params)
-            outs = outs if op.eqn.primitive.multiple_results else [outs]
+            outs = bind_equation(op.eqn, args, **lowering_params(op.eqn, self.hooks.mesh))
             for r, x in zip(op.results, outs):
                 if r >= 0:
                     local[r] = self.hooks.constrain(x, r)

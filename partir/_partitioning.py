@@ -36,6 +36,7 @@ class Partitioning(Propagation):
     def __init__(self, program: Program, mesh: MeshSpec, *, detached=()):
         self.program = program
         self.mesh = mesh
+        _check_fixed_regions(program, mesh)
         # Axis sizes as a plain dict for `_split`'s greedy loop, which reads them one
         # axis at a time (products over whole axis tuples use `mesh.devices_along`).
         self._msize = mesh.sizes()
@@ -97,6 +98,8 @@ class Partitioning(Propagation):
     def required(self, op: int, operand: int) -> Tiling:
         """The tiling op `op` computes with for its `operand`-th operand."""
         o = self.program.ops[op]
+        if o.rule.fixed is not None:
+            return Tiling(o.rule.fixed.ins[operand])
         return Tiling(self._project(self.factor_tiling(op), o.rule.operands[operand], o.rule.sizes, strict=False))
 
     def produced(self, value) -> Tiling:
@@ -108,6 +111,8 @@ class Partitioning(Propagation):
             return Tiling(self._d[self._of[v]])
         op = self.program.ops[oid]
         k = op.results.index(v)
+        if op.rule.fixed is not None:
+            return Tiling(op.rule.fixed.outs[k])
         F = self.factor_tiling(oid)
         dims = self._project(F, op.rule.results[k], op.rule.sizes, strict=False)
         return Tiling(dims, self._partial_axes(op, F), op.rule.reduce_kind)
@@ -144,9 +149,12 @@ class Partitioning(Propagation):
         key = (id(o.rule), F)
         shape = self._layouts.get(key)
         if shape is None:  # ops of repeated layers share rules and factor tilings
-            sizes = o.rule.sizes
-            ins = tuple(self._project(F, spec, sizes, strict=False) for spec in o.rule.operands)
-            outs = tuple(self._project(F, spec, sizes, strict=False) for spec in o.rule.results)
+            sizes, fixed = o.rule.sizes, o.rule.fixed
+            if fixed is not None:  # a region the user partitioned by hand: its specs, not its factors
+                ins, outs = fixed.ins, fixed.outs
+            else:
+                ins = tuple(self._project(F, spec, sizes, strict=False) for spec in o.rule.operands)
+                outs = tuple(self._project(F, spec, sizes, strict=False) for spec in o.rule.results)
             shape = self._layouts[key] = (ins, outs, self._partial_axes(o, F))
         ins, outs, partial = shape
         slots = [("operand", k, v, d) for k, (v, d) in enumerate(zip(o.operands, ins)) if v >= 0]
@@ -453,3 +461,20 @@ class Partitioning(Propagation):
         c._log, c._decisions = [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c
+
+
+def _check_fixed_regions(program: Program, mesh: MeshSpec) -> None:
+    """Every region the user partitioned by hand (a `shard_map`) runs over axes of `mesh`
+    with the same sizes; else a `PartitioningError` naming the first that does not."""
+    sizes = mesh.sizes()
+    for op in program.ops:
+        fixed = op.rule.fixed
+        if fixed is None:
+            continue
+        wrong = [f"{n}={k}" for n, k in fixed.mesh if sizes.get(n) != k]
+        if wrong:
+            name = program.name(next((v for v in op.results if v >= 0), op.operands[0]))
+            raise PartitioningError(
+                f"{op.primitive} making {name} runs over mesh axes {', '.join(wrong)}, which the plan's mesh {mesh} "
+                "does not have: plan over the mesh the shard_map names (same axis names and sizes)")
+

@@ -24,6 +24,26 @@ from ._tiling import REDUCE_KINDS
 
 DimFactors = tuple[int, ...]
 ValueFactors = tuple[DimFactors, ...]
+#: Mesh axes per dim of one value (major to minor), as a `Tiling`'s dims.
+DimAxes = tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FixedLayout:
+    """The layouts an op computes in whatever the plan (a user's `shard_map`): each
+    operand is read, and each result made, split over the axes `ins`/`outs` give per
+    dim and whole along every other axis. `mesh` holds the (name, size) of each axis the
+    op names, which the plan's mesh must have."""
+
+    ins: tuple[DimAxes, ...]
+    outs: tuple[DimAxes, ...]
+    mesh: tuple[tuple[str, int], ...]
+
+    def __str__(self) -> str:
+        def spec(dims: DimAxes) -> str:
+            return "P(" + ", ".join("None" if not a else repr(a[0]) if len(a) == 1 else repr(a) for a in dims) + ")"
+
+        return f"({', '.join(map(spec, self.ins))}) -> ({', '.join(map(spec, self.outs))})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +59,7 @@ class FactorRule:
     reduction: tuple[int, ...] = ()
     blocked: tuple[int, ...] = ()
     reduce_kind: str = "sum"
+    fixed: FixedLayout | None = None  # layouts the op computes in, whatever its factors
 
     @property
     def num_factors(self) -> int:
@@ -55,6 +76,8 @@ class FactorRule:
             s += f" reduction{kind}={{{', '.join(self.names[f] for f in self.reduction)}}}"
         if self.blocked:
             s += f" blocked={{{', '.join(self.names[f] for f in self.blocked)}}}"
+        if self.fixed is not None:
+            s += f" fixed={self.fixed}"
         return s
 
 

@@ -29,6 +29,7 @@ from jax.extend.core import Literal
 
 from ._boundaries import BOUNDARIES, call
 from ._errors import PartitioningError
+from ._eval import bind_equation
 from ._local import LocalOp, bind_local
 from ._mesh import lowering_mesh
 from ._lower import LAYOUT_ONLY, jit_with_layouts, register_backend
@@ -229,8 +230,7 @@ class Interpreter:
             return False
         args = [x.val if v < 0 else frame.whole[v] if v in frame.whole else frame.read(v)
                 for x, v in zip(eqn.invars, op.operands)]
-        outs = eqn.primitive.bind(*args, **eqn.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
+        outs = bind_equation(eqn, args)
         for v, o in zip(op.results, outs):
             if v >= 0:
                 frame.make_whole(v, o)

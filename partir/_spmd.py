@@ -164,10 +164,10 @@ class _Factors:
                 self._front(at, lambda y: jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True))
             else:  # no scattering collective for this kind: reduce whole, keep one's piece
                 self.x = self._flat(self.x, lambda y: reduce_all(y, axes, kind))
-                self._front(at, lambda y: self._own(y, axes))
+                self._front(at, lambda y: self._own(y, axes), collective=False)
         if "slice" in steps:
             axes = steps["slice"]
-            self._front([(place[a], a) for a in axes], lambda y: self._own(y, axes))
+            self._front([(place[a], a) for a in axes], lambda y: self._own(y, axes), collective=False)
         if "all-reduce" in steps:
             self.x = self._flat(self.x, lambda y: reduce_all(y, steps["all-reduce"], kind))
         if "all-to-all" in steps:
@@ -183,14 +183,16 @@ class _Factors:
         """This device's piece of a front dim that runs over `axes`."""
         return jax.lax.dynamic_slice_in_dim(y, block_index(axes, self.mesh), 1, axis=0)
 
-    def _front(self, labels, collective) -> None:
-        """Run `collective` on the factors `labels` merged (in that order) into a leading
-        dim, and put what it returns back in their places."""
+    def _front(self, labels, fn, collective: bool = True) -> None:
+        """Run `fn` on the factors `labels` merged (in that order) into a leading dim, and
+        put what it returns back in their places; a `collective` is run flattened when
+        the move is made again (`_flat`), a slice (this device's piece) as it is."""
         idx = [self.labels.index(label) for label in labels]
         perm = idx + [i for i in range(len(self.labels)) if i not in idx]
         y = jnp.transpose(self.x, perm)
         rest = y.shape[len(idx):]
-        y = self._flat(y.reshape((-1,) + rest), collective)
+        y = y.reshape((-1,) + rest)
+        y = self._flat(y, fn) if collective else fn(y)
         n = y.shape[0]
         sizes = _split_sizes(n, [self.mesh.size(a) for _, a in labels])
         y = y.reshape(tuple(sizes) + rest)

@@ -36,6 +36,7 @@ from ._comm import CollectiveCost, LinkModel, gradient_groups
 from ._device import get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
+from ._manual import body_collectives
 from ._memory import Liveness
 from ._moves import MoveBuffers
 from ._remat import RematView
@@ -231,6 +232,8 @@ class CostModel:
                 # attributed to the first such op.
                 if side == "operand":
                     dkey = ("read", v, dst, bool(self._backward[o]))
+                elif side == "inside":  # a hand-partitioned region's own collectives
+                    dkey = ("inside", o)
                 else:
                     dkey = ("made", o, index)
                 if dkey not in keys:  # an op reading one value twice (concat [x, x]) moves it once
@@ -261,7 +264,23 @@ class CostModel:
                 buf = max(0.0, full / _shards(r.src.dims, mesh) - full / _shards(r.dst.dims, mesh))
             out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
                         cols, buf))
+        inside = self._inside(o)
+        if inside:
+            out.append((0, "inside", 0, None, inside, 0.0))
         return div, moved, tuple(out)
+
+    def _inside(self, o: int) -> tuple[CollectiveCost, ...]:
+        """The collectives a region the user partitioned by hand runs itself."""
+        op = self.program.ops[o]
+        if op.rule.fixed is None:
+            return ()
+        v = next((u for u in op.results + op.operands if u >= 0), -1)
+        # `LinkModel.time` takes a reduce-scatter's operand; the HLO shows its result.
+        operand = {"reduce-scatter": self.part.mesh.devices_along}
+        return tuple(CollectiveCost(kind, axes, nbytes,
+                                    self.links.time(kind, axes, nbytes * operand.get(kind, lambda a: 1)(axes)), o, v,
+                                    float(self._mult[o]) * trips)
+                     for kind, axes, nbytes, trips in body_collectives(op.eqn.params["jaxpr"]))
 
     def _collectives(self, o: int, r) -> list[CollectiveCost]:
         val = self.program.values[r.value]

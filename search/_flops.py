@@ -38,55 +38,64 @@ def _size(shape) -> int:
 
 
 def op_work(op, program) -> tuple[float, float]:
-    """(flops, transcendentals) of the whole op, before partitioning. Links cost nothing."""
+    """(flops, transcendentals) of the whole op, before partitioning. Links cost nothing;
+    a region the user partitioned by hand (`shard_map`) costs its body's work on one
+    device (`search._manual`)."""
     if op.link:
         return 0.0, 0.0
-    prim = op.primitive
     vals = program.values
-    outs = [vals[v].shape if v >= 0 else () for v in op.results]
+    ins = tuple(vals[v].shape if v >= 0 else () for v in op.operands)
+    outs = tuple(vals[v].shape if v >= 0 else () for v in op.results)
+    return eqn_work(op.primitive, op.eqn.params if op.eqn is not None else {}, ins, outs)
+
+
+def eqn_work(prim: str, params, ins, outs) -> tuple[float, float]:
+    """(flops, transcendentals) of one equation of primitive `prim` with `params`, operand
+    shapes `ins` and result shapes `outs`."""
     out = _size(outs[0]) if outs else 0
     if prim in ARITHMETIC:
         return float(out), 0.0
     if prim in TRANSCENDENTAL:
         return 0.0, float(out)
     if prim == "integer_pow":
-        return float(out * max(1, abs(op.eqn.params["y"]) - 1)), 0.0
+        return float(out * max(1, abs(params["y"]) - 1)), 0.0
     if prim == "one_minus_square":  # 1 - x*x, the tanh derivative of newer JAX versions
         return 2.0 * out, 0.0
     if prim == "logistic":  # XLA expands it: 3 flops and an exp per element
         return 3.0 * out, float(out)
     if prim in REDUCTIONS:
-        inp = _size(vals[op.operands[0]].shape)
-        return float(REDUCTIONS[prim] * (inp - out)), 0.0
-    if prim == "dot_general":
-        return 2.0 * math.prod(op.rule.sizes), 0.0
+        return float(REDUCTIONS[prim] * (_size(ins[0]) - out)), 0.0
+    if prim == "dot_general":  # 2 * every result element * the contracted size
+        (contracting, _), _ = params["dimension_numbers"]
+        return 2.0 * out * _size(ins[0][d] for d in contracting), 0.0
     if prim == "conv_general_dilated":
-        return _conv_flops(op, vals), 0.0
+        return _conv_flops(params, ins, outs), 0.0
     if prim in ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"):
-        window = _size(op.eqn.params["window_dimensions"])
+        window = _size(params["window_dimensions"])
         return float(out * (window - 1)), 0.0
     if prim in ("select_and_scatter_add", "select_and_gather_add"):
         # Per source element and window element: XLA's select comparisons and the
         # scatter's add come to 7.5 flops (measured on a 2x2 max-pool gradient).
-        window = _size(op.eqn.params["window_dimensions"])
-        return 7.5 * window * _size(vals[op.operands[0]].shape), 0.0
+        window = _size(params["window_dimensions"])
+        return 7.5 * window * _size(ins[0]), 0.0
     if prim in ("scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max"):
-        return float(_size(vals[op.operands[2]].shape)), 0.0
+        return float(_size(ins[2])), 0.0
     if prim in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"):
         # An associative scan / sorting network: about 2 log2(n) operations per element.
-        n = vals[op.operands[0]].shape[op.eqn.params.get("axis", op.eqn.params.get("dimension", 0))]
+        n = ins[0][params.get("axis", params.get("dimension", 0))]
         return float(out * 2 * max(1, math.ceil(math.log2(max(n, 2))))), 0.0
+    if prim == "shard_map":
+        from ._manual import body_work
+
+        return body_work(params["jaxpr"])
     return 0.0, 0.0
 
 
-def _conv_flops(op, vals) -> float:
+def _conv_flops(p, ins, outs) -> float:
     """2 * batch * out features * in features per group * valid kernel taps, where a tap
     counts only where it lands inside the (unpadded) input, as XLA counts it."""
-    p = op.eqn.params
     dn = p["dimension_numbers"]
-    lhs = vals[op.operands[0]].shape
-    rhs = vals[op.operands[1]].shape
-    out = vals[op.results[0]].shape
+    lhs, rhs, out = ins[0], ins[1], outs[0]
     n = out[dn.out_spec[0]]
     o = out[dn.out_spec[1]]
     c = rhs[dn.rhs_spec[1]]

@@ -5,7 +5,7 @@ rule function `(in_shapes, out_shapes, params) -> FactorRule`, or None for primi
 without a rule (the IR then treats the op as replicated and warns once).
 """
 
-from . import _dot, _elementwise, _indexing, _linalg, _misc, _reduce, _shape  # noqa: F401  (registration)
+from . import _dot, _elementwise, _indexing, _linalg, _manual, _misc, _reduce, _shape  # noqa: F401  (registration)
 from ._registry import Namer, conservative_rule, get_rule, register, registered
 
 __all__ = ["Namer", "conservative_rule", "get_rule", "register", "registered"]
