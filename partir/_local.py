@@ -152,6 +152,20 @@ def _by_hand(op: LocalOp, operands: list) -> list:
     return eval_jaxpr(op.eqn.params["jaxpr"], (), operands)
 
 
+@local_rule("debug_callback", "debug_print", always=True)
+def _once(op: LocalOp, operands: list) -> list:
+    """A debug callback (`jax.debug.callback`, `jax.debug.print`) runs once per call, as
+    under `jax.jit`: on the mesh's first device, with the whole values (its rule blocks
+    every dim, so they are gathered first). It makes no result."""
+    first = jax.lax.axis_index(op.mesh.names) == 0
+
+    def run(*xs):
+        bind_equation(op.eqn, list(xs))
+
+    jax.lax.cond(first, run, lambda *xs: None, *operands)
+    return []
+
+
 @local_rule("broadcast_in_dim")
 def _broadcast(op: LocalOp, operands: list) -> list:
     return bind_equation(op.eqn, operands, shape=op.local_out(0))

@@ -310,3 +310,23 @@ def test_a_dim_trading_axes_is_permuted_as_modeled(src, partial, dst):
         jitted = jax.jit(lambda y: y * 2, in_shardings=sh(jmesh, Tiling(src).spec()),
                          out_shardings=sh(jmesh, dst_t.spec()))
         assert compiled_collectives(jitted.lower(x).compile().as_text(), jmesh) == modeled
+
+
+@pytest.mark.parametrize("lowering", ["jit", "shard_map"])
+def test_a_debug_callback_runs_once_per_call_with_the_whole_value(tmp_path, lowering, capfd):
+    seen = []
+
+    def step(w, x):
+        y = jnp.tanh(x @ w)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), y)
+        jax.debug.print("total {t}", t=y.sum())
+        return y.sum()
+
+    w, x = jnp.full((8, 4), 0.1), jnp.arange(64.0).reshape(8, 8) / 64
+    fn = automap.jit(step, mesh="data=2,model=4", schedule=[T.Shard("x", 0, "data"), T.Shard("w", 1, "model")],
+                     cache_dir=tmp_path, lowering=lowering)
+    fn(w, x)
+    jax.effects_barrier()
+    assert len(seen) == 1  # as under jax.jit, not once per device
+    np.testing.assert_allclose(seen[0], np.tanh(np.asarray(x) @ np.asarray(w)), rtol=1e-6)
+    assert capfd.readouterr().out.count("total") == 1
