@@ -182,22 +182,11 @@ def schedule_of(schedule, mesh: MeshSpec) -> tuple | None:
         if not isinstance(t, tactics.Tactic):
             raise AutomapError(f"schedule[{i}]={t!r} is not a tactic: use Shard, DataParallel, Megatron, ZeRO, "
                                "FSDP, SequenceParallel, ExpertParallel or search.AutomaticPartition")
-        for axis in _axes_named(t):
+        for axis in t.axes_named():
             if axis not in mesh.names:
                 raise AutomapError(f"schedule[{i}] {t} names axis {axis!r}, which is not an axis of mesh {mesh}: "
                                    f"use one of {list(mesh.names)}")
     return tuple(schedule)
-
-
-def _axes_named(tactic) -> list[str]:
-    out = []
-    for f in dataclasses.fields(tactic) if dataclasses.is_dataclass(tactic) else ():
-        value = getattr(tactic, f.name)
-        if f.name == "axis" and isinstance(value, str):
-            out.append(value)
-        elif f.name == "axes" and isinstance(value, tuple):
-            out += [a for a in value if isinstance(a, str)]
-    return out
 
 
 def output_path(path, what: str) -> Path:

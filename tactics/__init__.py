@@ -10,7 +10,7 @@ Manual: `Shard`, `Replicate`, `Specs`. Strategies: `DataParallel`, `Megatron`,
 """
 
 from . import _checks as check
-from ._base import Context, Partitioned, Step, Tactic, TacticError, apply_schedule
+from ._base import Context, Partitioned, Step, Tactic, TacticError, applied_order, apply_schedule
 from ._data import DataParallel, batch_inputs
 from ._groups import Group, input_groups
 from ._expert import ExpertParallel, expert_activations, expert_weights
@@ -22,5 +22,5 @@ from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
 __all__ = ["check", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
-           "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "apply_schedule",
+           "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "applied_order", "apply_schedule",
            "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]

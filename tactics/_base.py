@@ -12,6 +12,7 @@ as skipped instead.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 from dataclasses import dataclass, field
 
 from jax.sharding import PartitionSpec
@@ -91,6 +92,21 @@ class Tactic:
 
     `identity()` says which tactic it is (plan cache keys); `str()` is for people."""
 
+    #: The tactic shards what is stored (parameters, gradients, optimizer state) for
+    #: memory, not how ops compute: ZeRO and FSDP. See `applied_order`.
+    stores: ClassVar[bool] = False
+    #: The tactic chooses which dims of weights the ops compute split (Megatron, sequence
+    #: and expert parallelism), so it needs those dims free of other axes.
+    splits_weights: ClassVar[bool] = False
+
+    def axes_named(self) -> tuple[str, ...]:
+        """The mesh axes the tactic's settings name (`axis`, `axes`)."""
+        out = []
+        for name in ("axis", "axes"):
+            value = getattr(self, name, None)
+            out += [value] if isinstance(value, str) else [a for a in value or () if isinstance(a, str)]
+        return tuple(out)
+
     def apply(self, part: Partitioning, ctx: Context) -> tuple[Partitioning, list[str]]:
         """Apply to `part`; raise `TacticError` if it cannot."""
         raise NotImplementedError
@@ -163,17 +179,44 @@ class Partitioned:
         return "\n".join(lines)
 
 
+def applied_order(schedule) -> list[tuple[Tactic, str | None]]:
+    """The schedule in the order it is applied, each tactic with a note when it moved.
+
+    A tactic that shards storage (`stores`: ZeRO, FSDP) written before one that splits
+    weights for compute on another axis (`splits_weights`: Megatron, ...) is applied
+    after it: tilings grow in decision order, so the storage split taken first would
+    hold the dims the compute split needs (an FSDP-split bias `[d_ff]` leaves Megatron no
+    way to split the MLP over another axis). Practitioners write FSDP+TP in both orders,
+    and both then give the one plan. Tactics on the same axis keep their order (there the
+    two truly compete for the axis)."""
+    out = [(t, None) for t in schedule]
+    i = 0
+    while i < len(out):
+        t, _ = out[i]
+        later = [j for j in range(i + 1, len(out)) if out[j][0].splits_weights
+                 and not set(out[j][0].axes_named()) & set(t.axes_named())]
+        if t.stores and later:
+            last = later[-1]
+            note = f"applied after {out[last][0]}, as if written after it: the dims it splits stay free for it"
+            out.insert(last + 1, (t, note))
+            del out[i]
+            continue
+        i += 1
+    return out
+
+
 def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: bool = False,
                    start: Partitioning | None = None) -> Partitioned:
-    """Apply `schedule` (tactics, in order) to a fresh partitioning of `program` on `mesh`
-    (or to a copy of `start`). Raises the first `TacticError` unless `best_effort`."""
+    """Apply `schedule` (tactics, in `applied_order`) to a fresh partitioning of
+    `program` on `mesh` (or to a copy of `start`). Raises the first `TacticError` unless
+    `best_effort`."""
     part = start.copy() if start is not None else Partitioning(program, mesh)
     for t in schedule:
         if not isinstance(t, Tactic):
             raise TacticError(f"schedule entries must be tactics (Shard, DataParallel, Megatron, ...), got {t!r}")
     ctx = Context()
     history = []
-    for tactic in schedule:
+    for tactic, moved in applied_order(schedule):
         before = len(part.decisions)
         mark, ctx_mark = part.mark(), ctx.mark()
         try:
@@ -188,5 +231,6 @@ def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: b
         part = new
         # The step's decisions are those its `apply` added (a detached partitioning
         # replays the earlier ones first, one for one), whichever tactic it delegated to.
+        notes = [moved, *notes] if moved else notes
         history.append(Step(tactic, part.copy(), tuple(part.decisions[before:]), tuple(notes)))
     return Partitioned(program, part, tuple(history), ctx)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from partir import Tiling
 
@@ -71,6 +72,8 @@ class ExpertParallel(Tactic):
     layout boundary), so that the routing's token split and the experts' split meet
     there, in the all-to-alls, instead of one overriding the other.
     """
+
+    splits_weights: ClassVar[bool] = True  # see Tactic.splits_weights
 
     axis: str
     batch_argnums: tuple[int, ...] | int | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 from typing import NamedTuple
 
 from partir import PartitioningError, transition
@@ -120,6 +121,8 @@ class Megatron(Tactic):
     The blocks found are left in `ctx.blocks[axis]`, the parameters left whole and why
     in `ctx.left_out[axis]`.
     """
+
+    splits_weights: ClassVar[bool] = True  # see Tactic.splits_weights
 
     axis: str
 

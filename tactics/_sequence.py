@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from partir import PartitioningError
 
@@ -20,6 +21,8 @@ class SequenceParallel(Tactic):
     all-reduce, with the norms and residuals computed on 1/n of the tokens. The
     sequence dim is dim 1 of the `[batch, sequence, hidden]` activations.
     """
+
+    splits_weights: ClassVar[bool] = True  # see Tactic.splits_weights
 
     axis: str
 

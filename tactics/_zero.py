@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+from typing import ClassVar
 
 from partir import PartitioningError
 
@@ -63,6 +65,8 @@ class ZeRO(Tactic):
     tactics left unsplit and (`leave_room`) dims a Megatron on another mesh axis would
     not want, so it composes with tensor parallelism before or after it.
     """
+
+    stores: ClassVar[bool] = True  # see Tactic.stores
 
     axis: str
     stage: int = 3
@@ -179,6 +183,8 @@ class FSDP(Tactic):
     Textbook pattern: every device runs the whole model on its slice of the batch, with
     each parameter all-gathered before it is used and its gradient reduce-scattered.
     """
+
+    stores: ClassVar[bool] = True  # see Tactic.stores
 
     axis: str
     leave_room: bool = True

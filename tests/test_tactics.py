@@ -356,3 +356,26 @@ def test_context_rolls_back_what_was_added():
     ctx.rollback(mark)
     assert ctx.blocks == {"model": ["a"]} and ctx.search == []
     assert ctx.child() == T.Context()
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "convnet", "nnx_mlp", "linen_mlp", "equinox_mlp"])
+def test_fsdp_and_megatron_in_either_order_give_one_plan(name):
+    from examples import REGISTRY
+
+    step, args = REGISTRY[name]()
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=2, model=4)
+    tp_first = T.apply_schedule(prog, mesh, [T.Megatron("model"), T.FSDP("data")])
+    fsdp_first = T.apply_schedule(prog, mesh, [T.FSDP("data"), T.Megatron("model")])
+    specs = [[str(r.partitioning.tiling(v)) for v in prog.inputs] for r in (tp_first, fsdp_first)]
+    assert specs[0] == specs[1]
+    assert [str(s.tactic) for s in fsdp_first.history] == ["Megatron('model')", "FSDP('data')"]
+    assert "applied after Megatron('model')" in fsdp_first.history[1].notes[0]
+    if name == "mlp":  # and the plan computes what the program computes
+        partir.check_equivalence(step, args, fsdp_first.partitioning, rtol=2e-5, atol=2e-6)
+
+
+def test_tactics_on_one_axis_keep_their_order():
+    order = T.applied_order([T.FSDP("model"), T.Megatron("model"), T.ZeRO("data", 1), T.SequenceParallel("model")])
+    assert [str(t) for t, _ in order] == ["FSDP('model')", "Megatron('model')", "SequenceParallel('model')",
+                                         "ZeRO('data', stage=1)"]
