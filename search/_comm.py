@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 from partir import Tiling, permuted_dims, transition
 
+from ._device import link_levels
+
 
 #: Bytes of gradient reductions XLA combines into one collective (its all-reduce
 #: combiner's threshold on GPU, `xla_gpu_all_reduce_combine_threshold_bytes`): the
@@ -104,6 +106,7 @@ class LinkModel:
         self.sizes = mesh.sizes()
         self.device = device
         self.levels = levels
+        self.placed = link_levels(mesh.axes, device)  # the levels the device layout gives
         self.bw = {a: device.intra_bandwidth if levels[a] == "intra" else device.inter_bandwidth for a in mesh.names}
         self.alpha = {a: device.intra_latency if levels[a] == "intra" else device.inter_latency for a in mesh.names}
         self._bandwidth: dict[tuple, float] = {}
@@ -120,7 +123,10 @@ class LinkModel:
         dev = self.device
         n = self.mesh.devices_along(axes)
         if any(self.levels[a] == "inter" for a in axes):
-            per_node = _members_per_node(self.mesh, axes, dev.devices_per_node)
+            # An axis said to cross nodes against the layout (a `links` override) has
+            # its members on nodes of their own: one ring per group.
+            placed = all(self.levels[a] == self.placed[a] for a in axes)
+            per_node = _members_per_node(self.mesh, axes, dev.devices_per_node) if placed else 1
             bw = min(dev.intra_bandwidth, per_node * dev.inter_bandwidth)
         else:
             bw = min(self.bw[a] for a in axes)
