@@ -36,7 +36,7 @@ from typing import Any  # noqa: E402
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "runs.toml")
 #: Search episodes per row: small, so that the whole benchmark stays within minutes, and
 #: deterministic.
-EPISODES = 60
+EPISODES = 300
 #: Relative error band the modeled MFU of a published configuration must hold.
 BAND = 0.15
 SPLITS = ("fit", "check")
