@@ -5,7 +5,7 @@ Objective (what the search minimises), per device and per training step:
     compute_time = sum over ops of  trips(op) * (max((flops + transcendentals) / k
                                                         / (peak(dtype) * efficiency(op)),
                                                         bytes_moved / hbm_bandwidth)
-                                                    + op_overhead)
+                                                    + op_overhead if a matmul)
     comm_time    = sum over collectives of  trips * alpha-beta ring time   (see `_comm`)
     step_time    = compute_time + exposed communication          (see `_timing`)
     step_time_overlap = step_time where the device overlaps; else compute_time
@@ -349,7 +349,10 @@ class CostModel:
         kernel = self._flops / div / (self._peak * dev.attention_efficiency) * self._mult
         times = np.where(self._kernel, kernel * self._kernel_work, times)
         if dev.op_overhead > 0:
-            times = times + dev.op_overhead * self._mult * (times > 0)
+            # Matmuls and attention kernels, each a kernel of its own in any form of the
+            # program; elementwise ops fuse into them or into few loop fusions, as many
+            # in a scan as unrolled, which the op list does not follow one to one.
+            times = times + dev.op_overhead * self._mult * ((times > 0) & self._is_dot)
         return times, div, kernel * self._kernel_again
 
     def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:

@@ -30,8 +30,8 @@ ideal machine, which is what the `cpu` preset and a user's file without them get
   communication time added to compute (the SMs or DMA engines collectives take);
   `overlap_activations` (a flag): activation collectives (tensor parallelism's) run
   behind independent compute too (XLA:TPU's async collective fusion);
-- `op_overhead`: seconds each kernel that runs costs beyond its roofline (launch, small
-  ops);
+- `op_overhead`: seconds each matmul or attention kernel costs beyond its roofline
+  (launch and tail: what dominates at small per-device work);
 - `torus_dims`, `torus_side`: a TPU slice's ICI torus (dims, chips along a side), 0 for
   a switched network: a collective over more chips than a side runs rings along several
   dims at once.
@@ -243,7 +243,7 @@ TPU_MATMUL_EFFICIENCY = 0.859
 MATMUL_KNEE = 32.0
 #: Fit: the fused attention kernels (cuDNN on GPU, splash on TPU) reach this fraction of
 #: peak on the tiles they compute.
-ATTENTION_EFFICIENCY = 0.475
+ATTENTION_EFFICIENCY = 0.469
 #: NCCL-tests' bus bandwidth reaches about 80% of the NVLink/InfiniBand line rate at
 #: large messages (all-reduce and all-gather on DGX H100/A100 boards); taken for ICI too.
 COLLECTIVE_EFFICIENCY = 0.80
