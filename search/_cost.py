@@ -229,6 +229,7 @@ class CostModel:
         self._bucket_bwd = np.array([keys.setdefault((op.region, True), len(keys)) for op in prog.ops],
                                     dtype=np.int64)
         self._n_buckets = len(keys)
+        self._bucket_parents = _bucket_parents(prog, keys)
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -372,7 +373,8 @@ class CostModel:
             v, cs, _ = e[first]
             moves += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device)) for c in cs]
         moves += [(int(self._bucket_bwd[o]), c, overlappable(c, v, self._weights, self.device)) for o, c, v in cols_again]
-        return step_time(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves)
+        return step_time(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
+                         self._bucket_parents)
 
     def _reshard_buffers(self):
         """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
@@ -533,6 +535,27 @@ class CostModel:
             inputs = [v for v in members if v in is_input]
             name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
         return name
+
+
+def _bucket_parents(prog, keys: dict) -> dict:
+    """Computation id -> the id of the one enclosing it (its region's parent, same pass;
+    None at the top), innermost first (`_timing.step_time`)."""
+    regions = prog.regions
+
+    def depth(r):
+        d = 0
+        while regions[r].parent is not None and regions[r].parent >= 0:
+            r, d = regions[r].parent, d + 1
+        return d
+
+    out = {}
+    for (region, backward), k in sorted(keys.items(), key=lambda kv: -depth(kv[0][0])):
+        parent = regions[region].parent
+        if parent is not None and parent >= 0:
+            out[k] = keys.setdefault((parent, backward), len(keys))
+        else:
+            out[k] = None
+    return out
 
 
 def _shards(dims, mesh) -> int:

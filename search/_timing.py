@@ -27,10 +27,15 @@ TPU recipes turn on with `xla_tpu_enable_async_collective_fusion` and
 the same computation). Overlappable collectives hide behind the compute of the same
 *computation*: the ops of one region in one pass (a scan body's forward or backward
 trip, the top-level forward or backward), recomputed ops in the backward pass of their
-region. Per computation,
+region. Per computation, innermost first,
 
-    exposed = max(0, overlappable comm - compute)
-    slowed  = overlap_slowdown * min(overlappable comm, compute)
+    exposed = max(0, overlappable comm - window)
+    slowed  = overlap_slowdown * min(overlappable comm, window)
+
+where the window is the computation's compute plus what its nested computations (a
+loop's body, in the same pass) left unused: a collective of the enclosing computation
+runs beside a whole loop (the head's gradient reduction beside the backward layers),
+so a scanned and an unrolled program hide the same.
 
 and the step is compute + exposed collectives + sum of (exposed + slowed) over
 computations. Without `overlap` (the `cpu` preset: XLA:CPU runs collectives in line),
@@ -86,10 +91,12 @@ def overlappable(col, value: int, weights, device) -> bool:
             or device.overlap_activations)
 
 
-def step_time(device, links, compute: float, bucket_compute: dict, moves) -> tuple[float, float]:
+def step_time(device, links, compute: float, bucket_compute: dict, moves, parents=None) -> tuple[float, float]:
     """(step seconds, seconds of communication it adds to compute). `moves` holds
     (computation key, collective, overlappable) triples; `bucket_compute` the compute
-    seconds of each computation; `links` the `LinkModel` that times collectives."""
+    seconds of each computation; `parents` maps a computation to the one enclosing it
+    (None at the top), innermost listed first; `links` the `LinkModel` that times
+    collectives."""
     if not device.overlap:
         comm = links.total_time([c for _, c, _ in moves])
         return compute + comm, comm
@@ -98,8 +105,13 @@ def step_time(device, links, compute: float, bucket_compute: dict, moves) -> tup
     for key, c, over in moves:
         if over:
             hidden.setdefault(key, []).append(c)
-    for key, cols in hidden.items():
-        comm = links.total_time(cols)
-        window = max(0.0, bucket_compute.get(key, 0.0))
-        exposed += max(0.0, comm - window) + device.overlap_slowdown * min(comm, window)
+    window = {k: max(0.0, v) for k, v in bucket_compute.items()}
+    for key, parent in (parents or {k: None for k in window}).items():
+        comm = links.total_time(hidden.pop(key, []))
+        room = window.get(key, 0.0)
+        exposed += max(0.0, comm - room) + device.overlap_slowdown * min(comm, room)
+        if parent is not None:
+            window[parent] = window.get(parent, 0.0) + max(0.0, room - comm)
+    for cols in hidden.values():  # a computation without compute of its own
+        exposed += links.total_time(cols)
     return compute + exposed, exposed
