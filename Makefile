@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all demo bench bench-scale fuzz clean
+.PHONY: install test test-all demo bench bench-scale bench-published fuzz clean
 
 # make fuzz N=2000: generated cases against jax.jit (tests/fuzz.py; docs/testing.md)
 N ?= 2000
@@ -39,6 +39,10 @@ bench: $(STAMP)
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py
+
+# Published training runs: modeled vs measured MFU, and the searched plan (benchmarks/published/).
+bench-published: $(STAMP)
+	$(PY) benchmarks/published.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -4,7 +4,7 @@ partitionings with it.
 `CostModel(part, device)` costs a `partir.Partitioning` (per-device compute,
 communication per mesh axis, peak memory; incremental as the partitioning changes);
 `get_device` resolves accelerator presets (`h100`, `h200`, `a100`, `v100`, `tpu-v4`,
-`tpu-v5e`, `cpu`) or a user's JSON/TOML description.
+`tpu-v5e`, `tpu-v5p`, `cpu`) or a user's JSON/TOML description.
 """
 
 from ._comm import CollectiveCost, LinkModel

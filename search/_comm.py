@@ -17,14 +17,22 @@ slicing first would leave each device a strided set of blocks, not a shard of th
 layout. Into as many blocks or more, each device receives its new block from a device
 whose old block holds it (a collective-permute of the new block, as XLA moves it).
 
-Time on a ring of `n` devices with per-hop latency `alpha` and per-direction link
-bandwidth `beta` (the slowest link level among the collective's axes):
+Time on a ring of `n` devices with per-hop latency `alpha` (the slowest link level
+among the collective's axes) and per-direction bandwidth `beta`:
 
     all-reduce      2 (n-1) alpha + 2 (n-1)/n * B / beta
     reduce-scatter    (n-1) alpha +   (n-1)/n * B / beta        (B = operand)
     all-gather        (n-1) alpha +   (n-1)/n * R / beta        (R = result)
     all-to-all        (n-1) alpha +   (n-1)/n * B / beta
     collective-permute      alpha +             R / beta        (R = result)
+
+where `beta` is the bus bandwidth a collective reaches (`LinkModel.bandwidth`): the
+link's figure times the device's `collective_efficiency` (NCCL-tests' busbw against the
+line rate); a group spanning nodes with `k` members in each runs `k` rings side by side,
+one per member's NIC (NCCL's rail-aligned rings), so `k` times the inter-node figure up
+to the intra-node one; a group on a TPU torus larger than one side of it runs rings
+along as many torus dims as it spans, each with its own links. With the latency, this
+is the bus-bandwidth curve of NCCL-tests: small messages pay `alpha` per step.
 
 Gradient reductions over the same axes are combined into one collective per step
 (their latency paid once), as XLA's combiner and DDP's buckets do.
@@ -37,9 +45,12 @@ the whole operand and slices instead, and is costed so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from partir import Tiling, permuted_dims, transition
+
+from ._device import link_levels
 
 
 #: Bytes of gradient reductions XLA combines into one collective (its all-reduce
@@ -94,8 +105,34 @@ class LinkModel:
         self.mesh = mesh
         self.sizes = mesh.sizes()
         self.device = device
+        self.levels = levels
+        self.placed = link_levels(mesh.axes, device)  # the levels the device layout gives
         self.bw = {a: device.intra_bandwidth if levels[a] == "intra" else device.inter_bandwidth for a in mesh.names}
         self.alpha = {a: device.intra_latency if levels[a] == "intra" else device.inter_latency for a in mesh.names}
+        self._bandwidth: dict[tuple, float] = {}
+
+    def bandwidth(self, axes: tuple[str, ...]) -> float:
+        """Bus bandwidth (bytes/s per device per direction) of a collective over `axes`
+        (module docstring)."""
+        bw = self._bandwidth.get(axes)
+        if bw is None:
+            bw = self._bandwidth[axes] = self._group_bandwidth(axes)
+        return bw
+
+    def _group_bandwidth(self, axes) -> float:
+        dev = self.device
+        n = self.mesh.devices_along(axes)
+        if any(self.levels[a] == "inter" for a in axes):
+            # An axis said to cross nodes against the layout (a `links` override) has
+            # its members on nodes of their own: one ring per group.
+            placed = all(self.levels[a] == self.placed[a] for a in axes)
+            per_node = _members_per_node(self.mesh, axes, dev.devices_per_node) if placed else 1
+            bw = min(dev.intra_bandwidth, per_node * dev.inter_bandwidth)
+        else:
+            bw = min(self.bw[a] for a in axes)
+            if dev.torus_dims and dev.torus_side > 1 and n > dev.torus_side:
+                bw *= min(dev.torus_dims, math.ceil(math.log(n) / math.log(dev.torus_side) - 1e-9))
+        return bw * dev.collective_efficiency
 
     def time(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
         """Seconds for one collective of `kind` over `axes` moving a buffer of `nbytes`
@@ -103,7 +140,7 @@ class LinkModel:
         n = self.mesh.devices_along(axes)
         if n <= 1:
             return 0.0
-        bw = min(self.bw[a] for a in axes)
+        bw = self.bandwidth(axes)
         alpha = max(self.alpha[a] for a in axes)
         if kind == "collective-permute":  # one hop: each device sends its block, receives one
             return alpha + nbytes / bw
@@ -165,6 +202,20 @@ class LinkModel:
                 cur *= n
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
         return out
+
+
+def _members_per_node(mesh, axes, devices_per_node: int) -> int:
+    """How many devices of one group along `axes` share a node (device ids row-major
+    over the mesh, last axis fastest, consecutive ids filling a node)."""
+    names, sizes = list(mesh.names), mesh.sizes()
+    stride, strides = 1, {}
+    for a in reversed(names):
+        strides[a] = stride
+        stride *= sizes[a]
+    ids = [0]
+    for a in axes:
+        ids = [i + j * strides[a] for i in ids for j in range(sizes[a])]
+    return max(1, sum(1 for i in ids if i < devices_per_node))
 
 
 def _steps(kind: str, n: int) -> int:

@@ -2,20 +2,29 @@
 
 Objective (what the search minimises), per device and per training step:
 
-    compute_time = sum over ops of  trips(op) * max((flops + transcendentals) / k / peak(dtype),
-                                                    bytes_moved / hbm_bandwidth)
+    compute_time = sum over ops of  trips(op) * (max((flops + transcendentals) / k
+                                                        / (peak(dtype) * efficiency(op)),
+                                                        bytes_moved / hbm_bandwidth)
+                                                    + op_overhead if a matmul)
     comm_time    = sum over collectives of  trips * alpha-beta ring time   (see `_comm`)
-    step_time    = compute_time + comm_time                      (no overlap)
-    step_time_overlap = compute_time + comm_time - gradient_comm
-                        + max(0, gradient_comm - backward_compute)  (gradient reductions
-                                                                     hidden behind the
-                                                                     backward pass)
+    step_time    = compute_time + exposed communication          (see `_timing`)
+    step_time_overlap = step_time where the device overlaps; else compute_time
+                        + comm_time - min(gradient_comm, backward_compute)  (gradient
+                        reductions hidden behind the backward pass)
     memory_peak  = max over program order of live bytes          (see `_memory`)
 
 where `k` is the number of devices an op's factor tiling splits it over, `trips` is the
 product of the trip counts of the loops around the op (a scan body counts `length`
 times; XLA's own analysis counts it once), and a plan is feasible when `memory_peak`
 fits the memory limit (the device's HBM unless given).
+
+The device's time model (`search._device`) says what the hardware achieves: a matmul's
+`efficiency(op)` (`_timing.dot_efficiency`: below the datasheet, lower for small and
+skinny matmuls), a per-kernel `op_overhead`, which collectives run behind compute
+(`_timing`), and whether attention is the fused kernel (`_attention`): then the
+kernel's ops take no time of their own and its matmuls run at `attention_efficiency`
+of peak, on the tiles a causal mask leaves, plus `Q K^T` again in the backward kernel.
+On the `cpu` preset all of it is the identity: the model is the roofline XLA:CPU runs.
 
 Re-costing is incremental: the model consumes what the partitioning reports changed
 (`Partitioning.take_touched`), recomputes only the non-trivial ops involved, and
@@ -40,6 +49,7 @@ from ._manual import body_collectives
 from ._memory import Liveness
 from ._moves import MoveBuffers
 from ._remat import RematView
+from ._timing import batch_free, dot_efficiency, overlappable, shard_shape, step_time
 
 
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
@@ -58,6 +68,8 @@ class Cost:
     compute_time: float
     backward_compute_time: float
     comm_time: float
+    exposed_comm_time: float
+    overlap: bool
     gradient_comm_time: float
     collectives: tuple[CollectiveCost, ...]
     memory_peak: float
@@ -68,12 +80,16 @@ class Cost:
 
     @property
     def step_time(self) -> float:
-        """Compute plus communication, no overlap assumed (seconds)."""
-        return self.compute_time + self.comm_time
+        """Compute plus the communication it does not hide (seconds): all of it where
+        the device does not overlap (`DeviceSpec.overlap`), see `_timing`."""
+        return self.compute_time + self.exposed_comm_time
 
     @property
     def step_time_overlap(self) -> float:
-        """Step time with gradient reductions overlapping the backward pass (seconds)."""
+        """Step time with gradient reductions overlapping the backward pass (seconds):
+        `step_time` where the device's model overlaps already."""
+        if self.overlap:
+            return self.step_time
         hidden = min(self.gradient_comm_time, self.backward_compute_time)
         return self.compute_time + self.comm_time - hidden
 
@@ -148,7 +164,8 @@ class CostModel:
         vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
         # (broadcasts, iotas, what is made from them) are no buffer and no memory traffic.
-        self.materialization = mat = materialization(prog)
+        self.materialization = mat = materialization(prog, self.device.fused_attention)
+        self._timing_setup(prog, mat)
         self._virtual = mat.virtual
         # Ops that take time: live, not fused away, not a link (links only rename buffers;
         # a scan's per-iteration slices and stacked outputs are read and written by the
@@ -190,6 +207,31 @@ class CostModel:
         self._refresh_classes(range(len(cls)))
         self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o] and mat.live_op[o]])
 
+    def _timing_setup(self, prog, mat) -> None:
+        """Static arrays of the device's time model: each op's matmul efficiency on its
+        whole shapes (a partitioned op's is re-derived on its shards), the fused
+        attention kernel's matmuls, the values the batch does not reach (weights), and
+        each op's computation (region, pass) for overlap."""
+        from tactics import roles
+
+        vals, dev = prog.values, self.device
+        self._eff = np.array([dot_efficiency(op, vals[op.operands[0]].shape, vals[op.operands[1]].shape, dev)
+                              if op.primitive == "dot_general" and not op.link else 1.0 for op in prog.ops])
+        self._is_dot = np.array([op.primitive == "dot_general" and not op.link for op in prog.ops], dtype=bool)
+        att = mat.attention
+        n_ops = len(prog.ops)
+        self._kernel = att.dots & mat.live_op if att is not None else np.zeros(n_ops, dtype=bool)
+        self._kernel_work = att.work if att is not None else np.ones(n_ops)
+        self._kernel_again = att.recompute * mat.live_op if att is not None else np.zeros(n_ops)
+        self._weights = batch_free(prog, roles(prog).batch)
+        keys: dict = {}
+        self._bucket = np.array([keys.setdefault((op.region, bool(b)), len(keys))
+                                 for op, b in zip(prog.ops, prog.backward)], dtype=np.int64)
+        self._bucket_bwd = np.array([keys.setdefault((op.region, True), len(keys)) for op in prog.ops],
+                                    dtype=np.int64)
+        self._n_buckets = len(keys)
+        self._bucket_parents = _bucket_parents(prog, keys)
+
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
         mesh = self.part.mesh
@@ -212,8 +254,9 @@ class CostModel:
             entry = memo.get(key)
             if entry is None:
                 entry = memo[key] = self._price(o)
-            div, moved, reshards = entry
+            div, moved, reshards, eff = entry
             self._op_div[o] = div
+            self._eff[o] = eff
             self._op_bytes[o] = moved
             for dkey in self._op_cols.pop(o, ()):
                 e = self._dedup[dkey]
@@ -267,7 +310,18 @@ class CostModel:
         inside = self._inside(o)
         if inside:
             out.append((0, "inside", 0, None, inside, 0.0))
-        return div, moved, tuple(out)
+        return div, moved, tuple(out), self._shard_efficiency(o, layout[0])
+
+    def _shard_efficiency(self, o: int, slots) -> float:
+        """A matmul's efficiency on the shards the op computes (`_timing`)."""
+        op = self.program.ops[o]
+        if op.primitive != "dot_general" or op.link:
+            return 1.0
+        mesh, vals = self.part.mesh, self.program.values
+        shapes = {k: shard_shape(vals[v].shape, dims, mesh) for side, k, v, dims in slots if side == "operand"}
+        if 0 not in shapes or 1 not in shapes:
+            return float(self._eff[o])
+        return dot_efficiency(op, shapes[0], shapes[1], self.device)
 
     def _inside(self, o: int) -> tuple[CollectiveCost, ...]:
         """The collectives a region the user partitioned by hand runs itself."""
@@ -304,10 +358,42 @@ class CostModel:
 
     # -- evaluation ------------------------------------------------------------------------
     def _op_times(self):
+        """(seconds per op per step, work division, seconds the backward attention
+        kernel spends recomputing each forward score dot's `Q K^T`)."""
+        dev = self.device
         div = np.where(self._trivial, self._class_div[self._op_class], self._op_div)
         moved = np.where(self._trivial, self._op_bytes_full / div, self._op_bytes)
         work = (self._flops + self._trans) / div
-        return np.maximum(work / self._peak, moved / self.device.hbm_bandwidth) * self._mult * self._runs, div
+        eff = np.where(self._is_dot, self._eff * dev.matmul_efficiency, 1.0)
+        times = np.maximum(work / (self._peak * eff), moved / dev.hbm_bandwidth) * self._mult * self._runs
+        kernel = self._flops / div / (self._peak * dev.attention_efficiency) * self._mult
+        times = np.where(self._kernel, kernel * self._kernel_work, times)
+        if dev.op_overhead > 0:
+            # Matmuls and attention kernels, each a kernel of its own in any form of the
+            # program; elementwise ops fuse into them or into few loop fusions, as many
+            # in a scan as unrolled, which the op list does not follow one to one.
+            times = times + dev.op_overhead * self._mult * ((times > 0) & self._is_dot)
+        return times, div, kernel * self._kernel_again
+
+    def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:
+        """(step time, exposed communication) of the current state (`_timing`)."""
+        if not self.device.overlap:
+            cols = [c for _, e in self._moves() for c in e[min(e)][1]] + [c for _, c, _ in cols_again]
+            return step_time(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
+        buckets = np.bincount(self._bucket, weights=times, minlength=self._n_buckets)
+        redo, skipped, extra = again_ops
+        buckets += np.bincount(self._bucket_bwd, weights=extra, minlength=self._n_buckets)
+        if redo is not None:
+            buckets += np.bincount(self._bucket_bwd[redo], weights=times[redo], minlength=self._n_buckets)
+            buckets -= np.bincount(self._bucket[skipped], weights=times[skipped], minlength=self._n_buckets)
+        moves = []
+        for _, e in self._moves():
+            first = min(e)
+            v, cs, _ = e[first]
+            moves += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device)) for c in cs]
+        moves += [(int(self._bucket_bwd[o]), c, overlappable(c, v, self._weights, self.device)) for o, c, v in cols_again]
+        return step_time(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
+                         self._bucket_parents)
 
     def _reshard_buffers(self):
         """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
@@ -369,7 +455,8 @@ class CostModel:
         return peak, t, buf, liveness, (starts, ends, sizes, keys)
 
     def _recomputed(self, times) -> tuple[float, list]:
-        """(seconds, collectives) of the forward ops the backward pass runs again."""
+        """(seconds, (op, collective, value) triples) of the forward ops the backward
+        pass runs again."""
         view = self._view()
         if view is None:
             return 0.0, []
@@ -386,8 +473,14 @@ class CostModel:
                     if key in moved:
                         continue
                     moved.add(key)
-                cols += self._dedup[key][o][1]
+                v, cs, _ = self._dedup[key][o]
+                cols += [(o, c, v) for c in cs]
         return float(times[view.ops].sum()) + skipped, cols
+
+    def _again_ops(self, extra):
+        """(recomputed ops, skipped ops, backward kernel recompute seconds) for `_step`."""
+        view = self._view()
+        return (None, None, extra) if view is None else (view.ops, view.skipped, extra)
 
     def exact_peak(self) -> float:
         """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
@@ -398,20 +491,24 @@ class CostModel:
         """(step time without overlap, fast estimate of the peak memory): the search's
         fast path."""
         self._sync()
-        times, _ = self._op_times()
+        times, _, extra = self._op_times()
         again, again_cols = self._recomputed(times)
-        comm = self.links.total_time([c for _, e in self._moves() for c in e[min(e)][1]] + again_cols)
+        compute = float(times.sum()) + again + float(extra.sum())
+        step, _ = self._step(times, self._again_ops(extra), compute, again_cols)
         peak = self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
-        return float(times.sum()) + again + comm, peak
+        return step, peak
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""
         self._sync()
         prog = self.program
-        times, div = self._op_times()
+        times, div, kernel_again = self._op_times()
         again, again_cols = self._recomputed(times)
+        compute = float(times.sum()) + again + float(kernel_again.sum())
+        step, exposed = self._step(times, self._again_ops(kernel_again), compute, again_cols)
         firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))
-        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(again_cols)
+        cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(
+            c for _, c, _ in again_cols)
         value_bytes = self._nbytes / self._class_div[self._value_class]
         peak, t, buf, liveness, extra = self._memory(value_bytes, exact=True)
         live = liveness.live_at(t, extra[:3])
@@ -426,9 +523,11 @@ class CostModel:
             flops=float((work * self._mult).sum() + redo) + sum(c.flops * c.count for c in cols),
             flops_loops_once=float(work.sum()) - skip + sum(c.flops for c in cols),
             transcendentals=float((self._trans / div * self._mult * self.materialization.live_op).sum()),
-            compute_time=float(times.sum()) + again,
-            backward_compute_time=float(times[self._backward].sum()) + again,
+            compute_time=compute,
+            backward_compute_time=float(times[self._backward].sum()) + again + float(kernel_again.sum()),
             comm_time=self.links.total_time(cols),
+            exposed_comm_time=exposed,
+            overlap=self.device.overlap,
             gradient_comm_time=self.links.total_time(c for c in cols if c.gradient),
             collectives=cols,
             memory_peak=peak,
@@ -455,6 +554,27 @@ class CostModel:
             inputs = [v for v in members if v in is_input]
             name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
         return name
+
+
+def _bucket_parents(prog, keys: dict) -> dict:
+    """Computation id -> the id of the one enclosing it (its region's parent, same pass;
+    None at the top), innermost first (`_timing.step_time`)."""
+    regions = prog.regions
+
+    def depth(r):
+        d = 0
+        while regions[r].parent is not None and regions[r].parent >= 0:
+            r, d = regions[r].parent, d + 1
+        return d
+
+    out = {}
+    for (region, backward), k in sorted(keys.items(), key=lambda kv: -depth(kv[0][0])):
+        parent = regions[region].parent
+        if parent is not None and parent >= 0:
+            out[k] = keys.setdefault((parent, backward), len(keys))
+        else:
+            out[k] = None
+    return out
 
 
 def _shards(dims, mesh) -> int:

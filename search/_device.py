@@ -13,6 +13,28 @@ Choices shared by the presets:
   slower (CUDA cores, VPU), but it is HBM-bound, so the roofline's HBM term prices it.
 - Bandwidths are per device per direction, as `_comm`'s ring model uses them.
 - Latencies are estimates (orders of magnitude), not published figures.
+
+**Time model.** What a device really achieves is below its datasheet: the optional
+fields after the flags say how far (`search._cost`'s docstring has the formulas, and
+`benchmarks/published/` the runs they were checked against). Their defaults are the
+ideal machine, which is what the `cpu` preset and a user's file without them get:
+- `matmul_efficiency`: the fraction of peak a large matmul reaches; `matmul_knee`: the
+  per-device dim (elements) at which a matmul's efficiency halves along it (small and
+  skinny matmuls fill the tensor cores or MXUs badly), 0 for none;
+- `attention_efficiency`: the fraction of peak the fused attention kernel reaches
+  (`fused_attention` on: cuDNN/flash attention on GPU, splash attention on TPU);
+- `collective_efficiency`: the fraction of link bandwidth a collective's bus bandwidth
+  reaches at large messages (NCCL-tests' busbw, ICI all-gathers);
+- `overlap` (a flag): the backend's latency-hiding scheduler runs weight gathers and
+  gradient reductions behind compute; `overlap_slowdown`: the fraction of the hidden
+  communication time added to compute (the SMs or DMA engines collectives take);
+  `overlap_activations` (a flag): activation collectives (tensor parallelism's) run
+  behind independent compute too (XLA:TPU's async collective fusion);
+- `op_overhead`: seconds each matmul or attention kernel costs beyond its roofline
+  (launch and tail: what dominates at small per-device work);
+- `torus_dims`, `torus_side`: a TPU slice's ICI torus (dims, chips along a side), 0 for
+  a switched network: a collective over more chips than a side runs rings along several
+  dims at once.
 """
 
 from __future__ import annotations
@@ -35,7 +57,14 @@ class DeviceError(ValueError):
 
 _FLOAT_FIELDS = ("hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
 #: Backend behaviours (true or false), optional in a device description.
-_FLAGS = ("reduce_scatter", "breadth_first", "gather_copies")
+_FLAGS = ("reduce_scatter", "breadth_first", "gather_copies", "fused_attention", "overlap", "overlap_activations")
+#: Time-model fractions in (0, 1], optional (default 1: the datasheet figure).
+_FRACTIONS = ("matmul_efficiency", "attention_efficiency", "collective_efficiency")
+#: Time-model figures >= 0, optional (default 0: none).
+_NONNEGATIVE = ("matmul_knee", "overlap_slowdown", "op_overhead")
+#: Topology integers >= 0, optional (default 0: a switched network).
+_TOPOLOGY = ("torus_dims", "torus_side")
+_OPTIONAL = _FLAGS + _FRACTIONS + _NONNEGATIVE + _TOPOLOGY
 
 
 def _number(where: str, v) -> float:
@@ -70,7 +99,10 @@ class DeviceSpec:
     also runs after optimization barriers are gone): a value moved for its readers is
     moved as soon as it is made, even for the backward pass. `gather_copies` is True
     for a backend that all-gathers with the gathered dim major and copies the result
-    row-major for each way dots read it (XLA:CPU).
+    row-major for each way dots read it (XLA:CPU). `fused_attention` is True for a
+    backend whose `jax.nn.dot_product_attention` runs as one fused kernel that never
+    materializes the `[B, H, S, S]` scores (cuDNN on GPU, splash on TPU). The time-model
+    fields (module docstring) default to the ideal machine.
     """
 
     name: str
@@ -85,6 +117,17 @@ class DeviceSpec:
     reduce_scatter: bool = True
     breadth_first: bool = False
     gather_copies: bool = False
+    fused_attention: bool = False
+    overlap: bool = False
+    overlap_activations: bool = False
+    matmul_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    collective_efficiency: float = 1.0
+    matmul_knee: float = 0.0
+    overlap_slowdown: float = 0.0
+    op_overhead: float = 0.0
+    torus_dims: int = 0
+    torus_side: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -105,6 +148,25 @@ class DeviceSpec:
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise DeviceError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        self._check_time_model()
+
+    def _check_time_model(self) -> None:
+        for f in _FRACTIONS:
+            v = _number(f, getattr(self, f))
+            if v > 1:
+                raise DeviceError(f"{f} must be a fraction of the peak in (0, 1], got {v!r}")
+            object.__setattr__(self, f, v)
+        for f in _NONNEGATIVE:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise DeviceError(f"{f} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, f, float(v))
+        if self.overlap_slowdown >= 1:
+            raise DeviceError(f"overlap_slowdown must be below 1, got {self.overlap_slowdown!r}")
+        for f in _TOPOLOGY:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise DeviceError(f"{f} must be an integer >= 0, got {v!r}")
 
     def flops_for(self, dtype) -> float:
         """Peak flop/s for `dtype` (a numpy/JAX dtype, scalar type, array or name).
@@ -123,8 +185,10 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> DeviceSpec:
-        """Inverse of `to_dict`; the backend flags `reduce_scatter`, `breadth_first` and
-        `gather_copies` may be left out (defaults True, False, False).
+        """Inverse of `to_dict`; the backend flags (`reduce_scatter`, `breadth_first`,
+        `gather_copies`, `fused_attention`, `overlap`, `overlap_activations`: defaults
+        True, then False) and the
+        time-model fields (defaults: the ideal machine) may be left out.
 
         Unknown or missing keys raise `DeviceError` naming them and the allowed keys.
         """
@@ -132,7 +196,7 @@ class DeviceSpec:
             raise DeviceError(f"a device description must be a mapping, got {type(d).__name__}")
         allowed = [f.name for f in fields(cls)]
         unknown = [k for k in d if k not in allowed]
-        missing = [k for k in allowed if k not in d and k not in _FLAGS]
+        missing = [k for k in allowed if k not in d and k not in _OPTIONAL]
         if unknown or missing:
             parts = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
             raise DeviceError(f"bad device description: {'; '.join(parts)}; allowed keys: {', '.join(allowed)}")
@@ -160,9 +224,43 @@ def _flops(f32, bf16, f16, f8=None):
     return pf + ((("float8_e4m3fn", f8), ("float8_e5m2", f8)) if f8 else ())
 
 
-def _gpu(name, flops, hbm, hbm_bw, nvlink, ib):
+def _gpu(name, flops, hbm, hbm_bw, nvlink, ib, **time):
     # Every GPU preset is an 8-GPU HGX/DGX board: NVLink inside it, InfiniBand across.
-    return DeviceSpec(name, flops, hbm, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP, devices_per_node=8)
+    return DeviceSpec(name, flops, hbm, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP, devices_per_node=8, **time)
+
+
+# The time model of the GPU and TPU presets (module docstring), from the vendors'
+# published figures where they exist and else fit on the `fit` rows of
+# `benchmarks/published/` (`python benchmarks/published.py --fit` re-derives them;
+# `check` rows choose nothing). The names say which.
+#: Fit: large bf16 GEMMs through cuBLAS/XLA reach this fraction of the dense datasheet
+#: peak on Hopper and Ampere.
+GPU_MATMUL_EFFICIENCY = 0.665
+#: Fit: large matmuls on the MXUs (XLA:TPU) reach this fraction of peak.
+TPU_MATMUL_EFFICIENCY = 0.859
+#: Estimate: a per-device matmul dim of this many elements halves the rate along it
+#: (one 128-wide tile of the tensor cores or MXU half filled).
+MATMUL_KNEE = 32.0
+#: Fit: the fused attention kernels (cuDNN on GPU, splash on TPU) reach this fraction of
+#: peak on the tiles they compute.
+ATTENTION_EFFICIENCY = 0.469
+#: NCCL-tests' bus bandwidth reaches about 80% of the NVLink/InfiniBand line rate at
+#: large messages (all-reduce and all-gather on DGX H100/A100 boards); taken for ICI too.
+COLLECTIVE_EFFICIENCY = 0.80
+#: Estimate: hidden collectives slow the compute they hide behind by this fraction of
+#: their time (NCCL's kernels take SMs; TPU DMA shares HBM bandwidth).
+OVERLAP_SLOWDOWN = 0.10
+#: Estimate: seconds a GPU kernel costs beyond its roofline (launch and tail, XLA's
+#: fused kernels launched back to back).
+GPU_OP_OVERHEAD = 4e-6
+#: Estimate: a TPU op's fixed cost (program step, DMA set-up).
+TPU_OP_OVERHEAD = 2e-6
+_GPU_TIME = dict(fused_attention=True, overlap=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY,
+                 matmul_knee=MATMUL_KNEE, attention_efficiency=ATTENTION_EFFICIENCY,
+                 collective_efficiency=COLLECTIVE_EFFICIENCY, overlap_slowdown=OVERLAP_SLOWDOWN,
+                 op_overhead=GPU_OP_OVERHEAD)
+_TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead=TPU_OP_OVERHEAD,
+                 overlap_activations=True)
 
 
 # Figures per device. GPU sources are the NVIDIA datasheets of the named SKU; dense flops
@@ -171,15 +269,18 @@ def _gpu(name, flops, hbm, hbm_bw, nvlink, ib):
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM5 80GB: TF32 989/2 (the f32 dot), BF16 = FP16 1,979/2, FP8 3,958/2 TFLOPS;
     # "80GB" HBM3 taken as decimal GB (leaves room for the runtime's reserve), 3.35 TB/s.
-    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80e9, 3.35e12, _NVLINK4, _NDR),
+    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80e9, 3.35e12, _NVLINK4, _NDR,
+                 **_GPU_TIME),
     # H200 SXM 141GB: H100 compute (same datasheet figures); 141 GB HBM3e at 4.8 TB/s.
-    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141e9, 4.8e12, _NVLINK4, _NDR),
+    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141e9, 4.8e12, _NVLINK4, _NDR,
+                 **_GPU_TIME),
     # A100 SXM 80GB: TF32 312/2, BF16 = FP16 624/2 TFLOPS, no FP8; 80 GB HBM2e, 2,039 GB/s.
-    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80e9, 2.039e12, _NVLINK3, _HDR),
+    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80e9, 2.039e12, _NVLINK3, _HDR, **_GPU_TIME),
     # V100 SXM2 32GB: FP32 15.7 TFLOPS (no TF32 on Volta), FP16 tensor cores 125 TFLOPS
     # (no sparsity on Volta). No BF16 tensor cores: a bf16 dot runs on the CUDA cores, at
     # best at the FP32 rate, so 'bfloat16' gets that. 32 GB HBM2, 900 GB/s. DGX-1 wires its 8 GPUs
-    # as a hybrid cube-mesh, not a switch: the NVLink figure is the per-GPU total.
+    # as a hybrid cube-mesh, not a switch: the NVLink figure is the per-GPU total. No time
+    # model: no published run of ours is on V100, and cuDNN's fused attention needs Ampere.
     "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32e9, 900e9, _NVLINK2, _EDR),
     # TPU v4: "275 teraflops (bf16 or int8)" per chip; float32 at the same rate (one bf16
     # pass, JAX's default), float16 assumed (not documented) to be converted to that path.
@@ -188,18 +289,30 @@ PRESETS: dict[str, DeviceSpec] = {
     # direction; a ring along one torus dimension uses its 2 links: 90 GB/s. DCN, estimate:
     # 50 Gb/s per chip, the figure the docs give for v5p (none is given for v4).
     # "TPU Pod size 4096 chips" is the ICI domain.
+    # Slices are built of 4x4x4 cubes on a 3-D torus.
     "tpu-v4": DeviceSpec(
         "tpu-v4", _flops(275e12, 275e12, 275e12), 32 * 2**30, 1200e9,
-        90e9, _ICI_HOP, 6.25e9, _DCN_HOP, devices_per_node=4096,
+        90e9, _ICI_HOP, 6.25e9, _DCN_HOP, devices_per_node=4096, torus_dims=3, torus_side=4, **_TPU_TIME,
     ),
     # TPU v5e: "197 TFLOPs" bf16 per chip, float32/float16 as for v4, no float8 (int8
     # only); "16 GB, 819 GBps" HBM. ICI, derived: "400 GBps bidirectional per chip" over
     # "4 ICI ports" = 50 GB/s per port per direction, 2 ports per torus dimension: 100 GB/s.
     # DCN, derived: "2 x 100 Gbps NIC" per host / "8 chips per host" = 25 Gb/s per chip.
     # "TPU Pod size 256 chips" is the ICI domain.
+    # "2D torus": a v5e-256 slice is 16x16.
     "tpu-v5e": DeviceSpec(
         "tpu-v5e", _flops(197e12, 197e12, 197e12), 16e9, 819e9,
-        100e9, _ICI_HOP, 3.125e9, _DCN_HOP, devices_per_node=256,
+        100e9, _ICI_HOP, 3.125e9, _DCN_HOP, devices_per_node=256, torus_dims=2, torus_side=16, **_TPU_TIME,
+    ),
+    # TPU v5p (Cloud TPU docs, "TPU v5p"): "459 TFLOPs" bf16 per chip (and FP8 at the same
+    # rate), float32/float16 as for v4; "95 GB, 2765 GBps" HBM2e. ICI, derived: "1200 GBps"
+    # bidirectional per chip over the 6 ports of a "3D torus" = 100 GB/s per port per
+    # direction, 2 ports per torus dimension: 200 GB/s. DCN: "50 Gbps" per chip. "8960
+    # chips" per pod is the ICI domain; slices are built of 4x4x4 cubes. Note: a
+    # "v5p-N" slice name counts TensorCores, two per chip.
+    "tpu-v5p": DeviceSpec(
+        "tpu-v5p", _flops(459e12, 459e12, 459e12), 95e9, 2765e9,
+        200e9, _ICI_HOP, 6.25e9, _DCN_HOP, devices_per_node=8960, torus_dims=3, torus_side=4, **_TPU_TIME,
     ),
     # The 8 simulated host devices of the tests (--xla_force_host_platform_device_count=8).
     # NOMINAL figures, not a performance model, enough to rank plans on one host: 30 GFLOP/s
@@ -223,6 +336,7 @@ _ALIASES = {
     **dict.fromkeys(("v100-sxm2", "v100-32gb", "v100-sxm2-32gb"), "v100"),
     **dict.fromkeys(("tpuv4", "v4"), "tpu-v4"),
     **dict.fromkeys(("tpuv5e", "v5e", "tpu-v5-lite", "v5litepod"), "tpu-v5e"),
+    **dict.fromkeys(("tpuv5p", "v5p"), "tpu-v5p"),
     "host": "cpu",
 }
 

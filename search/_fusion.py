@@ -13,10 +13,12 @@ The jaxpr is not what XLA executes. Before buffers are assigned, XLA
 3. makes a reshape a view of its operand's buffer (a bitcast in XLA's row-major
    layouts), so a value and its reshapes are one buffer;
 4. keeps the activation entering each layer of an unrolled program as a buffer, as a
-   scan's carry is one, however cheap the op that makes it (a residual add).
+   scan's carry is one, however cheap the op that makes it (a residual add);
+5. on a backend that runs attention as one fused kernel (`fused_attention=True`: GPU and
+   TPU presets), makes none of the score-shaped values a buffer (`_attention`).
 
-`materialization(program)` computes these static facts once per program; the cost
-model prices and the liveness counts only what XLA materializes.
+`materialization(program, fused_attention=False)` computes these static facts once per
+program; the cost model prices and the liveness counts only what XLA materializes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir import Link, layer_blocks
+
+from ._attention import AttentionRegion, attention_region
 
 #: Elementwise (and data-movement) primitives XLA computes inside the fusions of their
 #: consumers, duplicating them into each (its `IsExpensive` says they are cheap).
@@ -84,16 +88,19 @@ class Materialization:
     layout where it is needed, never moved (a subset of `virtual`).
     `sources[v]`: for a virtual value that is fused, the materialized values its
     consumers re-derive it from (they stay live as long as v is read).
+    `attention`: the fused attention kernels (None where the backend has none).
     """
 
     live_op: np.ndarray
     virtual: np.ndarray
     from_scalars: np.ndarray
     sources: dict
+    attention: AttentionRegion | None = None
 
 
-def materialization(program) -> Materialization:
-    """The static buffer facts of `program` (see the module docstring)."""
+def materialization(program, fused_attention: bool = False) -> Materialization:
+    """The static buffer facts of `program` (see the module docstring); with
+    `fused_attention`, the attention scores are inside a kernel and no buffer."""
     live = _live_ops(program)
     n = len(program.values)
     produced = _producers(program)
@@ -133,7 +140,15 @@ def materialization(program) -> Materialization:
         v = op.operands[0] if op.link and op.operands else -1
         if v >= 0 and op.primitive in LOOP_ENTRIES and live[op.id] and not scalar_made[v]:
             virtual[v] = False
-    return Materialization(live, virtual, scalar_made, sources)
+    if not fused_attention:
+        return Materialization(live, virtual, scalar_made, sources)
+    region = attention_region(program, scalar_made)
+    virtual = virtual | region.values
+    # A value outside the kernel re-derived from one inside it (none in the attention
+    # users write) would read it from the kernel's output: it keeps no score alive.
+    sources = {v: tuple(s for s in srcs if not region.values[s]) for v, srcs in sources.items()
+               if not region.values[v]}
+    return Materialization(live, virtual, scalar_made, {v: s for v, s in sources.items() if s}, region)
 
 
 class _Stacks:

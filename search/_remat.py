@@ -60,7 +60,10 @@ class RematView:
                     sources.pop(r, None)
         forward_only, extra, added, extend, slices = set(), [], set(), {}, set()
         stacked = {op.operands[0]: op.results[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
+        kernel = materialization.attention.values if materialization.attention is not None else None
         for r, srcs in rec.sources.items():
+            if kernel is not None and kernel[r]:
+                continue  # inside the fused attention kernel: recomputed by it, never a buffer
             stack = stacked.get(r)
             if stack is None:  # unrolled: freed after the forward reads, made again for the backward ones
                 forward_only.add(r)

@@ -38,10 +38,11 @@ def cost_tables(cost):
     head = Table(title=f"modeled step on {cost.device}, mesh {cost.mesh} (per device)", show_header=False)
     head.add_column("what")
     head.add_column("value", justify="right")
-    head.add_row("step time, no overlap", _fmt_time(cost.step_time))
+    head.add_row("step time" + (" (overlapped as the device does)" if cost.overlap else ", no overlap"),
+                 _fmt_time(cost.step_time))
     head.add_row("step time, gradient reductions overlapped", _fmt_time(cost.step_time_overlap))
-    head.add_row("compute (roofline)", _fmt_time(cost.compute_time))
-    head.add_row("communication", _fmt_time(cost.comm_time))
+    head.add_row("compute", _fmt_time(cost.compute_time))
+    head.add_row("communication (exposed)", f"{_fmt_time(cost.comm_time)} ({_fmt_time(cost.exposed_comm_time)})")
     head.add_row("flops", f"{cost.flops:.4g}")
     head.add_row("peak memory", f"{_fmt_bytes(cost.memory_peak)} of {_fmt_bytes(cost.memory_limit)}"
                  + ("" if cost.fits else "  [red]does not fit[/]"))

@@ -220,10 +220,13 @@ def test_megatron_beats_replication_on_gpt():
     step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=4, d_model=2048, n_heads=16, d_ff=8192, vocab=32768,
                                                    seq_len=1024, batch=2), abstract=True)
     prog = partir.lift(step, *args)
-    replicated = search.CostModel(partir.Partitioning(prog, MeshSpec.of(model=8)), "h100").cost()
+    # The roofline H100 (no time model): what is asserted is what fuses and what is split,
+    # not how efficiently the small per-device matmuls of TP 8 run.
+    ideal = dataclasses.replace(search.get_device("h100"), matmul_knee=0.0, op_overhead=0.0)
+    replicated = search.CostModel(partir.Partitioning(prog, MeshSpec.of(model=8)), ideal).cost()
     part = partir.Partitioning(prog, MeshSpec.of(model=8))
     megatron(part, "gpt", "model")
-    tp = search.CostModel(part, "h100").cost()
+    tp = search.CostModel(part, ideal).cost()
     # Elementwise work is fused and stays replicated: not the full 8x.
     assert tp.step_time < replicated.step_time / 2.5
     assert tp.comm_time > 0 and replicated.comm_time == 0
@@ -266,9 +269,10 @@ def test_gradient_reductions_overlap_backward():
     grads = [c for c in cost.collectives if c.gradient]
     assert grads and all(c.kind == "all-reduce" and c.axes == ("data",) for c in grads)
     assert cost.gradient_comm_time == pytest.approx(cost.comm_time, rel=0.05)  # DP: nearly all comm is gradients
-    assert cost.step_time_overlap < cost.step_time
+    # H100's model overlaps them (its `step_time` already does): below compute + comm.
+    assert cost.step_time_overlap == cost.step_time < cost.compute_time + cost.comm_time
     text = str(cost)
-    for section in ("step time, no overlap", "top ops by time", "collectives by mesh axis", "live at the memory peak"):
+    for section in ("step time", "top ops by time", "collectives by mesh axis", "live at the memory peak"):
         assert section in text
 
 

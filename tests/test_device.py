@@ -28,7 +28,7 @@ def _toml(d: dict) -> str:
 
 
 def test_presets_are_the_expected_set_and_named_after_their_key():
-    assert set(PRESETS) == {"h100", "h200", "a100", "v100", "tpu-v4", "tpu-v5e", "cpu"}
+    assert set(PRESETS) == {"h100", "h200", "a100", "v100", "tpu-v4", "tpu-v5e", "tpu-v5p", "cpu"}
     for key, spec in PRESETS.items():
         assert spec.name == key
         assert get_device(key) is spec

@@ -1,0 +1,338 @@
+"""Published training runs as ground truth for the cost model's time.
+
+For each run of `benchmarks/published/runs.toml` (transformer LMs of 8B-405B parameters
+on H100, A100 and TPU v5e/v5p, each cited by document and table): the published figure;
+where today's tactics express the run, the modeled figure of the published
+configuration (its schedule of tactics on `examples/llama.py` set to the run's shape,
+on the run's device preset, from abstract shapes) and its relative error; and the plan
+`AutomaticPartition` finds for the same model, devices and global batch, with its
+modeled step divided by the published configuration's. Rows needing pipeline or
+context parallelism, FP8 or a MoE Llama say so.
+
+Figures are compared like with like: each source's model-flops formula (`FORMULAS`)
+turns its published figure into a step time and the modeled step into the same MFU.
+Gradient accumulation: every expressible run takes one micro-batch per step (GA 1), so
+the modeled step is the train step of the global batch with one optimizer update.
+
+Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
+[--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
+constants (`search._device`) on the `fit` rows only, by least squares on log step time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import tomllib  # noqa: E402
+from typing import Any  # noqa: E402
+
+#: The data file.
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "runs.toml")
+#: Search episodes per row: small, so that the whole benchmark stays within minutes, and
+#: deterministic.
+EPISODES = 300
+#: Relative error band the modeled MFU of a published configuration must hold.
+BAND = 0.15
+SPLITS = ("fit", "check")
+REMAT = ("none", "dots", "full")
+KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
+PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One published run (fields as in the data file's header)."""
+
+    id: str
+    model: str
+    split: str
+    source: str
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+    vocab: int
+    seq: int
+    devices: int
+    device: str
+    parallelism: dict
+    remat: str
+    dtype: str
+    measured: dict
+    flops: str
+    expressible: bool
+    global_batch: int = 0
+    micro_batch: int = 0
+    experts: int = 0
+    top_k: int = 0
+    mesh: tuple = ()
+    reported: dict = dataclasses.field(default_factory=dict)
+    remat_note: str = ""
+    why_not: str = ""
+
+    @property
+    def mesh_axes(self) -> tuple:
+        """((axis, size), ...) of the published configuration's mesh."""
+        return tuple((str(a), int(n)) for a, n in self.mesh)
+
+
+def _check(row: dict, where: str) -> Row:
+    """A `Row` from a TOML table, or a `ValueError` naming the row, the field and the fix."""
+    names = {f.name for f in dataclasses.fields(Row)}
+    unknown = sorted(set(row) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {unknown}; allowed: {sorted(names)}")
+    try:
+        r = Row(**row)
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from e
+    problems = []
+    if r.split not in SPLITS:
+        problems.append(f"split {r.split!r} not in {SPLITS}")
+    if r.remat not in REMAT:
+        problems.append(f"remat {r.remat!r} not in {REMAT}")
+    if r.measured.get("kind") not in KINDS or not r.measured.get("value", 0) > 0:
+        problems.append(f"measured must be {{kind in {KINDS}, value > 0}}, got {r.measured}")
+    if r.flops not in FORMULAS and r.flops != "reported":
+        problems.append(f"flops {r.flops!r} not in {sorted(FORMULAS) + ['reported']}")
+    if set(r.parallelism) - set(PARALLELISM):
+        problems.append(f"parallelism keys {sorted(r.parallelism)} not within {PARALLELISM}")
+    if r.expressible:
+        size = 1
+        for _, n in r.mesh_axes:
+            size *= n
+        if size != r.devices or r.global_batch <= 0 or r.flops == "reported":
+            problems.append("an expressible row needs a mesh of `devices` devices, a global_batch and a formula")
+    elif not r.why_not:
+        problems.append("a row that is not expressible says why (why_not)")
+    if problems:
+        raise ValueError(f"{where} ({r.id}): " + "; ".join(problems))
+    return r
+
+
+def load(path: str = RUNS) -> list[Row]:
+    """The rows of the data file, schema-checked."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    rows = [_check(t, f"{path}: run {i}") for i, t in enumerate(data.get("run", []))]
+    ids = [r.id for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate run ids in {ids}")
+    return rows
+
+
+# -- the sources' model-flops formulas (per device, per step) ---------------------------
+
+def _params(r: Row) -> int:
+    hd = r.d_model // r.heads
+    attn = r.d_model * hd * (2 * r.heads + 2 * r.kv_heads)
+    return 2 * r.vocab * r.d_model + r.layers * (attn + 3 * r.d_model * r.d_ff + 2 * r.d_model) + r.d_model
+
+
+def _tokens(r: Row) -> float:
+    return r.global_batch * r.seq / r.devices
+
+
+def _maxtext_2023(r: Row) -> float:
+    # maxtext_utils.calculate_tflops_training_per_device (2023, PaLM appendix B): 6 N per
+    # token plus causal attention, 12 H L hd S^2 / 2 per sequence.
+    hd = r.d_model // r.heads
+    return _tokens(r) * (6 * _params(r) + 6 * r.heads * r.layers * hd * r.seq)
+
+
+def _maxtext_2024(r: Row) -> float:
+    # maxtext_utils.calculate_tflops_training_per_device (2024): 3 x (per layer: SwiGLU
+    # MLP, QKV and output projections, attention 4 S H hd uncausal; plus the LM head).
+    d, f, h, k, hd = r.d_model, r.d_ff, r.heads, r.kv_heads, r.d_model // r.heads
+    layer = 2 * d * f * 3 + 2 * d * (h + 2 * k) * hd + 2 * h * hd * d + 4 * r.seq * h * hd
+    return 3 * _tokens(r) * (r.layers * layer + 2 * d * r.vocab)
+
+
+def _torchtitan(r: Row) -> float:
+    # torchtitan's get_num_flop_per_token: 6 N + 12 L H hd S per token.
+    hd = r.d_model // r.heads
+    return _tokens(r) * (6 * _params(r) + 12 * r.layers * r.heads * hd * r.seq)
+
+
+FORMULAS = {"maxtext-2023": _maxtext_2023, "maxtext-2024": _maxtext_2024, "torchtitan": _torchtitan}
+
+
+def published_step(r: Row) -> float:
+    """The published step time (seconds) of an expressible row."""
+    kind, value = r.measured["kind"], r.measured["value"]
+    if kind == "step_s":
+        return value
+    if kind == "tokens_per_s_device":
+        return _tokens(r) / value
+    if kind == "tflops_device":
+        return FORMULAS[r.flops](r) / (value * 1e12)
+    raise ValueError(f"{r.id}: a {kind} figure gives no step time")
+
+
+# -- modeling -----------------------------------------------------------------------------
+
+def program(r: Row):
+    """The lifted train step of `examples/llama.py` set to the row's shape (abstract)."""
+    import jax.numpy as jnp
+
+    import partir
+    from examples import llama
+
+    config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
+                               d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq, batch=r.global_batch,
+                               dtype=jnp.bfloat16, scan_layers=True, remat=False)
+    step, args = llama.make_train_step(config, abstract=True)
+    return partir.lift(step, *args)
+
+
+def schedule(r: Row) -> list:
+    """The published configuration as the project's tactics."""
+    import tactics
+
+    axes = dict(r.mesh_axes)
+    out = [tactics.DataParallel("data")] if "data" in axes else []
+    if "model" in axes:
+        out += [tactics.Megatron("model"), tactics.FSDP("fsdp")]
+    else:
+        out += [tactics.FSDP("fsdp", leave_room=False)]
+    return out + ([tactics.Remat(r.remat)] if r.remat != "none" else [])
+
+
+def summary(part, r: Row, device) -> dict:
+    """Modeled step, peak, fit and MFU (the source's formula) of a partitioning."""
+    import search
+
+    cost = search.CostModel(part.copy(), device).cost()
+    peak = search.get_device(device).flops_for("bfloat16")
+    return {"step_s": cost.step_time, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
+            "mfu": FORMULAS[r.flops](r) / (peak * cost.step_time)}
+
+
+def model_row(r: Row, episodes: int, device=None) -> dict:
+    """The row's published and modeled figures and the searched plan's."""
+    import partir
+    import search
+    import tactics
+
+    device = device or r.device
+    prog = program(r)
+    mesh = partir.MeshSpec(r.mesh_axes)
+    part = tactics.apply_schedule(prog, mesh, schedule(r)).partitioning
+    out = {"id": r.id, "split": r.split, "published_step_s": published_step(r), "published": summary(part, r, device)}
+    peak = search.get_device(device).flops_for("bfloat16")
+    out["published_mfu"] = FORMULAS[r.flops](r) / (peak * out["published_step_s"])
+    out["error"] = out["published"]["mfu"] / out["published_mfu"] - 1
+    if episodes > 0:
+        auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True)
+        found = tactics.apply_schedule(prog, mesh, [auto])
+        out["searched"] = summary(found.partitioning, r, device)
+        out["plan"] = [a.describe(res.groups) for res in found.context.search for a in res.actions]
+        out["searched_over_published"] = out["searched"]["step_s"] / out["published"]["step_s"]
+    return out
+
+
+#: The device presets whose matmuls `GPU_MATMUL_EFFICIENCY` prices (the rest are TPUs).
+GPUS = ("h100", "h200", "a100")
+
+
+def fit(rows: list[Row]) -> dict:
+    """The time model's fitted constants (`search._device`: GPU and TPU matmul
+    efficiency, fused attention efficiency), by least squares on the log of modeled over
+    published step time over `rows` (the fit rows: check rows choose nothing)."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    import partir
+    import search
+    import tactics
+
+    models = []
+    for r in rows:
+        part = tactics.apply_schedule(program(r), partir.MeshSpec(r.mesh_axes), schedule(r)).partitioning
+        models.append((r, search.CostModel(part, r.device), published_step(r)))
+
+    def loss(x):
+        gpu, tpu, attention = x
+        total = 0.0
+        for r, model, step in models:
+            base = search.get_device(r.device)
+            model.device = dataclasses.replace(base, matmul_efficiency=gpu if r.device in GPUS else tpu,
+                                               attention_efficiency=attention)
+            total += float(np.log(model.evaluate()[0] / step)) ** 2
+        return total
+
+    dev = search.get_device("h100"), search.get_device("tpu-v5e")
+    x0 = [dev[0].matmul_efficiency, dev[1].matmul_efficiency, dev[0].attention_efficiency]
+    best = minimize(loss, x0, method="Powell", bounds=[(0.3, 1.0), (0.3, 1.0), (0.2, 1.0)])
+    names = ("GPU_MATMUL_EFFICIENCY", "TPU_MATMUL_EFFICIENCY", "ATTENTION_EFFICIENCY")
+    return dict(zip(names, best.x.tolist())) | {"rms_log_error": float(np.sqrt(best.fun / len(models)))}
+
+
+def _table(rows: list[Row], results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    for split in SPLITS:
+        table = Table(title=f"published runs, {split} rows (MFU by each source's formula)")
+        for col in ("run", "device", "mesh", "remat", "published MFU", "modeled MFU", "error", "peak", "searched MFU",
+                    "searched/published step"):
+            table.add_column(col, justify="left" if col in ("run", "mesh") else "right")
+        for r in rows:
+            if r.split != split:
+                continue
+            res = results.get(r.id)
+            if res is None:
+                table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, _published(r), "-",
+                              f"not expressible: {r.why_not}", "", "", "")
+                continue
+            p, s = res["published"], res.get("searched")
+            table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, f"{res['published_mfu']:.1%}",
+                          f"{p['mfu']:.1%}", f"{res['error']:+.1%}", f"{p['peak_gib']:.0f} GiB"
+                          + ("" if p["fits"] else " (no fit)"),
+                          f"{s['mfu']:.1%}" + ("" if s["fits"] else " (no fit)") if s else "-",
+                          f"{res['searched_over_published']:.2f}" if s else "-")
+        Console(width=200).print(table)
+
+
+def _parallel(r: Row) -> str:
+    return " ".join(f"{k}{v}" for k, v in r.parallelism.items() if v > 1) or "-"
+
+
+def _published(r: Row) -> str:
+    kind, value = r.measured["kind"], r.measured["value"]
+    return {"mfu": f"{value:.1%}", "tflops_device": f"{value:g} TFLOP/s", "step_s": f"{value:g} s",
+            "tokens_per_s_device": f"{value:g} tok/s"}[kind]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", default=None, help="run ids (default: all)")
+    parser.add_argument("--episodes", type=int, default=EPISODES, help="search episodes per row (0: no search)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--fit", action="store_true", help="re-derive the fitted constants on the fit rows")
+    args = parser.parse_args(argv)
+    rows = load()
+    if args.fit:
+        for name, value in fit([r for r in rows if r.split == "fit" and r.expressible]).items():
+            print(f"{name} = {value:.3f}")
+        return
+    chosen = [r for r in rows if args.rows is None or r.id in args.rows]
+    results: dict[str, Any] = {}
+    for r in chosen:
+        if r.expressible:
+            results[r.id] = model_row(r, args.episodes)
+    _table(chosen, results)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

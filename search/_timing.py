@@ -1,0 +1,117 @@
+"""What sets a real step's time beyond the roofline: achieved matmul throughput, and
+communication overlapped with compute. `search._cost` uses both; the figures are the
+device's time model (`DeviceSpec`, `search._device`), the ideal machine by default.
+
+**Achieved matmul throughput.** A matmul of per-device sizes m x k by k x n (batch dims
+aside, which batched GEMMs and the MXUs take in stride) reaches
+
+    efficiency = matmul_efficiency * prod over d in (m, n, k) of  d / (d + matmul_knee)
+
+of the dtype's peak: large matmuls reach `matmul_efficiency` (cuBLAS' and XLA's large
+GEMMs stay below the datasheet), small or skinny ones fill the tensor cores (MXUs)
+badly, and a dim of `matmul_knee` elements halves the rate along it.
+
+**Overlap** (`DeviceSpec.overlap`, as XLA's latency-hiding scheduler runs on GPU and
+TPU). Each collective is either *overlappable*, run behind compute:
+- an all-gather of a weight (a value the batch does not reach: FSDP and ZeRO-3
+  gathers, prefetched a layer ahead),
+- a gradient reduction (reduce-scatter or all-reduce of a weight's gradient, run
+  behind the rest of the backward pass),
+
+or *exposed*, on the critical path: tensor- and sequence-parallel collectives of
+activations, expert all-to-alls (what a plan does not overlap itself, e.g. by a
+collective matmul), except on a backend that overlaps those too
+(`DeviceSpec.overlap_activations`: XLA:TPU's async collective fusion, which MaxText's
+TPU recipes turn on with `xla_tpu_enable_async_collective_fusion` and
+`xla_tpu_overlap_compute_collective_tc`, runs them beside the independent matmuls of
+the same computation). Overlappable collectives hide behind the compute of the same
+*computation*: the ops of one region in one pass (a scan body's forward or backward
+trip, the top-level forward or backward), recomputed ops in the backward pass of their
+region. Per computation, innermost first,
+
+    exposed = max(0, overlappable comm - window)
+    slowed  = overlap_slowdown * min(overlappable comm, window)
+
+where the window is the computation's compute plus what its nested computations (a
+loop's body, in the same pass) left unused: a collective of the enclosing computation
+runs beside a whole loop (the head's gradient reduction beside the backward layers),
+so a scanned and an unrolled program hide the same.
+
+and the step is compute + exposed collectives + sum of (exposed + slowed) over
+computations. Without `overlap` (the `cpu` preset: XLA:CPU runs collectives in line),
+nothing is hidden: compute + every collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def dot_efficiency(op, lhs_shape, rhs_shape, device) -> float:
+    """The shape part of the fraction of peak a `dot_general` with these (per-device)
+    operand shapes reaches on `device`: the product over m, n, k (module docstring),
+    which `matmul_efficiency` multiplies; 1 for other ops."""
+    if op.link or op.primitive != "dot_general" or op.eqn is None:
+        return 1.0
+    (lc, rc), (lb, rb) = op.eqn.params["dimension_numbers"]
+    k = math.prod(lhs_shape[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb)
+    knee = device.matmul_knee
+    shape = 1.0 if knee <= 0 else (m / (m + knee)) * (n / (n + knee)) * (k / (k + knee))
+    return shape
+
+
+def shard_shape(shape, dims, mesh) -> tuple[int, ...]:
+    """A value's per-device shape under dim tiling `dims` (ceil, as XLA pads)."""
+    return tuple(-(-s // mesh.devices_along(axes)) for s, axes in zip(shape, dims))
+
+
+def batch_free(program, batch_inputs) -> np.ndarray:
+    """Per value: True when no batch input reaches it (weights and what is made from
+    them alone: a weight cast, sliced per layer or gathered). Ops are in execution order
+    except loop-carry links, hence a second sweep."""
+    reached = np.zeros(len(program.values), dtype=bool)
+    for v in batch_inputs:
+        reached[v] = True
+    for _ in range(2):
+        for op in program.ops:
+            if any(v >= 0 and reached[v] for v in op.operands):
+                for v in op.results:
+                    if v >= 0:
+                        reached[v] = True
+    return ~reached
+
+
+def overlappable(col, value: int, weights, device) -> bool:
+    """Whether a collective may run behind compute (module docstring)."""
+    return (bool(col.gradient) or (col.kind == "all-gather" and bool(weights[value]))
+            or device.overlap_activations)
+
+
+def step_time(device, links, compute: float, bucket_compute: dict, moves, parents=None) -> tuple[float, float]:
+    """(step seconds, seconds of communication it adds to compute). `moves` holds
+    (computation key, collective, overlappable) triples; `bucket_compute` the compute
+    seconds of each computation; `parents` maps a computation to the one enclosing it
+    (None at the top), innermost listed first; `links` the `LinkModel` that times
+    collectives."""
+    if not device.overlap:
+        comm = links.total_time([c for _, c, _ in moves])
+        return compute + comm, comm
+    exposed = links.total_time([c for _, c, over in moves if not over])
+    hidden: dict = {}
+    for key, c, over in moves:
+        if over:
+            hidden.setdefault(key, []).append(c)
+    window = {k: max(0.0, v) for k, v in bucket_compute.items()}
+    for key, parent in (parents or {k: None for k in window}).items():
+        comm = links.total_time(hidden.pop(key, []))
+        room = window.get(key, 0.0)
+        exposed += max(0.0, comm - room) + device.overlap_slowdown * min(comm, room)
+        if parent is not None:
+            window[parent] = window.get(parent, 0.0) + max(0.0, room - comm)
+    for cols in hidden.values():  # a computation without compute of its own
+        exposed += links.total_time(cols)
+    return compute + exposed, exposed

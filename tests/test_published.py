@@ -1,0 +1,84 @@
+"""The cost model's time against published training runs (`benchmarks/published.py`):
+the data file's schema, the ±15% band on the `check` rows (never used to fit), and
+the mechanisms that moved them: the fused attention kernel (GPU/TPU presets only) and
+the `cpu` preset left the roofline of XLA:CPU."""
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import partir
+import search
+import tactics
+from examples import llama
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "published.py")
+_spec = importlib.util.spec_from_file_location("published_bench", _PATH)
+published = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = published  # dataclasses look their module up
+_spec.loader.exec_module(published)
+
+ROWS = published.load()
+CHECK = [r for r in ROWS if r.split == "check" and r.expressible]
+
+
+def test_data_file_has_the_rows_the_benchmark_needs():
+    assert len(ROWS) >= 12
+    expressible = [r for r in ROWS if r.expressible]
+    assert len(expressible) >= 6
+    assert {r.split for r in expressible} == {"fit", "check"}
+    assert {r.device for r in ROWS} >= {"h100", "a100", "tpu-v5e", "tpu-v5p"}
+    assert any(r.experts > 1 for r in ROWS)  # MoE among them
+    assert all(r.source for r in ROWS)
+
+
+def test_a_bad_row_is_refused_naming_it(tmp_path):
+    with open(published.RUNS, encoding="utf-8") as f:
+        text = f.read().replace('split = "fit"', 'split = "train"', 1)
+    bad = tmp_path / "runs.toml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=r"maxtext-llama3-70b-h100-128.*split 'train' not in \('fit', 'check'\)"):
+        published.load(str(bad))
+
+
+@pytest.mark.parametrize("row", CHECK, ids=[r.id for r in CHECK])
+def test_check_row_within_band(row):
+    out = published.model_row(row, episodes=0)
+    assert abs(out["error"]) <= published.BAND, (row.id, out["published"]["mfu"], out["published_mfu"])
+
+
+def _tiny_llama():
+    config = llama.LlamaConfig(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab=512, seq_len=512,
+                               batch=8, dtype=jnp.bfloat16, scan_layers=True)
+    step, args = llama.make_train_step(config, abstract=True)
+    part = partir.Partitioning(partir.lift(step, *args), partir.MeshSpec.of(data=8))
+    return tactics.apply_schedule(part.program, part.mesh, [tactics.DataParallel("data")]).partitioning
+
+
+def test_fused_attention_keeps_no_scores_and_prices_the_kernel():
+    part = _tiny_llama()
+    h100 = search.get_device("h100")
+    unfused = dataclasses.replace(h100, fused_attention=False)
+    fused_model, plain_model = search.CostModel(part.copy(), h100), search.CostModel(part.copy(), unfused)
+    region = fused_model.materialization.attention
+    assert region is not None and region.found and plain_model.materialization.attention is None
+    scores = [v for v in range(len(part.program.values)) if region.values[v]]
+    # The scores [B, groups, K, S, S] and the row statistics over them, all along S = 512.
+    assert scores and all(512 in part.program.values[v].shape for v in scores)
+    fused, plain = fused_model.cost(), plain_model.cost()
+    assert fused.memory_peak < plain.memory_peak
+    # A causal kernel computes about half the score tiles: less time than the XLA form.
+    assert fused.compute_time < plain.compute_time
+
+
+def test_cpu_preset_keeps_the_roofline_of_xla_cpu():
+    cpu = search.get_device("cpu")
+    assert not (cpu.fused_attention or cpu.overlap or cpu.overlap_activations)
+    assert cpu.matmul_efficiency == cpu.attention_efficiency == cpu.collective_efficiency == 1.0
+    assert cpu.matmul_knee == cpu.op_overhead == cpu.overlap_slowdown == 0.0
+    cost = search.CostModel(_tiny_llama(), "cpu").cost()
+    assert cost.step_time == pytest.approx(cost.compute_time + cost.comm_time)
