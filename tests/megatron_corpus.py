@@ -353,6 +353,28 @@ def fused_qkv(cut: str):
     return lambda: (forward, _fill(params), _batch())
 
 
+def fused_view(stored: str, cut: str):
+    """One fused `[q; k; v]` kernel, `[3 embed, embed]` used as `x @ w.T` (`stored`
+    'out_in') or `[embed, 3 embed]` used as `x @ w` ('in_out'), its result viewed as
+    `[batch, seq, 3, heads, head_dim]` before the cut (timm's `reshape` + `unbind`):
+    `cut` 'unstack' (`jnp.unstack`) or 'moveaxis' (the 3 moved first, then unpacked)."""
+    layer = {"ln1": _norm(), "qkv": S(3 * E, E) if stored == "out_in" else S(E, 3 * E), "wo": S(E, E), "ln2": _norm(),
+             **_mlp_params()}
+    params = {"embed": S(V, E), "layers": [layer], "ln_f": _norm(), "head": S(E, V)}
+
+    def forward(p, batch):
+        x = p["embed"][batch["tokens"]]
+        for l in p["layers"]:
+            h = layer_norm(l["ln1"], x)
+            y = (h @ l["qkv"].T if stored == "out_in" else h @ l["qkv"]).reshape(B, T, 3, H, D)
+            q, k, v = jnp.unstack(y, axis=2) if cut == "unstack" else jnp.moveaxis(y, 2, 0)
+            x = x + attend(q, k, v, causal()).reshape(x.shape) @ l["wo"]
+            x = x + _mlp(l, layer_norm(l["ln2"], x))
+        return layer_norm(p["ln_f"], x) @ p["head"]
+
+    return lambda: (forward, _fill(params), _batch())
+
+
 def grouped(kv_heads: int, q_heads: int, style: str):
     """Grouped-query attention with 3-D kernels: `q_heads` query heads share `kv_heads`
     key/value heads (head_dim 4); `style` 'group' reshapes the queries to `[kv, group]`,

@@ -112,6 +112,16 @@ CASES = [
            _collectives(4, 1 + 2, gathered=6), why={"params/layers/*/qkv": {"gather", "cut"}},
            fast=cut == "split")
       for cut, how in (("split", "jnp.split"), ("slices", "slicing"))),
+    *(Case(f"fused_qkv_view_{stored}", f"one {shape} [q; k; v] kernel used as {use}, viewed as [3, heads, head_dim] "
+           f"and cut by {how}", C.fused_view(stored, cut),
+           {"params/embed": 0, "params/layers/*/wo": 0, "params/layers/*/[wb]1": -1, "params/layers/*/w2": 0,
+            "params/head": 1},
+           # Each device keeps its heads of q, k and v: a factor of the fused dim, not
+           # a block of it, so the kernel and its projection stay whole and the view is
+           # split; the view's gradient is gathered in the backward.
+           _collectives(2, 1 + 1, gathered=1), why={"params/layers/*/qkv": {"gather", "cut"}})
+      for stored, shape, use, cut, how in (("out_in", "[3 embed, embed]", "x @ w.T", "unstack", "jnp.unstack"),
+                                           ("in_out", "[embed, 3 embed]", "x @ w", "moveaxis", "jnp.moveaxis"))),
     Case("gqa_group", "grouped-query attention, 8 query heads over 4 KV heads (queries reshaped to groups)",
          C.grouped(4, 8, "group"),
          {"params/embed": 0, "params/layers/*/[qkv]": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
