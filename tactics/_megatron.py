@@ -112,7 +112,9 @@ class Megatron(Tactic):
     activation must be gathered over `axis`, and some contraction downstream (the
     row-parallel matmul, a softmax over a split vocabulary) turns the split into partial
     sums, other than a contraction of two computed activations (attention scores over a
-    split head_dim: that would cut the attention in the middle). Weights the block
+    split head_dim: that would cut the attention in the middle; in the backward, the
+    gradient of keys and values that split query heads share, summed over the heads
+    and read next by the key/value projection, is no such cut). Weights the block
     reaches are split by propagation and not tried again. Where a matmul's result is cut
     into pieces along the split dim (a fused `[q; k; v]` projection and `jnp.split`), a
     split of the weight would cross the pieces' boundaries: the weight stays whole and
@@ -324,7 +326,11 @@ def _closes(search: _Search, mark, act: int):
     for rs in part.reshards(ops):
         if axis in rs.src.partial:
             closed = True
-            if _inner(search, prog.ops[rs.op]):
+            # In the backward, keys and values that split query heads read whole (multi-
+            # query attention) get their gradient summed over the heads: partial sums
+            # that a weight's matmul (the projection's backward) reads next, as it does a
+            # column-parallel input's gradient. Any other is the attention cut in two.
+            if _inner(search, prog.ops[rs.op]) and (rs.op < forward_end or not _feeds_weight(search, rs.value)):
                 return "activation-contraction", (f"its partial sums come from {prog.name(rs.value)}, a contraction of "
                                                   "two computed activations (the split would cut the attention in the "
                                                   "middle)")
@@ -359,6 +365,23 @@ def _inner(search: _Search, op) -> bool:
         if v < 0 or (root is not None and root[0] in search.params) or not search.derived(v):
             return False
     return True
+
+
+def _feeds_weight(search: _Search, v: int) -> bool:
+    """Does `v` reach, before any other contraction, a matmul that reads a parameter?"""
+    prog, seen, todo = search.prog, {v}, [v]
+    while todo:
+        for u in prog.users[todo.pop()]:
+            op = prog.ops[u]
+            if op.primitive in CONTRACTIONS:
+                roots = (weight_dims(prog, x) for x in op.operands if x >= 0)
+                if any(r is not None and r[0] in search.params for r in roots):
+                    return True
+                continue
+            fresh = [r for r in op.results if r >= 0 and r not in seen]
+            seen.update(fresh)
+            todo += fresh
+    return False
 
 
 class Cut(NamedTuple):

@@ -375,6 +375,30 @@ def fused_view(stored: str, cut: str):
     return lambda: (forward, _fill(params), _batch())
 
 
+def multi_query(q_kernel: str):
+    """Multi-query attention as t5x and PaLM write it: 3-D query kernel `[heads, embed,
+    head_dim]` (`q_kernel` 'hed') or `[embed, heads, head_dim]` ('ehd'), one key/value
+    head `[embed, head_dim]` that every query head reads through einsum (no repeat),
+    output kernel `[heads, head_dim, embed]`."""
+    layer = {"norm1": S(E), "q": S(H, E, D) if q_kernel == "hed" else S(E, H, D), "k": S(E, D), "v": S(E, D),
+             "o": S(H, D, E), "norm2": S(E), "gate": S(E, F), "up": S(E, F), "down": S(F, E)}
+    params = {"embed": S(V, E), "layers": [layer], "norm_f": S(E), "head": S(E, V)}
+
+    def forward(p, batch):
+        x = p["embed"][batch["tokens"]]
+        for l in p["layers"]:
+            h = rms_norm(l["norm1"], x)
+            q = jnp.einsum(f"bte,{q_kernel}->bthd", h, l["q"])
+            k, v = h @ l["k"], h @ l["v"]
+            s = jnp.where(causal(), jnp.einsum("bthd,bsd->bhts", q, k) / math.sqrt(D), jnp.finfo(q.dtype).min)
+            x = x + jnp.einsum("bthd,hde->bte", jnp.einsum("bhts,bsd->bthd", jax.nn.softmax(s, -1), v), l["o"])
+            h = rms_norm(l["norm2"], x)
+            x = x + (jax.nn.silu(h @ l["gate"]) * (h @ l["up"])) @ l["down"]
+        return rms_norm(p["norm_f"], x) @ p["head"]
+
+    return lambda: (forward, _fill(params), _batch())
+
+
 def grouped(kv_heads: int, q_heads: int, style: str):
     """Grouped-query attention with 3-D kernels: `q_heads` query heads share `kv_heads`
     key/value heads (head_dim 4); `style` 'group' reshapes the queries to `[kv, group]`,

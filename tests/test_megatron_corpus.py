@@ -147,6 +147,15 @@ CASES = [
          {"params/embed": 0, "params/layers/*/q": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
           "params/layers/*/up": 1, "params/layers/*/down": 0, "params/head": 1},
          _collectives(2, 1 + 1 + 2), why={"params/layers/*/[kv]": {"gather"}}),
+    *(Case(f"mqa_{q_kernel}", f"multi-query attention through einsum: query kernel [{order}], one [embed, "
+           "head_dim] key/value head read by every query head, output [heads, head_dim, embed]",
+           C.multi_query(q_kernel),
+           {"params/embed": 0, "params/layers/*/q": dim, "params/layers/*/o": 0, "params/layers/*/gate": 1,
+            "params/layers/*/up": 1, "params/layers/*/down": 0, "params/head": 1},
+           # The key/value gradients, summed over the heads, are reduced too (smaller
+           # than an activation).
+           _collectives(2, 1 + 1 + 2), why={"params/layers/*/[kv]": {"gather"}}, fast=q_kernel == "hed")
+      for q_kernel, order, dim in (("hed", "heads, embed, head_dim", 0), ("ehd", "embed, heads, head_dim", 1))),
     Case("torch_layout", "[out, in] kernels used as x @ w.T; einsum kernels [heads, embed, head_dim], "
          "[embed, head_dim, heads], output [embed, heads, head_dim]", C.torch_layout,
          {"params/embed": 0, "params/layers/*/wq": 0, "params/layers/*/wk": 2, "params/layers/*/wv": 0,
