@@ -26,6 +26,7 @@ WHY = {
     "activation-contraction": "its partial sums come from a contraction of two computed activations",
     "cut": "the matmul's result is cut into pieces along the dim (a fused projection), or reshaped so that the "
            "pieces are a dim of their own",
+    "positions": "a gather reads it at indices that no input of the step determines (positions): it is read whole",
 }
 
 
@@ -120,7 +121,9 @@ class Megatron(Tactic):
     split of the weight would cross the pieces' boundaries: the weight stays whole and
     the pieces are split after the cut; where it is viewed as `[3, heads, head_dim]`
     before the cut, each device's heads of q, k and v are no block of the fused dim:
-    the weight stays whole and the view is split on its heads. Names play no part.
+    the weight stays whole and the view is split on its heads. A gather at indices that
+    no input determines (position embeddings at `arange(seq)`) is no lookup: its table
+    stays whole. Names play no part.
 
     Textbook pattern: MLP = column-parallel then row-parallel matmul, one all-reduce in
     the forward and one in the backward; attention = Q/K/V split by heads, output
@@ -164,11 +167,17 @@ class _Search:
         self.blocks: list[Block] = []
         self.trials: list[LeftOut] = []
         self.tried: set = set()
-        self._derived = None
+        self._reached: dict = {}
 
     def visit(self, use: Use) -> None:
-        """Try the free dims of one weight use in order; keep the first block found."""
-        w = use.weight
+        """Try the free dims of one weight use in order; keep the first block found. A
+        gather at indices that no input determines is no lookup to split (positions)."""
+        w, op = use.weight, self.prog.ops[use.op]
+        if op.primitive == "gather" and not self.reaches(op.operands[1], self.roles.batch):
+            self.trials.append(LeftOut(w, None, "positions", f"{_where(self.prog, op.id)} reads its rows at indices "
+                                       "computed from no input of the step (positions, from an iota): the same rows "
+                                       "every step, read whole as a table added directly is"))
+            return
         for dim in use.free:
             if self.axis in self.part.tiling(w).axes():
                 return  # split already, by a block found earlier
@@ -248,19 +257,20 @@ class _Search:
                 continue
             self.blocks.append(self._block(mark, other, block.dim, -1, ()))
 
-    def derived(self, v: int) -> bool:
-        """Is `v` computed from a parameter?"""
-        if self._derived is None:
-            prog, flags = self.prog, bytearray(len(self.prog.values))
-            for p in self.params:
+    def reaches(self, v: int, sources) -> bool:
+        """Is `v` computed from some of `sources` (input values)?"""
+        key = tuple(sources)
+        flags = self._reached.get(key)
+        if flags is None:
+            flags = self._reached[key] = bytearray(len(self.prog.values))
+            for p in sources:
                 flags[p] = 1
-            for op in prog.ops:
+            for op in self.prog.ops:
                 if any(u >= 0 and flags[u] for u in op.operands):
                     for r in op.results:
                         if r >= 0:
                             flags[r] = 1
-            self._derived = flags
-        return bool(self._derived[v])
+        return v >= 0 and bool(flags[v])
 
     def left_out(self) -> list[LeftOut]:
         """Every parameter the axis does not split, with the reasons of its trials."""
@@ -362,7 +372,7 @@ def _inner(search: _Search, op) -> bool:
     prog = search.prog
     for v in op.operands:
         root = weight_dims(prog, v) if v >= 0 else None
-        if v < 0 or (root is not None and root[0] in search.params) or not search.derived(v):
+        if v < 0 or (root is not None and root[0] in search.params) or not search.reaches(v, search.roles.params):
             return False
     return True
 

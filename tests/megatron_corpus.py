@@ -399,6 +399,36 @@ def multi_query(q_kernel: str):
     return lambda: (forward, _fill(params), _batch())
 
 
+def padded_encoder():
+    """A BERT encoder as HF Flax writes it: learned position embeddings looked up at
+    `arange(seq)`, an embedding LayerNorm, Dense Q/K/V/output `{kernel, bias}`, an
+    additive `[batch, 1, 1, seq]` padding mask (token 0 pads; the even rows end in two),
+    dropout on the attention weights and on each sublayer's output, post-LN."""
+    dense = {"kernel": S(E, E), "bias": S(E)}
+    layer = {"q": dense, "k": dense, "v": dense, "o": dense, "ln1": _norm(), "ln2": _norm(), **_mlp_params()}
+    params = {"embed": S(V, E), "pos": S(T, E), "ln_e": _norm(), "layers": [layer], "head": S(E, V)}
+    batch = _batch()
+    batch["tokens"] = batch["tokens"].at[::2, -2:].set(0)
+
+    def drop(x, key, rate=0.1):
+        return jnp.where(jax.random.bernoulli(key, 1 - rate, x.shape), x / (1 - rate), 0)
+
+    def forward(p, batch):
+        tokens, key = batch["tokens"], jax.random.key(0)
+        x = p["embed"][tokens] + p["pos"][jnp.broadcast_to(jnp.arange(T), tokens.shape)]
+        x = layer_norm(p["ln_e"], x)
+        mask = jnp.where(tokens != 0, 0.0, jnp.finfo(x.dtype).min)[:, None, None, :]
+        for i, l in enumerate(p["layers"]):
+            q, k, v = (_heads(x @ l[n]["kernel"] + l[n]["bias"]).transpose(0, 2, 1, 3) for n in "qkv")
+            a = drop(jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / math.sqrt(D) + mask, -1), jax.random.fold_in(key, i))
+            o = (a @ v).transpose(0, 2, 1, 3).reshape(x.shape) @ l["o"]["kernel"] + l["o"]["bias"]
+            x = layer_norm(l["ln1"], x + drop(o, jax.random.fold_in(key, 100 + i)))
+            x = layer_norm(l["ln2"], x + drop(_mlp(l, x), jax.random.fold_in(key, 200 + i)))
+        return x @ p["head"]
+
+    return forward, _fill(params), batch
+
+
 def grouped(kv_heads: int, q_heads: int, style: str):
     """Grouped-query attention with 3-D kernels: `q_heads` query heads share `kv_heads`
     key/value heads (head_dim 4); `style` 'group' reshapes the queries to `[kv, group]`,

@@ -156,6 +156,11 @@ CASES = [
            # than an activation).
            _collectives(2, 1 + 1 + 2), why={"params/layers/*/[kv]": {"gather"}}, fast=q_kernel == "hed")
       for q_kernel, order, dim in (("hed", "heads, embed, head_dim", 0), ("ehd", "embed, heads, head_dim", 1))),
+    Case("padded_encoder", "BERT as HF Flax writes it: Dense Q/K/V with biases, additive [batch, 1, 1, seq] padding "
+         "mask, dropout, learned position embeddings looked up at arange(seq)", C.padded_encoder,
+         {"params/embed": 0, "params/layers/*/[qkv]/kernel": 1, "params/layers/*/[qkv]/bias": 0,
+          "params/layers/*/o/kernel": 0, "params/layers/*/[wb]1": -1, "params/layers/*/w2": 0, "params/head": 1},
+         _collectives(2, 1 + 3 + 1), why={"params/pos": {"positions"}}),
     Case("torch_layout", "[out, in] kernels used as x @ w.T; einsum kernels [heads, embed, head_dim], "
          "[embed, head_dim, heads], output [embed, heads, head_dim]", C.torch_layout,
          {"params/embed": 0, "params/layers/*/wq": 0, "params/layers/*/wk": 2, "params/layers/*/wv": 0,
