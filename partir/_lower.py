@@ -234,7 +234,7 @@ def stated_on_the_way(part: Partitioning, v: int) -> list:
         return []
     made, kept = part.produced(v), part.tiling(v)
     out = []
-    if not made.partial and made.dims != kept.dims:
+    if not made.partial and made.dims != kept.dims and made.dims == _made_in_blocks(part, p, v):
         out.append(made)
     if made.partial and prog.ops[p].primitive in CONTRACTIONS and _scatters(made, kept):
         out.append(made.without_partial())
@@ -242,6 +242,14 @@ def stated_on_the_way(part: Partitioning, v: int) -> list:
     if via is not None:
         out.append(via)
     return out
+
+
+def _made_in_blocks(part: Partitioning, op: int, v: int) -> tuple:
+    """The dims in which op `op` makes `v` as contiguous blocks (`block_layout`): a
+    reshape merging `[3, heads, head_dim]` with only the heads split makes no layout of
+    the merged dim, and stating one would have XLA gather, slice and gather again."""
+    slots = part.block_layout(op)[0]
+    return next(dims for side, _, w, dims in slots if side == "result" and w == v)
 
 
 def _scatters(made, kept) -> bool:

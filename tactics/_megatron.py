@@ -12,6 +12,9 @@ from ._base import Context, Tactic, TacticError
 from ._groups import input_groups
 from ._roles import roles, weight_dims
 
+#: Ops that contract their operands: the matmuls and convolutions Megatron splits.
+CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
 #: Why Megatron left a parameter whole over its axis (`LeftOut.why`).
 WHY = {
     "no-contraction": "no matmul, convolution or gather reads it",
@@ -22,7 +25,9 @@ WHY = {
     "spreads": "the split reaches several weights on their contracting dims",
     "no-partial-sums": "no contraction turns the split into partial sums",
     "activation-contraction": "its partial sums come from a contraction of two computed activations",
-    "cut": "the matmul's result is cut into pieces along the dim",
+    "cut": "the matmul's result is cut into pieces along the dim (a fused projection), or reshaped so that the "
+           "pieces are a dim of their own",
+    "positions": "a gather reads it at indices that no input of the step determines (positions): it is read whole",
 }
 
 
@@ -31,8 +36,9 @@ class Block:
     """One tensor-parallel block: the weight split on its output features (column
     parallel), the op that reads it, the forward ops where the block's partial sums are
     reduced (row parallel) and the parameters the split reached (`members`). A fused
-    projection whose result is cut into pieces (`[q; k; v]` then `jnp.split`) stays
-    whole: `pieces` are the activations split after the cut (`op` is the cut)."""
+    projection whose result is cut into pieces (`[q; k; v]` then `jnp.split`, or viewed
+    as `[3, heads, head_dim]` first) stays whole: `pieces` are the activations split
+    after the cut (the pieces, or the view), `op` the op that cuts."""
 
     weight: int
     dim: int
@@ -108,11 +114,17 @@ class Megatron(Tactic):
     activation must be gathered over `axis`, and some contraction downstream (the
     row-parallel matmul, a softmax over a split vocabulary) turns the split into partial
     sums, other than a contraction of two computed activations (attention scores over a
-    split head_dim: that would cut the attention in the middle). Weights the block
+    split head_dim: that would cut the attention in the middle; in the backward, the
+    gradient of keys and values that split query heads share, summed over the heads
+    and read next by the key/value projection, is no such cut). Weights the block
     reaches are split by propagation and not tried again. Where a matmul's result is cut
     into pieces along the split dim (a fused `[q; k; v]` projection and `jnp.split`), a
     split of the weight would cross the pieces' boundaries: the weight stays whole and
-    the pieces are split after the cut. Names play no part.
+    the pieces are split after the cut; where it is viewed as `[3, heads, head_dim]`
+    before the cut, each device's heads of q, k and v are no block of the fused dim:
+    the weight stays whole and the view is split on its heads. A gather at indices that
+    no input determines (position embeddings at `arange(seq)`) is no lookup: its table
+    stays whole. Names play no part.
 
     Textbook pattern: MLP = column-parallel then row-parallel matmul, one all-reduce in
     the forward and one in the backward; attention = Q/K/V split by heads, output
@@ -158,11 +170,17 @@ class _Search:
         self.blocks: list[Block] = []
         self.trials: list[LeftOut] = []
         self.tried: set = set()
-        self._derived = None
+        self._reached: dict = {}
 
     def visit(self, use: Use) -> None:
-        """Try the free dims of one weight use in order; keep the first block found."""
-        w = use.weight
+        """Try the free dims of one weight use in order; keep the first block found. A
+        gather at indices that no input determines is no lookup to split (positions)."""
+        w, op = use.weight, self.prog.ops[use.op]
+        if op.primitive == "gather" and not self.reaches(op.operands[1], self.roles.batch):
+            self.trials.append(LeftOut(w, None, "positions", f"{_where(self.prog, op.id)} reads its rows at indices "
+                                       "computed from no input of the step (positions, from an iota): the same rows "
+                                       "every step, read whole as a table added directly is"))
+            return
         for dim in use.free:
             if self.axis in self.part.tiling(w).axes():
                 return  # split already, by a block found earlier
@@ -187,7 +205,7 @@ class _Search:
             self.trials.append(LeftOut(w, dim, "cannot-tile", str(e)))
             return None
         op = self.prog.ops[use.op]
-        act = op.operands[1 - use.operand] if op.primitive in ("dot_general", "conv_general_dilated") else op.operands[1]
+        act = op.operands[1 - use.operand] if op.primitive in CONTRACTIONS else op.operands[1]
         return self._check(mark, w, dim, op.id, act, ())
 
     def _try_cut(self, use: Use, dim: int):
@@ -196,10 +214,7 @@ class _Search:
         cut = _cut(self.prog, self.prog.ops[use.op], use, dim)
         if cut is None:
             return None
-        cut_op, pieces, piece_dim = cut
-        prog, part = self.prog, self.part
-        where = prog.name(prog.ops[cut_op].results[0]).split("#")[0]
-        note = f"cut into {len(pieces)} pieces by {where}: a split of it would cross their boundaries"
+        (cut_op, pieces, piece_dim, note), prog, part = cut, self.prog, self.part
         mark = part.mark()
         try:
             for v in pieces:
@@ -245,19 +260,20 @@ class _Search:
                 continue
             self.blocks.append(self._block(mark, other, block.dim, -1, ()))
 
-    def derived(self, v: int) -> bool:
-        """Is `v` computed from a parameter?"""
-        if self._derived is None:
-            prog, flags = self.prog, bytearray(len(self.prog.values))
-            for p in self.params:
+    def reaches(self, v: int, sources) -> bool:
+        """Is `v` computed from some of `sources` (input values)?"""
+        key = tuple(sources)
+        flags = self._reached.get(key)
+        if flags is None:
+            flags = self._reached[key] = bytearray(len(self.prog.values))
+            for p in sources:
                 flags[p] = 1
-            for op in prog.ops:
+            for op in self.prog.ops:
                 if any(u >= 0 and flags[u] for u in op.operands):
                     for r in op.results:
                         if r >= 0:
                             flags[r] = 1
-            self._derived = flags
-        return bool(self._derived[v])
+        return v >= 0 and bool(flags[v])
 
     def left_out(self) -> list[LeftOut]:
         """Every parameter the axis does not split, with the reasons of its trials."""
@@ -323,7 +339,11 @@ def _closes(search: _Search, mark, act: int):
     for rs in part.reshards(ops):
         if axis in rs.src.partial:
             closed = True
-            if _inner(search, prog.ops[rs.op]):
+            # In the backward, keys and values that split query heads read whole (multi-
+            # query attention) get their gradient summed over the heads: partial sums
+            # that a weight's matmul (the projection's backward) reads next, as it does a
+            # column-parallel input's gradient. Any other is the attention cut in two.
+            if _inner(search, prog.ops[rs.op]) and (rs.op < forward_end or not _feeds_weight(search, rs.value)):
                 return "activation-contraction", (f"its partial sums come from {prog.name(rs.value)}, a contraction of "
                                                   "two computed activations (the split would cut the attention in the "
                                                   "middle)")
@@ -350,20 +370,48 @@ def _closes(search: _Search, mark, act: int):
 def _inner(search: _Search, op) -> bool:
     """A contraction of two activations the model computes from its parameters (not of a
     weight, not of a one-hot of the labels): attention's scores or its weighted sum."""
-    if op.primitive not in ("dot_general", "conv_general_dilated"):
+    if op.primitive not in CONTRACTIONS:
         return False
     prog = search.prog
     for v in op.operands:
         root = weight_dims(prog, v) if v >= 0 else None
-        if v < 0 or (root is not None and root[0] in search.params) or not search.derived(v):
+        if v < 0 or (root is not None and root[0] in search.params) or not search.reaches(v, search.roles.params):
             return False
     return True
 
 
-def _cut(prog, op, use: Use, dim: int):
-    """`(cut op, pieces, piece dim)` when the result of `op` (or an elementwise function
-    of it, such as a bias add) is cut along the dim that weight dim `dim` becomes, by a
-    `split` or by slices; None otherwise."""
+def _feeds_weight(search: _Search, v: int) -> bool:
+    """Does `v` reach, before any other contraction, a matmul that reads a parameter?"""
+    prog, seen, todo = search.prog, {v}, [v]
+    while todo:
+        for u in prog.users[todo.pop()]:
+            op = prog.ops[u]
+            if op.primitive in CONTRACTIONS:
+                roots = (weight_dims(prog, x) for x in op.operands if x >= 0)
+                if any(r is not None and r[0] in search.params for r in roots):
+                    return True
+                continue
+            fresh = [r for r in op.results if r >= 0 and r not in seen]
+            seen.update(fresh)
+            todo += fresh
+    return False
+
+
+class Cut(NamedTuple):
+    """Where a matmul's result is cut into pieces: the op that cuts it, the pieces, the
+    dim of theirs to split and how it was cut (for `LeftOut.detail`)."""
+
+    op: int
+    pieces: tuple[int, ...]
+    dim: int
+    note: str
+
+
+def _cut(prog, op, use: Use, dim: int) -> Cut | None:
+    """How the result of `op` (or an elementwise function of it, such as a bias add) is
+    cut along the dim that weight dim `dim` becomes: by a `split`, by slices, or by a
+    reshape that makes its pieces a dim of their own (a fused `[q; k; v]` viewed as
+    `[3, heads, head_dim]`); None when it is not."""
     if op.primitive != "dot_general" or op.results[0] < 0:
         return None
     rule = op.rule
@@ -377,12 +425,41 @@ def _cut(prog, op, use: Use, dim: int):
         for u in prog.users[v]:
             user = prog.ops[u]
             if user.primitive == "split" and user.eqn.params["axis"] == out_dim:
-                return u, tuple(r for r in user.results if r >= 0), out_dim
+                return _pieces(prog, u, tuple(r for r in user.results if r >= 0), out_dim)
             if user.primitive == "slice" and _slices_only(user, out_dim):
                 slices.append(u)
+            view = _view(prog, user, out_dim) if user.primitive == "reshape" else None
+            if view is not None:
+                return view
         if len(slices) > 1:
-            return slices[0], tuple(prog.ops[u].results[0] for u in slices), out_dim
+            return _pieces(prog, slices[0], tuple(prog.ops[u].results[0] for u in slices), out_dim)
     return None
+
+
+def _where(prog, op: int) -> str:
+    """Where the user's code made op `op`'s first result (`split@model.py:12`)."""
+    return prog.name(prog.ops[op].results[0]).split("#")[0]
+
+
+def _pieces(prog, op: int, pieces: tuple[int, ...], dim: int) -> Cut:
+    return Cut(op, pieces, dim, f"cut into {len(pieces)} pieces by {_where(prog, op)}: a split of it would cross their "
+                                "boundaries")
+
+
+def _view(prog, op, dim: int) -> Cut | None:
+    """The cut a reshape makes when it takes operand dim `dim` apart into several dims
+    (`[3 * heads * head_dim]` into `[3, heads, head_dim]`): its result, to be split on
+    the dim of the second part (the heads), since a split of `dim` splits the first;
+    None when the reshape keeps the dim whole."""
+    parts, res = op.rule.operands[0][dim], op.results[0]
+    if len(parts) < 2 or res < 0:
+        return None
+    heads = next((d for d, fs in enumerate(op.rule.results[0]) if fs and fs[0] == parts[1]), None)
+    if heads is None:
+        return None
+    sizes = [op.rule.sizes[f] for f in parts]
+    return Cut(op.id, (res,), heads, f"viewed as {sizes} by {_where(prog, op.id)}: a split of it would split the part "
+                                     f"of size {sizes[0]}, not its part of size {sizes[1]} (dim {heads} of the view)")
 
 
 def _slices_only(op, dim: int) -> bool:

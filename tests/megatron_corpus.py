@@ -353,6 +353,82 @@ def fused_qkv(cut: str):
     return lambda: (forward, _fill(params), _batch())
 
 
+def fused_view(stored: str, cut: str):
+    """One fused `[q; k; v]` kernel, `[3 embed, embed]` used as `x @ w.T` (`stored`
+    'out_in') or `[embed, 3 embed]` used as `x @ w` ('in_out'), its result viewed as
+    `[batch, seq, 3, heads, head_dim]` before the cut (timm's `reshape` + `unbind`):
+    `cut` 'unstack' (`jnp.unstack`) or 'moveaxis' (the 3 moved first, then unpacked)."""
+    layer = {"ln1": _norm(), "qkv": S(3 * E, E) if stored == "out_in" else S(E, 3 * E), "wo": S(E, E), "ln2": _norm(),
+             **_mlp_params()}
+    params = {"embed": S(V, E), "layers": [layer], "ln_f": _norm(), "head": S(E, V)}
+
+    def forward(p, batch):
+        x = p["embed"][batch["tokens"]]
+        for l in p["layers"]:
+            h = layer_norm(l["ln1"], x)
+            y = (h @ l["qkv"].T if stored == "out_in" else h @ l["qkv"]).reshape(B, T, 3, H, D)
+            q, k, v = jnp.unstack(y, axis=2) if cut == "unstack" else jnp.moveaxis(y, 2, 0)
+            x = x + attend(q, k, v, causal()).reshape(x.shape) @ l["wo"]
+            x = x + _mlp(l, layer_norm(l["ln2"], x))
+        return layer_norm(p["ln_f"], x) @ p["head"]
+
+    return lambda: (forward, _fill(params), _batch())
+
+
+def multi_query(q_kernel: str):
+    """Multi-query attention as t5x and PaLM write it: 3-D query kernel `[heads, embed,
+    head_dim]` (`q_kernel` 'hed') or `[embed, heads, head_dim]` ('ehd'), one key/value
+    head `[embed, head_dim]` that every query head reads through einsum (no repeat),
+    output kernel `[heads, head_dim, embed]`."""
+    layer = {"norm1": S(E), "q": S(H, E, D) if q_kernel == "hed" else S(E, H, D), "k": S(E, D), "v": S(E, D),
+             "o": S(H, D, E), "norm2": S(E), "gate": S(E, F), "up": S(E, F), "down": S(F, E)}
+    params = {"embed": S(V, E), "layers": [layer], "norm_f": S(E), "head": S(E, V)}
+
+    def forward(p, batch):
+        x = p["embed"][batch["tokens"]]
+        for l in p["layers"]:
+            h = rms_norm(l["norm1"], x)
+            q = jnp.einsum(f"bte,{q_kernel}->bthd", h, l["q"])
+            k, v = h @ l["k"], h @ l["v"]
+            s = jnp.where(causal(), jnp.einsum("bthd,bsd->bhts", q, k) / math.sqrt(D), jnp.finfo(q.dtype).min)
+            x = x + jnp.einsum("bthd,hde->bte", jnp.einsum("bhts,bsd->bthd", jax.nn.softmax(s, -1), v), l["o"])
+            h = rms_norm(l["norm2"], x)
+            x = x + (jax.nn.silu(h @ l["gate"]) * (h @ l["up"])) @ l["down"]
+        return rms_norm(p["norm_f"], x) @ p["head"]
+
+    return lambda: (forward, _fill(params), _batch())
+
+
+def padded_encoder():
+    """A BERT encoder as HF Flax writes it: learned position embeddings looked up at
+    `arange(seq)`, an embedding LayerNorm, Dense Q/K/V/output `{kernel, bias}`, an
+    additive `[batch, 1, 1, seq]` padding mask (token 0 pads; the even rows end in two),
+    dropout on the attention weights and on each sublayer's output, post-LN."""
+    dense = {"kernel": S(E, E), "bias": S(E)}
+    layer = {"q": dense, "k": dense, "v": dense, "o": dense, "ln1": _norm(), "ln2": _norm(), **_mlp_params()}
+    params = {"embed": S(V, E), "pos": S(T, E), "ln_e": _norm(), "layers": [layer], "head": S(E, V)}
+    batch = _batch()
+    batch["tokens"] = batch["tokens"].at[::2, -2:].set(0)
+
+    def drop(x, key, rate=0.1):
+        return jnp.where(jax.random.bernoulli(key, 1 - rate, x.shape), x / (1 - rate), 0)
+
+    def forward(p, batch):
+        tokens, key = batch["tokens"], jax.random.key(0)
+        x = p["embed"][tokens] + p["pos"][jnp.broadcast_to(jnp.arange(T), tokens.shape)]
+        x = layer_norm(p["ln_e"], x)
+        mask = jnp.where(tokens != 0, 0.0, jnp.finfo(x.dtype).min)[:, None, None, :]
+        for i, l in enumerate(p["layers"]):
+            q, k, v = (_heads(x @ l[n]["kernel"] + l[n]["bias"]).transpose(0, 2, 1, 3) for n in "qkv")
+            a = drop(jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / math.sqrt(D) + mask, -1), jax.random.fold_in(key, i))
+            o = (a @ v).transpose(0, 2, 1, 3).reshape(x.shape) @ l["o"]["kernel"] + l["o"]["bias"]
+            x = layer_norm(l["ln1"], x + drop(o, jax.random.fold_in(key, 100 + i)))
+            x = layer_norm(l["ln2"], x + drop(_mlp(l, x), jax.random.fold_in(key, 200 + i)))
+        return x @ p["head"]
+
+    return forward, _fill(params), batch
+
+
 def grouped(kv_heads: int, q_heads: int, style: str):
     """Grouped-query attention with 3-D kernels: `q_heads` query heads share `kv_heads`
     key/value heads (head_dim 4); `style` 'group' reshapes the queries to `[kv, group]`,

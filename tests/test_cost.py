@@ -135,6 +135,28 @@ def test_results_made_in_one_layout_and_kept_in_another_match_xla(shape):
     _assert_matches_xla(search.compare_with_xla(part, args))
 
 
+def test_a_view_split_on_its_second_part_is_gathered_once():
+    # A fused [q; k; v] projection viewed as [3, heads, head_dim], the view split on its
+    # heads (as Megatron splits it). The view's gradient, merged back into the fused dim,
+    # has no block layout there: told the model's unblocked one, XLA gathered it, sliced
+    # that layout and gathered it again (twice the bytes).
+    def step(w, x):
+        def loss(w):
+            y = (x @ w).reshape(x.shape[0], 3, 4, 8)
+            return jnp.sum(jnp.tanh(y[:, 0] * y[:, 1]) * y[:, 2])
+
+        return jax.grad(loss)(w)
+
+    args = (jax.ShapeDtypeStruct((32, 96), jnp.float32), jax.ShapeDtypeStruct((16, 32), jnp.float32))
+    prog = partir.lift(step, *args)
+    part = partir.Partitioning(prog, MeshSpec.of(data=2, model=4))
+    part.tile("x", 0, "data")
+    part.tile(next(op.results[0] for op in prog.ops if op.primitive == "reshape"), 2, "model")
+    f = search.compare_with_xla(part, args)
+    assert f.kinds["all-gather"][2] == 1, f.kinds
+    _assert_matches_xla(f)
+
+
 def test_scan_gradients_are_reduced_per_trip_under_fsdp():
     # XLA combines gradient reductions within one computation: the scan body's weight
     # gradients are reduced together in every trip, not with the ones outside the loop,

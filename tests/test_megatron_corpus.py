@@ -112,6 +112,16 @@ CASES = [
            _collectives(4, 1 + 2, gathered=6), why={"params/layers/*/qkv": {"gather", "cut"}},
            fast=cut == "split")
       for cut, how in (("split", "jnp.split"), ("slices", "slicing"))),
+    *(Case(f"fused_qkv_view_{stored}", f"one {shape} [q; k; v] kernel used as {use}, viewed as [3, heads, head_dim] "
+           f"and cut by {how}", C.fused_view(stored, cut),
+           {"params/embed": 0, "params/layers/*/wo": 0, "params/layers/*/[wb]1": -1, "params/layers/*/w2": 0,
+            "params/head": 1},
+           # Each device keeps its heads of q, k and v: a factor of the fused dim, not
+           # a block of it, so the kernel and its projection stay whole and the view is
+           # split; the view's gradient is gathered in the backward.
+           _collectives(2, 1 + 1, gathered=1), why={"params/layers/*/qkv": {"gather", "cut"}})
+      for stored, shape, use, cut, how in (("out_in", "[3 embed, embed]", "x @ w.T", "unstack", "jnp.unstack"),
+                                           ("in_out", "[embed, 3 embed]", "x @ w", "moveaxis", "jnp.moveaxis"))),
     Case("gqa_group", "grouped-query attention, 8 query heads over 4 KV heads (queries reshaped to groups)",
          C.grouped(4, 8, "group"),
          {"params/embed": 0, "params/layers/*/[qkv]": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
@@ -137,6 +147,20 @@ CASES = [
          {"params/embed": 0, "params/layers/*/q": 1, "params/layers/*/o": 0, "params/layers/*/gate": 1,
           "params/layers/*/up": 1, "params/layers/*/down": 0, "params/head": 1},
          _collectives(2, 1 + 1 + 2), why={"params/layers/*/[kv]": {"gather"}}),
+    *(Case(f"mqa_{q_kernel}", f"multi-query attention through einsum: query kernel [{order}], one [embed, "
+           "head_dim] key/value head read by every query head, output [heads, head_dim, embed]",
+           C.multi_query(q_kernel),
+           {"params/embed": 0, "params/layers/*/q": dim, "params/layers/*/o": 0, "params/layers/*/gate": 1,
+            "params/layers/*/up": 1, "params/layers/*/down": 0, "params/head": 1},
+           # The key/value gradients, summed over the heads, are reduced too (smaller
+           # than an activation).
+           _collectives(2, 1 + 1 + 2), why={"params/layers/*/[kv]": {"gather"}}, fast=q_kernel == "hed")
+      for q_kernel, order, dim in (("hed", "heads, embed, head_dim", 0), ("ehd", "embed, heads, head_dim", 1))),
+    Case("padded_encoder", "BERT as HF Flax writes it: Dense Q/K/V with biases, additive [batch, 1, 1, seq] padding "
+         "mask, dropout, learned position embeddings looked up at arange(seq)", C.padded_encoder,
+         {"params/embed": 0, "params/layers/*/[qkv]/kernel": 1, "params/layers/*/[qkv]/bias": 0,
+          "params/layers/*/o/kernel": 0, "params/layers/*/[wb]1": -1, "params/layers/*/w2": 0, "params/head": 1},
+         _collectives(2, 1 + 3 + 1), why={"params/pos": {"positions"}}),
     Case("torch_layout", "[out, in] kernels used as x @ w.T; einsum kernels [heads, embed, head_dim], "
          "[embed, head_dim, heads], output [embed, heads, head_dim]", C.torch_layout,
          {"params/embed": 0, "params/layers/*/wq": 0, "params/layers/*/wk": 2, "params/layers/*/wv": 0,
