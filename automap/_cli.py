@@ -22,10 +22,11 @@ import argparse
 import importlib
 import importlib.util
 import json
-import math
 import re
 import sys
 from pathlib import Path
+
+from tactics import check
 
 from ._args import LOWERINGS
 
@@ -43,8 +44,9 @@ def parse_memory(text: str) -> float:
     """'80GB', '16GiB', '512MB', '1e9', '1E+9' -> bytes."""
     m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
     value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()] if m else 0.0
-    if not (math.isfinite(value) and value >= 1):
-        raise CliError(f"--memory {text!r}: write a size of at least 1 byte like 80GB, 16GiB, 512MB or 8e10")
+    check.number("--memory", value, sign="any", given=_cut(text), example="--memory 80GB", error=CliError)
+    if value < 1:
+        raise CliError(f"--memory {_cut(text)!r}: write a size of at least 1 byte like 80GB, 16GiB, 512MB or 8e10")
     return value
 
 
@@ -53,17 +55,24 @@ def parse_budget(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value > 0):
-        raise CliError(f"--budget {text!r}: give the search time in seconds, a positive number like 30")
-    return value
+        raise CliError(f"--budget {_cut(text)!r}: give the search time in seconds, a positive number like 30") from None
+    return check.number("--budget", value, given=_cut(text), example="--budget 30 (seconds)", error=CliError)
 
 
 def parse_episodes(text: str) -> int:
     """A positive number of episodes."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise CliError(f"--episodes {text!r}: give a positive integer like 200")
-    return int(text)
+    try:
+        value = int(text) if text.strip().isdigit() else 0
+    except ValueError:  # more digits than Python reads (sys.get_int_max_str_digits)
+        value = 0
+    if value < 1:
+        raise CliError(f"--episodes {_cut(text)!r}: give a positive integer like 200")
+    return value
+
+
+def _cut(text: str) -> str:
+    """A user's text as quoted in a one-line error: cut when it is long (a number of 5000 digits)."""
+    return text if len(text) <= check.SHOWN_CHARS else f"{text[:check.SHOWN_CHARS - 3]}..."
 
 
 def parse_mesh(text: str):
@@ -205,7 +214,7 @@ def _settings(ns) -> dict:
     try:
         seed = int(ns.seed)
     except ValueError:
-        raise CliError(f"--seed {ns.seed!r}: give an integer") from None
+        raise CliError(f"--seed {_cut(ns.seed)!r}: give an integer") from None
     try:
         device = search.get_device(ns.device)
     except search.DeviceError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import sys
 
 from partir import PartitioningError
 
@@ -17,24 +18,45 @@ def a(noun: str) -> str:
 
 
 def number(where: str, value, *, integer: bool = False, optional: bool = False, sign: str = "positive",
-           example: str = "", error: type[Exception] = PartitioningError):
+           example: str = "", error: type[Exception] = PartitioningError, given: str | None = None):
     """`value` checked to be a real number (an int when `integer`), finite, and of `sign`
     ("positive": > 0, "non-negative": >= 0, "any"); `None` passes when `optional`.
-    Booleans and strings are not numbers. Returns it as a float (an int when
-    `integer`). `where` names the setting, e.g. "AutomaticPartition budget_s";
-    `example` shows a good value."""
+    Booleans and strings are not numbers, nor is a number too large for a float
+    (`10**400`) where a float is wanted. Returns it as a float (an int when `integer`).
+    `where` names the setting, e.g. "AutomaticPartition budget_s"; `example` shows a
+    good value; `given` is how the user wrote the value, where it was text (a command
+    line's '1e400'), shown instead of its repr."""
     if value is None and optional:
         return None
+    head = f"{where} {given!r}" if given is not None else f"{where}={_short(value)}"
     want = ("an integer" if integer else "a finite number") if sign == "any" else \
         f"a {sign} {'integer' if integer else 'finite number'}"
     fix = f"give {want}{' or None' if optional else ''}" + (f", e.g. {example}" if example else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        raise error(f"{where}={value!r} is {a(type(value).__name__)}, not {'an integer' if integer else 'a number'}: {fix}")
-    if not math.isfinite(value):
-        raise error(f"{where}={value!r} is not finite: {fix}")
+        raise error(f"{head} is {a(type(value).__name__)}, not {'an integer' if integer else 'a number'}: {fix}")
+    if not integer:  # an int of any size is an integer; a float must hold the value
+        try:
+            value = float(value)
+        except OverflowError:
+            raise error(f"{head} is too large for a float (at most {sys.float_info.max:.3g}): {fix}") from None
+        if not math.isfinite(value):
+            raise error(f"{head} is not finite: {fix}")
     if (sign == "positive" and value <= 0) or (sign == "non-negative" and value < 0):
-        raise error(f"{where}={value!r} is out of range: {fix}")
-    return int(value) if integer else float(value)
+        raise error(f"{head} is out of range: {fix}")
+    return int(value) if integer else value
+
+
+#: Longest repr of a value quoted in a message; longer ones (an int of 400 digits) are cut.
+SHOWN_CHARS = 40
+
+
+def _short(value) -> str:
+    """`repr(value)`, cut to `SHOWN_CHARS` (an int of 5000 digits has no repr at all)."""
+    try:
+        text = repr(value)
+    except ValueError:  # ints of over 4300 digits (sys.get_int_max_str_digits) are not written
+        return f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}... ({len(text)} characters)"
 
 
 def axis_names(where: str, value, *, optional: bool = True, error: type[Exception] = PartitioningError):

@@ -54,6 +54,9 @@ def identity():
     return (lambda x: x), (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
 """
 
+#: A figure no float holds: JSON and TOML read a number written with 401 digits as an int.
+HUGE = 10**400
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -69,7 +72,19 @@ def ctx(tmp_path, saved, monkeypatch):
     (tmp_path / "factories.py").write_text(FACTORIES)
     (tmp_path / "cache").mkdir()
     (tmp_path / "plan.json").write_text(json.dumps(saved))
+    huge = {**search.PRESETS["cpu"].to_dict(), "hbm_bytes": HUGE}
+    (tmp_path / "huge.json").write_text(json.dumps(huge))
+    (tmp_path / "huge.toml").write_text(_toml(huge))
     return SimpleNamespace(tmp=tmp_path, cache=tmp_path / "cache", plan=tmp_path / "plan.json", saved=saved)
+
+
+def _toml(description: dict) -> str:
+    """A device description as TOML (its values are numbers, booleans and plain names)."""
+    def value(v):
+        return str(v).lower() if isinstance(v, bool) else json.dumps(v)
+    flat = [f"{k} = {value(v)}" for k, v in description.items() if not isinstance(v, dict)]
+    flops = [f"{k} = {value(v)}" for k, v in description["peak_flops"].items()]
+    return "\n".join([*flat, "[peak_flops]", *flops]) + "\n"
 
 
 def jit(c, **kw):
@@ -138,6 +153,12 @@ API = [
     ("best_effort 'yes'", lambda c: jit(c, best_effort="yes"), AutomapError, "best_effort='yes' is not a bool"),
     ("replan 1", lambda c: jit(c, replan=1), AutomapError, "replan=1 is not a bool"),
     ("cache_dir a file", lambda c: automap.jit(step, mesh=MESH, cache_dir=c.plan), AutomapError, "is a file, not a folder: give a folder"),
+    ("memory 10**400", lambda c: jit(c, memory_limit=HUGE), AutomapError, "memory_limit=1000000"),
+    ("budget 10**400", lambda c: jit(c, budget_s=HUGE), AutomapError, "(401 characters) is too large for a float"),
+    ("device JSON figure 10**400", lambda c: jit(c, device=str(c.tmp / "huge.json")), search.DeviceError,
+     "hbm_bytes=1000000"),
+    ("device TOML figure 10**400", lambda c: jit(c, device=str(c.tmp / "huge.toml")), search.DeviceError,
+     "is too large for a float"),
 ]
 
 TACTICS = [
@@ -155,6 +176,12 @@ TACTICS = [
     ("search episodes 0", lambda c: search.AutomaticPartition(max_episodes=0), TacticError, "max_episodes=0 is out of range"),
     ("search device", lambda c: search.AutomaticPartition(device="h900"), search.DeviceError, "unknown device"),
     ("search progress 5", lambda c: search.AutomaticPartition(progress=5), TacticError, "is not callable"),
+    ("search budget 10**400", lambda c: search.AutomaticPartition(budget_s=HUGE), TacticError, "too large for a float"),
+    ("search memory 10**400", lambda c: search.AutomaticPartition(memory_limit=HUGE), TacticError,
+     "too large for a float"),
+    ("device figure 10**400", lambda c: search.DeviceSpec.from_dict({**search.PRESETS["cpu"].to_dict(),
+                                                                      "hbm_bandwidth": HUGE}),
+     search.DeviceError, "hbm_bandwidth=1000000"),
 ]
 
 CALLS = [
@@ -206,8 +233,11 @@ PLAN_FILES = [
     ("decision edited", plan_with(_set(["decisions", 0, "dim"], 7)), PlanError, "decision 0 (tile of x): "),
     ("decision action", plan_with(_set(["decisions", 0, "action"], "shard")), PlanError, "unknown decision action"),
     ("decision not an object", plan_with(_set(["decisions"], [3])), PlanError, "decisions[0] is not an object"),
-    ("memory limit a string", plan_with(_set(["memory_limit"], "80GB")), PlanError, "memory_limit '80GB'"),
+    ("memory limit a string", plan_with(_set(["memory_limit"], "80GB")), PlanError, "memory_limit='80GB' is a str"),
     ("cost section edited", plan_with(_set(["cost"], {"fits": "yes"})), PlanError, "cost needs"),
+    ("memory limit 10**400", plan_with(_set(["memory_limit"], HUGE)), PlanError, "is too large for a float"),
+    ("cost 10**400", plan_with(_set(["cost", "step_time_s"], HUGE)), PlanError,
+     "cost step_time_s=1000000"),
 ]
 
 
@@ -252,6 +282,8 @@ CLI = [
     ("show a folder", ["show", "cache"], "is a folder, not a plan file"),
     ("show not UTF-8", ["show", "bytes.json"], "not UTF-8 text"),
     ("show png in a missing folder", ["show", "plan.json", "--png", "no/x.png"], "folder no does not exist"),
+    ("episodes of 5000 digits", [*SEARCH, *OUT, "--episodes", "9" * 5000], "--episodes '99999"),
+    ("memory 1e400", [*SEARCH, *OUT, "--memory", "1e400"], "--memory '1e400' is not finite"),
 ]
 
 
@@ -272,6 +304,12 @@ def test_best_effort_writes_the_plan_that_does_not_fit(ctx, capsys):
     assert main([*SEARCH, *OUT, "--memory", "1", "--best-effort", "--quiet"]) == 0
     data = json.loads((ctx.tmp / "out.json").read_text())
     assert data["cost"]["fits"] is False and data["memory_limit"] == 1
+
+
+def test_integer_settings_of_any_size_are_integers():
+    # An int is exact at any size: only where a float is wanted is 10**400 too large.
+    t = search.AutomaticPartition(seed=HUGE, max_episodes=HUGE)
+    assert (t.seed, t.max_episodes) == (HUGE, HUGE)
 
 
 def test_memory_sizes_read_as_written():
