@@ -59,6 +59,15 @@ def _short(value) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}... ({len(text)} characters)"
 
 
+def one_of(where: str, value, allowed: tuple, *, error: type[Exception] = PartitioningError):
+    """`value` if it is one of `allowed` (and of the same type: `True` is no stage 1),
+    else `error` listing them."""
+    if not any(type(value) is type(x) and value == x for x in allowed):
+        kind = "a bool, " if isinstance(value, bool) else ""  # True == 1, yet it is no stage 1
+        raise error(f"{where}={_short(value)} is {kind}not one of {', '.join(map(str, allowed))}: give one of them")
+    return value
+
+
 def axis_names(where: str, value, *, optional: bool = True, error: type[Exception] = PartitioningError):
     """A tuple of mesh axis names: a string alone is refused (it would be read letter by
     letter), as is anything but strings inside."""
@@ -74,6 +83,10 @@ def axis_names(where: str, value, *, optional: bool = True, error: type[Exceptio
     if bad:
         raise error(f"{where}={value!r} holds {bad[0]!r}, which is not an axis name: give strings, "
                     "e.g. ('data', 'model')")
+    twice = [a for i, a in enumerate(names) if a in names[:i]]
+    if twice:
+        raise error(f"{where}={value!r} names {twice[0]!r} twice: give each axis once, e.g. "
+                    f"{tuple(dict.fromkeys(names))!r}")
     return names
 
 

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from partir import PartitioningError, transition
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 from ._groups import input_groups
 from ._roles import roles, weight_dims
@@ -122,6 +123,9 @@ class Megatron(Tactic):
     """
 
     axis: str
+
+    def __post_init__(self):
+        check.text("Megatron axis", self.axis, example="axis='model'", error=TacticError)
 
     def apply(self, part, ctx: Context):
         prog = part.program

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from partir import PartitioningError
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 
 
@@ -22,6 +23,9 @@ class SequenceParallel(Tactic):
     """
 
     axis: str
+
+    def __post_init__(self):
+        check.text("SequenceParallel axis", self.axis, example="axis='model'", error=TacticError)
 
     def apply(self, part, ctx: Context):
         blocks = ctx.blocks.get(self.axis)
