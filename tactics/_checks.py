@@ -8,8 +8,10 @@ import math
 import numbers
 import re
 import sys
+import warnings
 
 from partir import PartitioningError
+from partir._ir import _keys as joined_keys
 
 
 def a(noun: str) -> str:
@@ -107,3 +109,29 @@ def pattern(where: str, value, *, error: type[Exception] = PartitioningError) ->
             raise error(f"{where}={value!r} is not a valid regular expression ({e}): fix it, or drop the "
                         "'re:' prefix to match a glob such as 'params/*/w1'") from None
     return value
+
+
+class AmbiguousPatternWarning(UserWarning):
+    """A glob matched inputs that no glob can tell apart: a dict key holding '/' makes
+    `{'a/b': x}` and `{'a': {'b': y}}` both `a/b` in the `/`-joined keys globs match."""
+
+
+def warn_alike_paths(where: str, pattern: str, program, hits) -> None:
+    """Warn (`AmbiguousPatternWarning`) when glob `pattern` matched inputs `hits` of
+    `program` among which two join their keys to the same path: the glob cannot have
+    meant one of them alone. Warned, not refused, because the match is what the glob
+    says and a user may want both; the message names the `re:` pattern that picks one
+    (names, unlike joined keys, keep a key's '/' inside its brackets)."""
+    if pattern.startswith("re:"):
+        return
+    by_path: dict[str, list[str]] = {}
+    for v in hits:
+        name = program.name(v)
+        by_path.setdefault(joined_keys(name), []).append(name)
+    for path, names in by_path.items():
+        if len(names) > 1:
+            warnings.warn(f"{where} {pattern!r} matches {' and '.join(names)}, whose keys join to the same path "
+                          f"{path!r} (a dict key holds '/'): all of them are used; to name one, write a regular "
+                          f'expression on its name, e.g. r"re:^{re.escape(names[0])}$"',
+                          AmbiguousPatternWarning, stacklevel=3)
+            return

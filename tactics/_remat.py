@@ -42,6 +42,8 @@ class Remat(Tactic):
 
     def apply(self, part, ctx: Context):
         prog = part.program
+        if self.pattern is not None:
+            check.warn_alike_paths("Remat pattern", self.pattern, prog, prog.match_inputs(self.pattern))
         layers = partir.remat_layers(prog)
         if not layers:
             raise TacticError("found no layers to rematerialize (a scan over layers in the forward pass, or a list "

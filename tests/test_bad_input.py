@@ -5,7 +5,7 @@ Unusual input that is fine (Python numbers as arguments, a program with no ops, 
 cache entry, arrays placed elsewhere) works."""
 
 import json
-import shutil
+import re
 from types import SimpleNamespace
 
 import jax
@@ -317,6 +317,24 @@ def test_integer_settings_of_any_size_are_integers():
     # An int is exact at any size: only where a float is wanted is 10**400 too large.
     t = search.AutomaticPartition(seed=HUGE, max_episodes=HUGE)
     assert (t.seed, t.max_episodes) == (HUGE, HUGE)
+
+
+def test_a_glob_that_cannot_tell_two_inputs_apart_warns():
+    # {'a/b': ...} and {'a': {'b': ...}} both join to p/a/b: the glob takes both and says
+    # so; a regular expression on the name takes one, silently.
+    def f(p, x):
+        return (x @ p["a/b"]).sum() + (x @ p["a"]["b"]).sum()
+
+    square = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    prog = partir.lift(f, {"a/b": square, "a": {"b": square}}, jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    mesh = partir.MeshSpec.of(data=2, model=4)
+    with pytest.warns(T.AmbiguousPatternWarning, match=r"matches p\['a'\]\['b'\] and p\['a/b'\], whose keys join "
+                      r"to the same path 'p/a/b'") as said:
+        both = T.apply_schedule(prog, mesh, [T.Shard("p/a/b", 1, "model")])
+    assert str(said[0].message).endswith('e.g. r"re:^' + re.escape("p['a']['b']") + '$"')
+    one = T.apply_schedule(prog, mesh, [T.Shard(r"re:^p\['a/b'\]$", 1, "model")])
+    assert [[prog.name(d.value) for d in r.history[0].decisions] for r in (both, one)] == [
+        ["p['a']['b']", "p['a/b']"], ["p['a/b']"]]
 
 
 def test_memory_sizes_read_as_written():
