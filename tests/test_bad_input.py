@@ -5,7 +5,10 @@ Unusual input that is fine (Python numbers as arguments, a program with no ops, 
 cache entry, arrays placed elsewhere) works."""
 
 import json
+import os
 import re
+import stat
+import threading
 from types import SimpleNamespace
 
 import jax
@@ -216,6 +219,8 @@ CALLS = [
      AutomapError, "is a folder: give a file name"),
     ("plot to a missing folder", lambda c: automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS).plot(
         c.tmp / "no" / "p.png"), AutomapError, "does not exist"),
+    ("plot to an unknown format", lambda c: automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS).plot(
+        c.tmp / "p.xyz"), AutomapError, "matplotlib does not write '.xyz' pictures; end the name in one of"),
 ]
 
 PLAN_FILES = [
@@ -335,6 +340,59 @@ def test_a_glob_that_cannot_tell_two_inputs_apart_warns():
     one = T.apply_schedule(prog, mesh, [T.Shard(r"re:^p\['a/b'\]$", 1, "model")])
     assert [[prog.name(d.value) for d in r.history[0].decisions] for r in (both, one)] == [
         ["p['a']['b']", "p['a/b']"], ["p['a/b']"]]
+
+
+def test_save_writes_through_a_link_and_into_a_fifo(ctx):
+    # A rename would put a regular file in place of the link or the FIFO (and, as root,
+    # of /dev/null): the link's target is replaced, the FIFO written in place.
+    plan = automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS)
+    target, link, dangling = ctx.tmp / "target.json", ctx.tmp / "link.json", ctx.tmp / "dangling.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    dangling.symlink_to(ctx.tmp / "new.json")
+    plan.save(link)
+    plan.save(dangling)
+    assert link.is_symlink() and dangling.is_symlink()
+    assert json.loads(target.read_text()) == json.loads((ctx.tmp / "new.json").read_text()) == plan.to_json()
+    fifo = ctx.tmp / "pipe.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # so that the writer's open does not wait
+    try:
+        plan.save(fifo)  # a small plan: it fits the pipe's buffer
+        chunks = iter(lambda: os.read(reader, 1 << 16), b"")
+        got = b"".join(chunks)
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got) == plan.to_json()
+    assert sorted(p.name for p in ctx.tmp.iterdir() if ".tmp" in p.name) == []
+
+
+#: Threads saving one plan path at once, and the saves each makes: enough that two
+#: threads' writes overlap many times.
+THREADS, SAVES = 8, 25
+
+
+def test_threads_saving_one_path_each_write_a_whole_file(ctx):
+    plan = automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS)
+    path, errors = ctx.tmp / "shared.json", []
+    start = threading.Barrier(THREADS)
+
+    def save():
+        start.wait()
+        try:
+            for _ in range(SAVES):
+                plan.save(path)
+        except Exception as e:  # reported below, with the others
+            errors.append(e)
+
+    threads = [threading.Thread(target=save) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads(path.read_text()) == plan.to_json()
+    assert sorted(p.name for p in ctx.tmp.iterdir() if p.name.startswith(".shared")) == []
 
 
 def test_memory_sizes_read_as_written():
