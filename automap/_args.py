@@ -234,3 +234,18 @@ def picture_path(path, what: str) -> Path:
                            f"{', '.join('.' + k for k in sorted(kinds))}")
     return p
 
+
+def distinct_outputs(paths: dict) -> None:
+    """`paths` ({what: path}, None for one not asked for) name different files: else the
+    later would overwrite the earlier (a picture over the plan)."""
+    seen: dict = {}
+    for what, path in paths.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path)  # through links, relative or not
+        for other, (other_key, other_path) in seen.items():
+            if key == other_key or (os.path.exists(key) and os.path.exists(other_key)
+                                    and os.path.samefile(key, other_key)):
+                raise AutomapError(f"{what} {path} is the same file as {other} {other_path}: give each its own "
+                                   "file name")
+        seen[what] = (key, path)

@@ -55,6 +55,14 @@ def wrong():
 
 def identity():
     return (lambda x: x), (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
+
+def trace_raises():
+    def refuses(x):
+        raise ValueError("the step refuses")
+    return refuses, (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
+
+def bad_shape():
+    return step, (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))
 """
 
 #: A figure no float holds: JSON and TOML read a number written with 401 digits as an int.
@@ -294,6 +302,14 @@ CLI = [
     ("show a folder", ["show", "cache"], "is a folder, not a plan file"),
     ("show not UTF-8", ["show", "bytes.json"], "not UTF-8 text"),
     ("show png in a missing folder", ["show", "plan.json", "--png", "no/x.png"], "folder no does not exist"),
+    ("step raises while traced", ["search", "factories.py:trace_raises", "--mesh", MESH, *OUT],
+     "TARGET 'factories.py:trace_raises': tracing refuses(*example_args) raised ValueError: the step refuses"),
+    ("shape error in the step", ["search", "factories.py:bad_shape", "--mesh", MESH, *OUT],
+     "tracing step(*example_args) raised TypeError: dot_general requires contracting dimensions"),
+    ("png the plan file", [*SEARCH, "--out", "out.png", "--cache-dir", "cache", "--png", "./out.png"],
+     "--png out.png is the same file as --out out.png"),
+    ("png of an unknown format", [*SEARCH, *OUT, "--png", "p.xyz"], "--png p.xyz: matplotlib does not write '.xyz'"),
+    ("show png of an unknown format", ["show", "plan.json", "--png", "p.xyz"], "matplotlib does not write '.xyz'"),
     ("episodes of 5000 digits", [*SEARCH, *OUT, "--episodes", "9" * 5000], "--episodes '99999"),
     ("memory 1e400", [*SEARCH, *OUT, "--memory", "1e400"], "--memory '1e400' is not finite"),
 ]
