@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,15 +192,57 @@ def schedule_of(schedule, mesh: MeshSpec) -> tuple | None:
 
 def output_path(path, what: str) -> Path:
     """`path` checked as a file that can be written: not a folder, in a folder that
-    exists and is writable. `what` names it in the error (e.g. "plot path")."""
+    exists and is writable. `what` names it in the error (e.g. "plot path").
+
+    A symbolic link is written through (its target replaced, the link kept), so the
+    target's folder is the one checked; a FIFO or device (`/dev/null`, `/dev/stdout`) is
+    written in place, so it must be writable itself (see `automap._plan.Writes`)."""
     if not isinstance(path, (str, os.PathLike)):
         raise AutomapError(f"{what} {path!r} is {check.a(type(path).__name__)}: give a file path")
     p = Path(path)
-    folder = p.parent
-    if p.is_dir():
+    try:
+        mode = p.stat().st_mode  # through links
+    except FileNotFoundError:
+        mode = None  # a new file, or a link to one
+    except OSError as e:  # a loop of links, a folder on the way that is a file, ...
+        raise AutomapError(f"{what} {p} cannot be looked up ({e.strerror}): give another path") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise AutomapError(f"{what} {p} is a folder: give a file name, e.g. {p / 'plan.json'}")
+    if mode is not None and not stat.S_ISREG(mode):
+        if not os.access(p, os.W_OK):
+            raise AutomapError(f"{what} {p} is a special file that is not writable; choose another path")
+        return p
+    folder = Path(os.path.realpath(p)).parent if p.is_symlink() else p.parent
     if not folder.is_dir():
         raise AutomapError(f"{what} {p}: folder {folder} does not exist; create it first (mkdir -p {folder})")
     if not os.access(folder, os.W_OK):
         raise AutomapError(f"{what} {p}: folder {folder} is not writable; choose another folder")
     return p
+
+
+def picture_path(path, what: str) -> Path:
+    """`output_path`, with an extension matplotlib can write (none: PNG)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    p = output_path(path, what)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if p.suffix and p.suffix[1:].lower() not in kinds:
+        raise AutomapError(f"{what} {p}: matplotlib does not write {p.suffix!r} pictures; end the name in one of "
+                           f"{', '.join('.' + k for k in sorted(kinds))}")
+    return p
+
+
+def distinct_outputs(paths: dict) -> None:
+    """`paths` ({what: path}, None for one not asked for) name different files: else the
+    later would overwrite the earlier (a picture over the plan)."""
+    seen: dict = {}
+    for what, path in paths.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path)  # through links, relative or not
+        for other, (other_key, other_path) in seen.items():
+            if key == other_key or (os.path.exists(key) and os.path.exists(other_key)
+                                    and os.path.samefile(key, other_key)):
+                raise AutomapError(f"{what} {path} is the same file as {other} {other_path}: give each its own "
+                                   "file name")
+        seen[what] = (key, path)

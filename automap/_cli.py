@@ -11,9 +11,13 @@ TARGET is `path/to/file.py:factory` or `package.module:factory`; the factory ret
 `(fn, example_args)` (abstract `jax.ShapeDtypeStruct`s allowed). Every user error (a bad
 argument, an output path that cannot be written, a factory that fails, a tactic that
 cannot apply, no plan within --memory) gets a one-line error naming the fix and exit
-status 2; output paths are checked before the search starts. `search` also keeps the
-plan in the plan cache (`--cache-dir`, default as `automap.jit`'s), where `automap.jit`
-finds it for the same program, mesh, schedule and device.
+status 2; output paths are checked before the search starts (each its own file; a
+picture's extension one matplotlib writes), and the target's function is traced before
+it too. `search` also keeps the plan in the plan cache (`--cache-dir`, default as
+`automap.jit`'s), where `automap.jit` finds it for the same program, mesh, schedule and
+device. The outputs are written all or none: Ctrl-C stops with "interrupted, nothing
+written" and exit status 130. `--out` through a symbolic link writes its target; onto
+a FIFO or device (`/dev/null`, `/dev/stdout`) writes it in place.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import argparse
 import importlib
 import importlib.util
 import json
-import math
 import re
 import sys
 from pathlib import Path
+
+from tactics import check
 
 from ._args import LOWERINGS
 
@@ -33,6 +38,10 @@ from ._args import LOWERINGS
 SCHEDULE_WORDS = ("dp:AXIS", "megatron:AXIS", "fsdp:AXIS", "zero1:AXIS", "zero2:AXIS", "zero3:AXIS", "sp:AXIS",
                   "ep:AXIS", "auto", "auto:AXIS+AXIS")
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+#: Exit status after Ctrl-C: 128 + SIGINT, as shells report a command SIGINT stopped.
+EXIT_INTERRUPTED = 130
 
 
 class CliError(Exception):
@@ -43,8 +52,9 @@ def parse_memory(text: str) -> float:
     """'80GB', '16GiB', '512MB', '1e9', '1E+9' -> bytes."""
     m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
     value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()] if m else 0.0
-    if not (math.isfinite(value) and value >= 1):
-        raise CliError(f"--memory {text!r}: write a size of at least 1 byte like 80GB, 16GiB, 512MB or 8e10")
+    check.number("--memory", value, sign="any", given=_cut(text), example="--memory 80GB", error=CliError)
+    if value < 1:
+        raise CliError(f"--memory {_cut(text)!r}: write a size of at least 1 byte like 80GB, 16GiB, 512MB or 8e10")
     return value
 
 
@@ -53,17 +63,24 @@ def parse_budget(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value > 0):
-        raise CliError(f"--budget {text!r}: give the search time in seconds, a positive number like 30")
-    return value
+        raise CliError(f"--budget {_cut(text)!r}: give the search time in seconds, a positive number like 30") from None
+    return check.number("--budget", value, given=_cut(text), example="--budget 30 (seconds)", error=CliError)
 
 
 def parse_episodes(text: str) -> int:
     """A positive number of episodes."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise CliError(f"--episodes {text!r}: give a positive integer like 200")
-    return int(text)
+    try:
+        value = int(text) if text.strip().isdigit() else 0
+    except ValueError:  # more digits than Python reads (sys.get_int_max_str_digits)
+        value = 0
+    if value < 1:
+        raise CliError(f"--episodes {_cut(text)!r}: give a positive integer like 200")
+    return value
+
+
+def _cut(text: str) -> str:
+    """A user's text as quoted in a one-line error: cut when it is long (a number of 5000 digits)."""
+    return text if len(text) <= check.SHOWN_CHARS else f"{text[:check.SHOWN_CHARS - 3]}..."
 
 
 def parse_mesh(text: str):
@@ -130,13 +147,30 @@ def load_target(target: str):
     try:
         made = factory()
     except Exception as e:  # the user's code: one line, and how to see the rest
-        first = (str(e).splitlines() or [""])[0]
-        raise CliError(f"TARGET {target!r}: {attr}() raised {type(e).__name__}: {first} (call it in Python to see "
-                       "the traceback)") from None
+        raise CliError(f"TARGET {target!r}: {attr}() raised {_first_line(e)} (call it in Python to see the "
+                       "traceback)") from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
         raise CliError(f"TARGET {target!r}: {attr}() must return (fn, example_args)")
     fn, args = made
     return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def trace_target(target: str, fn, args) -> None:
+    """Trace the target's function on its example arguments, so that an error in the
+    user's code (a shape mismatch, an exception it raises) is one line naming the
+    target, before any work. JAX caches the trace, so planning's own trace of it costs little."""
+    import jax
+
+    try:
+        jax.eval_shape(fn, *args)
+    except Exception as e:  # the user's code, as for the factory
+        name = getattr(fn, "__name__", "the function")
+        raise CliError(f"TARGET {target!r}: tracing {name}(*example_args) raised {_first_line(e)} (call "
+                       "jax.make_jaxpr on it in Python to see the traceback)") from None
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 def _import_file(path: Path):
@@ -196,7 +230,7 @@ def _settings(ns) -> dict:
     import search
 
     from ._api import cache_folder
-    from ._args import output_path
+    from ._args import distinct_outputs, output_path, picture_path
     from ._errors import AutomapError
     from ._plan import timing_path
 
@@ -205,7 +239,7 @@ def _settings(ns) -> dict:
     try:
         seed = int(ns.seed)
     except ValueError:
-        raise CliError(f"--seed {ns.seed!r}: give an integer") from None
+        raise CliError(f"--seed {_cut(ns.seed)!r}: give an integer") from None
     try:
         device = search.get_device(ns.device)
     except search.DeviceError as e:
@@ -214,9 +248,9 @@ def _settings(ns) -> dict:
     episodes = parse_episodes(ns.episodes) if ns.episodes is not None else None
     try:
         out = output_path(ns.out, "--out")
-        png = output_path(ns.png, "--png") if ns.png else None
-        if ns.timings:
-            output_path(timing_path(out), "--timings file")
+        png = picture_path(ns.png, "--png") if ns.png else None
+        timings = output_path(timing_path(out), "--timings file") if ns.timings else None
+        distinct_outputs({"--out": out, "--timings file": timings, "--png": png})
         cache = cache_folder(ns.cache_dir, "--cache-dir")
     except AutomapError as e:
         raise CliError(str(e)) from None
@@ -232,10 +266,10 @@ def _search(ns) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ._api import partition
-    from ._cache import PlanCache
 
     cfg = _settings(ns)
     fn, args = load_target(ns.target)
+    trace_target(ns.target, fn, args)
     quiet = ns.quiet or ns.json
     console = Console(stderr=True, quiet=quiet)
     with Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
@@ -249,10 +283,7 @@ def _search(ns) -> int:
         schedule = [_with_progress(t, progress) for t in cfg["schedule"]]
         plan = _plan(partition, fn, args, cfg, schedule, ns.best_effort)
     out = cfg["out"]
-    plan.save(out, timings=ns.timings)
-    PlanCache(cfg["cache"]).store(plan)
-    if cfg["png"]:
-        plan.plot(cfg["png"])
+    _write_outputs(plan, cfg, ns.timings)
     if ns.json:
         c = plan.cost
         print(json.dumps({"plan": str(out), "mesh": str(cfg["mesh"]), "step_time_s": c.step_time,
@@ -282,6 +313,19 @@ def _plan(partition, fn, args, cfg, schedule, best_effort):
         raise CliError(str(e).splitlines()[0]) from None
 
 
+def _write_outputs(plan, cfg, timings: bool) -> None:
+    """The plan, its timings and picture, and the plan cache's entry: all or none (an
+    error or Ctrl-C before they are in place leaves no file)."""
+    from ._cache import PlanCache
+    from ._plan import Writes, stage_plot
+
+    with Writes() as writes:
+        plan.stage(writes, cfg["out"], timings=timings)
+        if cfg["png"]:
+            stage_plot(writes, plan.to_json(), cfg["png"], plan.timings())
+        writes.commit(then=lambda: PlanCache(cfg["cache"]).store(plan))
+
+
 def _with_progress(tactic, progress):
     import dataclasses
 
@@ -293,22 +337,22 @@ def _with_progress(tactic, progress):
 
 
 def _show(ns) -> int:
-    from ._args import output_path
+    from ._args import picture_path
     from ._errors import AutomapError
     from ._explain import explain_saved
-    from ._plan import timing_path
+    from ._plan import Writes, stage_plot, timing_path
     from ._planfile import load_plan
 
     try:
-        png = output_path(ns.png, "--png") if ns.png else None
+        png = picture_path(ns.png, "--png") if ns.png else None
         saved = load_plan(ns.plan)
     except AutomapError as e:
         raise CliError(str(e)) from None
     explain_saved(saved.data)
     if png:
-        from ._plot import plot
-
-        plot(saved.data, png, _timings(timing_path(ns.plan)))
+        with Writes() as writes:
+            stage_plot(writes, saved.data, png, _timings(timing_path(ns.plan)))
+            writes.commit()
     return 0
 
 
@@ -346,6 +390,9 @@ def main(argv=None) -> int:
     except CliError as e:
         print(f"automap: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every output is staged until all are made (see _plan.Writes)
+        print("automap: interrupted, nothing written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ValueError as e:  # automap's and partir's errors (the folder of --out gone mid-search, ...)
         from partir import PartitioningError
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import stat
+import threading
+import uuid
 from pathlib import Path
 
 import jax
@@ -13,14 +18,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 import partir
 
 from . import __version__
-from ._args import LOWERINGS, check_lowering, output_path
+from ._args import LOWERINGS, check_lowering, output_path, picture_path
 from ._errors import PlanError  # noqa: F401  (re-exported: automap._plan.PlanError)
 
 #: The plan file format; bump when a field changes meaning. Version 2 moved the
 #: search's timings out of the plan (see `Plan.timings`); version 1 files still load.
 FORMAT, VERSION = "automap-plan", 2
 READABLE = (1, 2)
-__all__ = ["FORMAT", "LOWERINGS", "READABLE", "VERSION", "Plan", "shard_args"]
+__all__ = ["FORMAT", "LOWERINGS", "READABLE", "VERSION", "Plan", "Writes", "shard_args", "stage_plot"]
 
 
 class Plan:
@@ -141,11 +146,12 @@ class Plan:
 
     def plot(self, path) -> None:
         """Save a picture: the search's best cost over time, and how every parameter is
-        split over the mesh axes."""
-        from ._plot import plot
-
-        path = output_path(path, "plot path")
-        plot(self.to_json(), path, self.timings())
+        split over the mesh axes. The extension says the format (one matplotlib writes;
+        none: PNG)."""
+        path = picture_path(path, "plot path")
+        with Writes() as writes:
+            stage_plot(writes, self.to_json(), path, self.timings())
+            writes.commit()
 
     # -- saving -----------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -204,12 +210,22 @@ class Plan:
 
     def save(self, path, *, timings: bool = False) -> None:
         """Write the plan as JSON (see `to_json`); with `timings`, also the search's
-        timings to `timing_path(path)` (when a search ran). The folder must exist."""
+        timings to `timing_path(path)` (when a search ran). The folder must exist. Both
+        or neither are written, each whole (see `Writes`: a link is written through, a
+        FIFO or device in place)."""
+        with Writes() as writes:
+            self.stage(writes, path, timings=timings)
+            writes.commit()
+
+    def stage(self, writes, path, *, timings: bool = False) -> None:
+        """`save` into `writes` (a `Writes`): the files are put in place when it commits,
+        with the others it holds. The paths are checked first."""
         path = output_path(path, "plan path")
-        data, timed = self.to_json(), self.timings() if timings else None
-        if timed is not None:
-            _write(output_path(timing_path(path), "timing path"), timed)
-        _write(path, data)
+        timed = self.timings() if timings else None
+        timing = output_path(timing_path(path), "timing path") if timed is not None else None
+        writes.add(path, _json_file(self.to_json()))
+        if timing is not None:
+            writes.add(timing, _json_file(timed))
 
     def __repr__(self) -> str:
         return f"Plan({self.program}, mesh {self.mesh}, {len(self.partitioning.decisions)} decisions)"
@@ -266,9 +282,89 @@ def timing_path(path) -> Path:
     return p.with_name(p.stem + ".timing.json")
 
 
-def _write(path: Path, data: dict) -> None:
-    # Written whole, then renamed: a reader (another process sharing a plan cache)
-    # never sees half a file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+def _json_file(data: dict):
+    """A `Writes.add` writer of `data` as a plan file's JSON."""
+    return lambda path: Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def stage_plot(writes, data: dict, path: Path, timings: dict | None) -> None:
+    """Draw plan file content `data` (see `_plot.plot`) to `path` (checked by
+    `picture_path`) when `writes` commits. matplotlib takes the format from the
+    extension, which the temporary file keeps (PNG when there is none)."""
+    from ._plot import plot
+
+    writes.add(path, lambda tmp: plot(data, tmp, timings), suffix=Path(path).suffix or ".png")
+
+
+class Writes:
+    """Files written all or none, each whole. `add(path, write)` has `write(file)` write
+    one to a temporary file beside `path`, named uniquely per call (threads and
+    processes may save the same path at once); `commit()` renames them all into place,
+    with Ctrl-C ignored while it does (renames take microseconds: an interrupt then
+    would leave some outputs new and some old); leaving the `with` block without
+    committing (an error, Ctrl-C) removes the temporary files, so nothing is written.
+    A reader (another process sharing a plan cache) never sees half a file.
+
+    A symbolic link is written through: its target is replaced, the link kept. A FIFO
+    or a device (`/dev/null`, `/dev/stdout`) is written in place (a rename would put a
+    regular file in its stead, and as root replace `/dev/null`), at the start of
+    `commit`; a stream cannot be taken back, so Ctrl-C while it is written may leave it
+    part of a file, and no other output."""
+
+    def __init__(self):
+        self._staged: list[tuple[Path, Path]] = []  # (temporary file, where it goes)
+        self._streams: list[tuple[Path, object]] = []  # (FIFO or device, its writer)
+
+    def __enter__(self) -> "Writes":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for tmp, _ in self._staged:
+            tmp.unlink(missing_ok=True)
+        self._staged = []
+
+    def add(self, path, write, *, suffix: str = "") -> None:
+        """Write `path` with `write(file)`: to a temporary file ending in `suffix` now,
+        put in place by `commit`; a FIFO or device is kept for `commit` to write."""
+        path = Path(path)
+        if _special(path):
+            self._streams.append((path, write))
+            return
+        target = Path(os.path.realpath(path)) if path.is_symlink() else path
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp{suffix}")
+        self._staged.append((tmp, target))  # first: a write cut short is removed too
+        write(tmp)
+
+    def commit(self, then=None) -> None:
+        """Write the FIFOs and devices, then rename every file into place and call
+        `then()` (e.g. keep the plan in a cache), Ctrl-C ignored meanwhile."""
+        for path, write in self._streams:
+            write(path)
+        self._streams = []
+        with _interrupts_ignored():
+            for tmp, target in self._staged:
+                os.replace(tmp, target)
+            self._staged = []
+            if then is not None:
+                then()
+
+
+def _special(path: Path) -> bool:
+    """Is `path` (through links) a FIFO, device or socket: something a rename must not replace?"""
+    try:
+        return not stat.S_ISREG(path.stat().st_mode)
+    except OSError:  # nothing there yet: a new regular file
+        return False
+
+
+@contextlib.contextmanager
+def _interrupts_ignored():
+    # Only the main thread may set signal handlers; another thread gets no Ctrl-C.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)

@@ -10,6 +10,7 @@ import jax
 
 import partir
 from partir import MeshSpec, PartitioningError, Tiling
+from tactics import check as checks
 
 from ._args import LOWERINGS
 from ._errors import PlanError
@@ -145,9 +146,8 @@ def structure(data) -> list[str]:
             problems.append(f"input {item['name']}: {bad}")
     problems += [f"decisions[{i}] is not an object" for i, d in enumerate(data["decisions"]) if not isinstance(d, dict)]
     problems += _cost_problems(data.get("cost"))
-    limit = data.get("memory_limit")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-        problems.append(f"memory_limit {limit!r} is not a positive number of bytes or null")
+    if data.get("memory_limit") is not None:  # null: the device's memory
+        problems += _number_problem("memory_limit", data["memory_limit"], example="80e9 (bytes per device) or null")
     if data.get("lowering", "jit") not in LOWERINGS:
         problems.append(f"lowering {data['lowering']!r} is not one of {', '.join(map(repr, LOWERINGS))}")
     donate = data.get("donate_argnums", [])
@@ -163,6 +163,15 @@ def _cost_problems(cost) -> list[str]:
     if not (isinstance(cost, dict) and all(isinstance(cost.get(k), (int, float)) for k in numbers)
             and isinstance(cost.get("fits"), bool) and isinstance(cost.get("collectives_by_axis"), dict)):
         return [f"cost needs {', '.join(numbers)} (numbers), fits (a bool) and collectives_by_axis (an object)"]
+    return [p for k in numbers for p in _number_problem(f"cost {k}", cost[k], sign="non-negative")]
+
+
+def _number_problem(where: str, value, **how) -> list[str]:
+    """What `tactics.check.number` says of a number in the file (empty when it is one)."""
+    try:
+        checks.number(where, value, error=PlanError, **how)
+    except PlanError as e:
+        return [str(e)]
     return []
 
 

@@ -40,13 +40,14 @@ ideal machine, which is what the `cpu` preset and a user's file without them get
 from __future__ import annotations
 
 import json
-import math
 import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
+
+from tactics import check
 
 __all__ = ["DeviceError", "DeviceSpec", "PRESETS", "get_device", "link_levels"]
 
@@ -68,10 +69,9 @@ _OPTIONAL = _FLAGS + _FRACTIONS + _NONNEGATIVE + _TOPOLOGY
 
 
 def _number(where: str, v) -> float:
-    # bool is an int subclass; `true` in a TOML file is a typo, not a figure.
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise DeviceError(f"{where} must be a positive finite number, got {v!r}")
-    return float(v)
+    # bool is an int subclass; `true` in a TOML file is a typo, not a figure. A figure of
+    # 400 digits (JSON and TOML read it as an int) is too large for a float.
+    return check.number(where, v, example=f"{where}=1e12", error=DeviceError)
 
 
 def _dtype_name(dtype) -> str:
@@ -134,17 +134,17 @@ class DeviceSpec:
             raise DeviceError(f"name must be a non-empty string, got {self.name!r}")
         pf = self.peak_flops.items() if isinstance(self.peak_flops, Mapping) else self.peak_flops
         try:
-            pf = tuple((str(k), _number(f"peak_flops[{k!r}]", v)) for k, v in pf)
+            pairs = tuple((str(k), v) for k, v in pf)
         except (TypeError, ValueError) as e:  # not pairs: report it as a bad description
             raise DeviceError(f"peak_flops must map dtype names to flop/s: {e}") from e
+        pf = tuple((k, _number(f"peak_flops[{k!r}]", v)) for k, v in pairs)
         if "float32" not in dict(pf) or len(dict(pf)) != len(pf):  # float32: flops_for's fallback
             raise DeviceError(f"peak_flops needs one entry per dtype, float32 among them: {pf}")
         object.__setattr__(self, "peak_flops", pf)
         for f in _FLOAT_FIELDS:
             object.__setattr__(self, f, _number(f, getattr(self, f)))
-        d = self.devices_per_node
-        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise DeviceError(f"devices_per_node must be an integer >= 1, got {d!r}")
+        check.number("devices_per_node", self.devices_per_node, integer=True, example="devices_per_node=8",
+                     error=DeviceError)
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise DeviceError(f"{flag} must be true or false, got {getattr(self, flag)!r}")

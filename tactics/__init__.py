@@ -6,10 +6,12 @@ before the next (earlier tactics win conflicts), with a history of every step:
     apply_schedule(program, mesh, [DataParallel("data"), Megatron("model")])
 
 Manual: `Shard`, `Replicate`, `Specs`. Strategies: `DataParallel`, `Megatron`,
-`ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`. Memory: `Remat`.
+`ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`. Memory: `Remat`. A glob that matches
+inputs it cannot tell apart (a dict key holding '/') warns `AmbiguousPatternWarning`.
 """
 
 from . import _checks as check
+from ._checks import AmbiguousPatternWarning
 from ._base import Context, Partitioned, Step, Tactic, TacticError, applied_order, apply_schedule
 from ._data import DataParallel, batch_inputs
 from ._groups import Group, input_groups
@@ -21,6 +23,6 @@ from ._roles import Roles, roles, weight_dims, weight_root
 from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
-__all__ = ["check", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
+__all__ = ["check", "AmbiguousPatternWarning", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
            "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "applied_order", "apply_schedule",
            "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]

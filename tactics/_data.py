@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 from ._roles import roles
 
@@ -39,6 +40,9 @@ class DataParallel(Tactic):
 
     axis: str
     batch_argnums: tuple[int, ...] | int | None = None
+
+    def __post_init__(self):
+        check.text("DataParallel axis", self.axis, example="axis='data'", error=TacticError)
 
     def apply(self, part, ctx: Context):
         found, how = batch_inputs(part, self.batch_argnums)

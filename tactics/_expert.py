@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from partir import Tiling
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 from ._data import batch_inputs
 from ._roles import roles, weight_root
@@ -77,6 +78,9 @@ class ExpertParallel(Tactic):
 
     axis: str
     batch_argnums: tuple[int, ...] | int | None = None
+
+    def __post_init__(self):
+        check.text("ExpertParallel axis", self.axis, example="axis='data'", error=TacticError)
 
     def apply(self, part, ctx: Context):
         prog = part.program

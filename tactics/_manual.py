@@ -22,6 +22,7 @@ def _matches(part, pattern: str) -> list[int]:
         near = close_names(pattern, prog.input_names)
         hint = f"; near misses: {', '.join(near)}" if near else f"; inputs look like {prog.input_names[0]!r}"
         raise TacticError(f"pattern {pattern!r} matches no input{hint}")
+    _checks.warn_alike_paths("pattern", pattern, prog, hits)
     return hits
 
 

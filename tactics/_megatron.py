@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from partir import PartitioningError, transition
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 from ._groups import input_groups
 from ._roles import roles, weight_dims
@@ -137,6 +138,9 @@ class Megatron(Tactic):
     splits_weights: ClassVar[bool] = True  # see Tactic.splits_weights
 
     axis: str
+
+    def __post_init__(self):
+        check.text("Megatron axis", self.axis, example="axis='model'", error=TacticError)
 
     def apply(self, part, ctx: Context):
         prog = part.program

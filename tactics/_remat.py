@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import partir
 from partir import REMAT_POLICIES, path_matches
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 
 
@@ -34,10 +35,15 @@ class Remat(Tactic):
     policy: str = "full"
     pattern: str | None = None
 
+    def __post_init__(self):
+        check.one_of("Remat policy", self.policy, REMAT_POLICIES, error=TacticError)
+        if self.pattern is not None:
+            check.pattern("Remat pattern", self.pattern, error=TacticError)
+
     def apply(self, part, ctx: Context):
-        if self.policy not in REMAT_POLICIES:
-            raise TacticError(f"Remat policy {self.policy!r} is not one of {', '.join(REMAT_POLICIES)}")
         prog = part.program
+        if self.pattern is not None:
+            check.warn_alike_paths("Remat pattern", self.pattern, prog, prog.match_inputs(self.pattern))
         layers = partir.remat_layers(prog)
         if not layers:
             raise TacticError("found no layers to rematerialize (a scan over layers in the forward pass, or a list "

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from partir import PartitioningError
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 
 
@@ -25,6 +26,9 @@ class SequenceParallel(Tactic):
     splits_weights: ClassVar[bool] = True  # see Tactic.splits_weights
 
     axis: str
+
+    def __post_init__(self):
+        check.text("SequenceParallel axis", self.axis, example="axis='model'", error=TacticError)
 
     def apply(self, part, ctx: Context):
         blocks = ctx.blocks.get(self.axis)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
-from typing import ClassVar
 
 from partir import PartitioningError
 
+from . import _checks as check
 from ._base import Context, Tactic, TacticError
 from ._roles import roles
+
+#: ZeRO's stages: what is sharded over the axis (see `ZeRO`).
+STAGES = (1, 2, 3)
 
 
 def _pick_dim(part, v: int, axis: str, avoid=frozenset()) -> int | None:
@@ -72,9 +75,12 @@ class ZeRO(Tactic):
     stage: int = 3
     leave_room: bool = True  # keep dims a later Megatron on another axis would split
 
+    def __post_init__(self):
+        check.text("ZeRO axis", self.axis, example="axis='data'", error=TacticError)
+        check.one_of("ZeRO stage", self.stage, STAGES, error=TacticError)
+        check.one_of("ZeRO leave_room", self.leave_room, (True, False), error=TacticError)
+
     def apply(self, part, ctx: Context):
-        if self.stage not in (1, 2, 3):
-            raise TacticError(f"ZeRO stage must be 1, 2 or 3, got {self.stage}")
         prog = part.program
         r = roles(prog)
         if not any(self.axis in part.tiling(v).axes() for v in r.batch):
@@ -188,6 +194,10 @@ class FSDP(Tactic):
 
     axis: str
     leave_room: bool = True
+
+    def __post_init__(self):
+        check.text("FSDP axis", self.axis, example="axis='data'", error=TacticError)
+        check.one_of("FSDP leave_room", self.leave_room, (True, False), error=TacticError)
 
     def apply(self, part, ctx: Context):
         from ._data import DataParallel

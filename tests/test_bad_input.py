@@ -5,7 +5,10 @@ Unusual input that is fine (Python numbers as arguments, a program with no ops, 
 cache entry, arrays placed elsewhere) works."""
 
 import json
-import shutil
+import os
+import re
+import stat
+import threading
 from types import SimpleNamespace
 
 import jax
@@ -52,7 +55,18 @@ def wrong():
 
 def identity():
     return (lambda x: x), (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
+
+def trace_raises():
+    def refuses(x):
+        raise ValueError("the step refuses")
+    return refuses, (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
+
+def bad_shape():
+    return step, (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))
 """
+
+#: A figure no float holds: JSON and TOML read a number written with 401 digits as an int.
+HUGE = 10**400
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +83,19 @@ def ctx(tmp_path, saved, monkeypatch):
     (tmp_path / "factories.py").write_text(FACTORIES)
     (tmp_path / "cache").mkdir()
     (tmp_path / "plan.json").write_text(json.dumps(saved))
+    huge = {**search.PRESETS["cpu"].to_dict(), "hbm_bytes": HUGE}
+    (tmp_path / "huge.json").write_text(json.dumps(huge))
+    (tmp_path / "huge.toml").write_text(_toml(huge))
     return SimpleNamespace(tmp=tmp_path, cache=tmp_path / "cache", plan=tmp_path / "plan.json", saved=saved)
+
+
+def _toml(description: dict) -> str:
+    """A device description as TOML (its values are numbers, booleans and plain names)."""
+    def value(v):
+        return str(v).lower() if isinstance(v, bool) else json.dumps(v)
+    flat = [f"{k} = {value(v)}" for k, v in description.items() if not isinstance(v, dict)]
+    flops = [f"{k} = {value(v)}" for k, v in description["peak_flops"].items()]
+    return "\n".join([*flat, "[peak_flops]", *flops]) + "\n"
 
 
 def jit(c, **kw):
@@ -138,6 +164,12 @@ API = [
     ("best_effort 'yes'", lambda c: jit(c, best_effort="yes"), AutomapError, "best_effort='yes' is not a bool"),
     ("replan 1", lambda c: jit(c, replan=1), AutomapError, "replan=1 is not a bool"),
     ("cache_dir a file", lambda c: automap.jit(step, mesh=MESH, cache_dir=c.plan), AutomapError, "is a file, not a folder: give a folder"),
+    ("memory 10**400", lambda c: jit(c, memory_limit=HUGE), AutomapError, "memory_limit=1000000"),
+    ("budget 10**400", lambda c: jit(c, budget_s=HUGE), AutomapError, "(401 characters) is too large for a float"),
+    ("device JSON figure 10**400", lambda c: jit(c, device=str(c.tmp / "huge.json")), search.DeviceError,
+     "hbm_bytes=1000000"),
+    ("device TOML figure 10**400", lambda c: jit(c, device=str(c.tmp / "huge.toml")), search.DeviceError,
+     "is too large for a float"),
 ]
 
 TACTICS = [
@@ -155,6 +187,19 @@ TACTICS = [
     ("search episodes 0", lambda c: search.AutomaticPartition(max_episodes=0), TacticError, "max_episodes=0 is out of range"),
     ("search device", lambda c: search.AutomaticPartition(device="h900"), search.DeviceError, "unknown device"),
     ("search progress 5", lambda c: search.AutomaticPartition(progress=5), TacticError, "is not callable"),
+    ("search axes repeated", lambda c: search.AutomaticPartition(axes=("data", "data")), TacticError,
+     "names 'data' twice"),
+    ("search budget 10**400", lambda c: search.AutomaticPartition(budget_s=HUGE), TacticError, "too large for a float"),
+    ("search memory 10**400", lambda c: search.AutomaticPartition(memory_limit=HUGE), TacticError,
+     "too large for a float"),
+    ("ZeRO stage 4", lambda c: T.ZeRO("data", stage=4), TacticError, "ZeRO stage=4 is not one of 1, 2, 3"),
+    ("ZeRO stage True", lambda c: T.ZeRO("data", stage=True), TacticError, "ZeRO stage=True is a bool, not one of"),
+    ("Remat policy", lambda c: T.Remat("bogus"), TacticError,
+     "Remat policy='bogus' is not one of none, collectives, dots, full"),
+    ("DataParallel axis 0", lambda c: T.DataParallel(0), TacticError, "DataParallel axis=0 is an int, not a string"),
+    ("device figure 10**400", lambda c: search.DeviceSpec.from_dict({**search.PRESETS["cpu"].to_dict(),
+                                                                      "hbm_bandwidth": HUGE}),
+     search.DeviceError, "hbm_bandwidth=1000000"),
 ]
 
 CALLS = [
@@ -182,6 +227,8 @@ CALLS = [
      AutomapError, "is a folder: give a file name"),
     ("plot to a missing folder", lambda c: automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS).plot(
         c.tmp / "no" / "p.png"), AutomapError, "does not exist"),
+    ("plot to an unknown format", lambda c: automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS).plot(
+        c.tmp / "p.xyz"), AutomapError, "matplotlib does not write '.xyz' pictures; end the name in one of"),
 ]
 
 PLAN_FILES = [
@@ -206,8 +253,11 @@ PLAN_FILES = [
     ("decision edited", plan_with(_set(["decisions", 0, "dim"], 7)), PlanError, "decision 0 (tile of x): "),
     ("decision action", plan_with(_set(["decisions", 0, "action"], "shard")), PlanError, "unknown decision action"),
     ("decision not an object", plan_with(_set(["decisions"], [3])), PlanError, "decisions[0] is not an object"),
-    ("memory limit a string", plan_with(_set(["memory_limit"], "80GB")), PlanError, "memory_limit '80GB'"),
+    ("memory limit a string", plan_with(_set(["memory_limit"], "80GB")), PlanError, "memory_limit='80GB' is a str"),
     ("cost section edited", plan_with(_set(["cost"], {"fits": "yes"})), PlanError, "cost needs"),
+    ("memory limit 10**400", plan_with(_set(["memory_limit"], HUGE)), PlanError, "is too large for a float"),
+    ("cost 10**400", plan_with(_set(["cost", "step_time_s"], HUGE)), PlanError,
+     "cost step_time_s=1000000"),
 ]
 
 
@@ -252,6 +302,16 @@ CLI = [
     ("show a folder", ["show", "cache"], "is a folder, not a plan file"),
     ("show not UTF-8", ["show", "bytes.json"], "not UTF-8 text"),
     ("show png in a missing folder", ["show", "plan.json", "--png", "no/x.png"], "folder no does not exist"),
+    ("step raises while traced", ["search", "factories.py:trace_raises", "--mesh", MESH, *OUT],
+     "TARGET 'factories.py:trace_raises': tracing refuses(*example_args) raised ValueError: the step refuses"),
+    ("shape error in the step", ["search", "factories.py:bad_shape", "--mesh", MESH, *OUT],
+     "tracing step(*example_args) raised TypeError: dot_general requires contracting dimensions"),
+    ("png the plan file", [*SEARCH, "--out", "out.png", "--cache-dir", "cache", "--png", "./out.png"],
+     "--png out.png is the same file as --out out.png"),
+    ("png of an unknown format", [*SEARCH, *OUT, "--png", "p.xyz"], "--png p.xyz: matplotlib does not write '.xyz'"),
+    ("show png of an unknown format", ["show", "plan.json", "--png", "p.xyz"], "matplotlib does not write '.xyz'"),
+    ("episodes of 5000 digits", [*SEARCH, *OUT, "--episodes", "9" * 5000], "--episodes '99999"),
+    ("memory 1e400", [*SEARCH, *OUT, "--memory", "1e400"], "--memory '1e400' is not finite"),
 ]
 
 
@@ -272,6 +332,83 @@ def test_best_effort_writes_the_plan_that_does_not_fit(ctx, capsys):
     assert main([*SEARCH, *OUT, "--memory", "1", "--best-effort", "--quiet"]) == 0
     data = json.loads((ctx.tmp / "out.json").read_text())
     assert data["cost"]["fits"] is False and data["memory_limit"] == 1
+
+
+def test_integer_settings_of_any_size_are_integers():
+    # An int is exact at any size: only where a float is wanted is 10**400 too large.
+    t = search.AutomaticPartition(seed=HUGE, max_episodes=HUGE)
+    assert (t.seed, t.max_episodes) == (HUGE, HUGE)
+
+
+def test_a_glob_that_cannot_tell_two_inputs_apart_warns():
+    # {'a/b': ...} and {'a': {'b': ...}} both join to p/a/b: the glob takes both and says
+    # so; a regular expression on the name takes one, silently.
+    def f(p, x):
+        return (x @ p["a/b"]).sum() + (x @ p["a"]["b"]).sum()
+
+    square = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    prog = partir.lift(f, {"a/b": square, "a": {"b": square}}, jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    mesh = partir.MeshSpec.of(data=2, model=4)
+    with pytest.warns(T.AmbiguousPatternWarning, match=r"matches p\['a'\]\['b'\] and p\['a/b'\], whose keys join "
+                      r"to the same path 'p/a/b'") as said:
+        both = T.apply_schedule(prog, mesh, [T.Shard("p/a/b", 1, "model")])
+    assert str(said[0].message).endswith('e.g. r"re:^' + re.escape("p['a']['b']") + '$"')
+    one = T.apply_schedule(prog, mesh, [T.Shard(r"re:^p\['a/b'\]$", 1, "model")])
+    assert [[prog.name(d.value) for d in r.history[0].decisions] for r in (both, one)] == [
+        ["p['a']['b']", "p['a/b']"], ["p['a/b']"]]
+
+
+def test_save_writes_through_a_link_and_into_a_fifo(ctx):
+    # A rename would put a regular file in place of the link or the FIFO (and, as root,
+    # of /dev/null): the link's target is replaced, the FIFO written in place.
+    plan = automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS)
+    target, link, dangling = ctx.tmp / "target.json", ctx.tmp / "link.json", ctx.tmp / "dangling.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    dangling.symlink_to(ctx.tmp / "new.json")
+    plan.save(link)
+    plan.save(dangling)
+    assert link.is_symlink() and dangling.is_symlink()
+    assert json.loads(target.read_text()) == json.loads((ctx.tmp / "new.json").read_text()) == plan.to_json()
+    fifo = ctx.tmp / "pipe.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # so that the writer's open does not wait
+    try:
+        plan.save(fifo)  # a small plan: it fits the pipe's buffer
+        chunks = iter(lambda: os.read(reader, 1 << 16), b"")
+        got = b"".join(chunks)
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got) == plan.to_json()
+    assert sorted(p.name for p in ctx.tmp.iterdir() if ".tmp" in p.name) == []
+
+
+#: Threads saving one plan path at once, and the saves each makes: enough that two
+#: threads' writes overlap many times.
+THREADS, SAVES = 8, 25
+
+
+def test_threads_saving_one_path_each_write_a_whole_file(ctx):
+    plan = automap.partition(step, mesh=MESH, schedule=QUICK)(*ARGS)
+    path, errors = ctx.tmp / "shared.json", []
+    start = threading.Barrier(THREADS)
+
+    def save():
+        start.wait()
+        try:
+            for _ in range(SAVES):
+                plan.save(path)
+        except Exception as e:  # reported below, with the others
+            errors.append(e)
+
+    threads = [threading.Thread(target=save) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads(path.read_text()) == plan.to_json()
+    assert sorted(p.name for p in ctx.tmp.iterdir() if p.name.startswith(".shared")) == []
 
 
 def test_memory_sizes_read_as_written():

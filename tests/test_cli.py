@@ -94,3 +94,44 @@ def test_bad_arguments_get_one_line_and_status_2(args, expected, tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert expected in lines[-1], out.stderr
     assert lines[-1].startswith(("automap: error:", "usage:")) or "error:" in lines[-1]
+
+
+INTERRUPTS = """
+import os, signal
+import jax, jax.numpy as jnp
+
+def step(x):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the step is traced
+    return x.sum()
+
+def factory():
+    return step, (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
+"""
+
+
+def test_ctrl_c_says_nothing_was_written_and_exits_130(tmp_path):
+    (tmp_path / "interrupts.py").write_text(INTERRUPTS)
+    out = _run("search", str(tmp_path / "interrupts.py:factory"), "--mesh", "data=8", "--schedule", "dp:data",
+               "--out", str(tmp_path / "p.json"), "--cache-dir", str(tmp_path / "cache"), timeout=120)
+    assert (out.returncode, out.stderr) == (130, "automap: interrupted, nothing written\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["interrupts.py"]
+
+
+def test_ctrl_c_while_the_outputs_are_written_leaves_none(tmp_path, monkeypatch, capsys):
+    # Ctrl-C while the picture is drawn: the plan file is made by then, and must not
+    # be put in place, nor the plan cache's entry.
+    import automap._plot
+    from automap._cli import main
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(automap._plot, "plot", interrupted)
+    try:
+        status = main(["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "dp:data", "--quiet",
+                       "--out", str(tmp_path / "p.json"), "--png", str(tmp_path / "p.png"),
+                       "--cache-dir", str(tmp_path / "cache")])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C came out of the automap command as a traceback")
+    assert (status, capsys.readouterr().err) == (130, "automap: interrupted, nothing written\n")
+    assert list(tmp_path.iterdir()) == []
