@@ -12,7 +12,7 @@ from tactics import (FSDP, Context, DataParallel, Megatron, Remat, SequenceParal
                      roles)
 
 from ._actions import apply_action, input_groups
-from ._cost import CostModel, bytes_str
+from ._cost import CostModel, bytes_str, time_str
 from ._device import get_device
 from ._mcts import mcts
 from ._result import SearchResult
@@ -115,7 +115,8 @@ class AutomaticPartition(Tactic):
                  f"{st.cache_hits} cache hits in {st.elapsed:.1f} s ({st.stopped})",
                  f"modeled step {result.step_time * 1e3:.3f} ms vs {result.root_step_time * 1e3:.3f} ms before"
                  + ("" if result.fits else " (does not fit the memory limit)")]
-        return part, notes + said
+        unsplit = self._why_replicated(part, groups, result)
+        return part, notes + ([unsplit] if unsplit else []) + said
 
     def search_space(self, part, ctx: Context):
         """What this search walks from `part`: `(state, macros)`, the search state
@@ -168,6 +169,29 @@ class AutomaticPartition(Tactic):
         part.rollback(marks[0])
         ctx.rollback(marks[1])
         return dataclasses.replace(result, fits=False), self._apply_plan(part, groups, result.actions, ctx)
+
+    def _why_replicated(self, part, groups, result) -> str | None:
+        """Why a search that splits nothing kept everything replicated, from the best
+        split it found (the first runner-up): its modeled step against the replicated
+        one, the compute it saves and the communication it adds (or the memory)."""
+        if result.actions or not result.alternatives or part.decisions:
+            return None
+        actions, _, _ = result.alternatives[0]
+        trial = part.copy()
+        self._apply_plan(trial, groups, actions, Context())
+        split, whole = CostModel(trial, self.device, memory_limit=self.memory_limit).cost(top=0), self._exact(part)
+        what = ", ".join(a.describe(groups) for a in actions)
+        head = (f"kept everything replicated: the best split found ({what}) models {time_str(split.step_time)} "
+                f"against {time_str(whole.step_time)} replicated")
+        if split.step_time < whole.step_time and not split.fits:
+            return f"{head} but peaks at {bytes_str(split.memory_peak)}, over the limit"
+        saved = whole.compute_time - split.compute_time
+        added = split.step_time - split.compute_time - (whole.step_time - whole.compute_time)
+        n = sum(c.count for c in split.collectives)
+        return (f"{head}: it saves {time_str(max(saved, 0.0))} of compute ({time_str(whole.compute_time)} -> "
+                f"{time_str(split.compute_time)}; fixed per-op costs do not shrink with the work) and its {n:.0f} "
+                f"collectives add {time_str(added)}, so at this size splitting does not pay (a larger model or "
+                "batch does)")
 
     def _exact(self, part, top: int = 0):
         return CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=top)

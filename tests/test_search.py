@@ -2,8 +2,12 @@
 distance to the exact optimum, schedules with manual tactics and later tactics. Searches
 stop by episode count (timing lives in benchmarks/search.py)."""
 
-import pytest
+import io
 
+import pytest
+from rich.console import Console
+
+import automap
 import partir
 import search
 import tactics as T
@@ -223,3 +227,16 @@ def test_equal_searches_in_one_schedule_keep_their_own_results():
     for result, before in ((first, partir.Partitioning(res.program, res.mesh)), (second, res.history[1].partitioning)):
         assert result.root_step_time == pytest.approx(search.CostModel(before.copy(), "cpu").cost().step_time)
     assert first.root_step_time != second.root_step_time
+
+
+def test_a_search_that_splits_nothing_says_why():
+    step, args = gpt.make_train_step()  # tiny: every split costs more than it saves on an H100
+    plan = automap.partition(step, mesh="data=2,model=4", device="h100",
+                             schedule=[search.AutomaticPartition(max_episodes=60)])(*args)
+    assert not plan.partitioning.decisions
+    notes = [n for s in plan.history for n in s.notes]
+    [why] = [n for n in notes if n.startswith("kept everything replicated")]
+    assert "the best split found (" in why and "collectives add" in why and "saves" in why
+    out = Console(file=io.StringIO(), width=200)
+    plan.explain(out)
+    assert "kept everything replicated" in out.file.getvalue()
