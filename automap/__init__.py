@@ -15,13 +15,12 @@ program, mesh or file), `MemoryLimitError` (no plan fits the memory limit); all 
 `partir.PartitioningError`s.
 """
 
-__version__ = "0.1.0"
-
-from ._args import LOWERINGS  # noqa: E402
-from ._errors import AutomapError, MemoryLimitError, PlanCacheWarning, PlanError  # noqa: E402
-from ._plan import Plan  # noqa: E402
-from ._planfile import SavedPlan, load_plan  # noqa: E402
-from ._api import AutomapFunction, jit, partition  # noqa: E402
+from ._version import __version__
+from ._args import LOWERINGS
+from ._errors import AutomapError, MemoryLimitError, PlanCacheWarning, PlanError
+from ._plan import Plan
+from ._planfile import SavedPlan, load_plan
+from ._api import AutomapFunction, jit, partition
 
 __all__ = ["LOWERINGS", "AutomapError", "AutomapFunction", "MemoryLimitError", "Plan", "PlanCacheWarning", "PlanError",
            "SavedPlan", "jit", "load_plan", "partition"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from . import __version__
+from ._version import __version__
 from ._errors import AutomapError, PlanCacheWarning, PlanError
 
 #: Object addresses in reprs and jaxprs (`<function f at 0x7f...>`): they differ between

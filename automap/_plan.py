@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import partir
 
-from . import __version__
+from ._version import __version__
 from ._args import LOWERINGS, check_lowering, output_path, picture_path
 from ._errors import PlanError  # noqa: F401  (re-exported: automap._plan.PlanError)
 

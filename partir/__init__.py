@@ -2,8 +2,10 @@
 
 `lift` turns a function into a `Program` (a flat graph of values and ops over the
 jaxpr and its nested jaxprs); a `Partitioning` holds one `Tiling` per value, changed
-by `tile`/`replicate` actions and completed by factor-rule propagation; `lower` turns
-it into a sharded `jax.jit` callable; `collectives_of` reads back what XLA inserted.
+by `tile`/`replicate` actions and completed by factor-rule propagation; `lower` (the
+`partir.lowering` subpackage) turns it into a sharded `jax.jit` callable, XLA's partitioner
+or each device's program placing the collectives; `collectives_of` reads back what XLA
+inserted.
 """
 
 from . import rules
@@ -12,9 +14,7 @@ from ._errors import PartitioningError, UnknownPrimitiveWarning
 from ._hlo import Collective, collective_buffers, collectives, collectives_of, summarize
 from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
-from ._lower import CONSTRAIN_MODES, lower, register_backend
 from ._layers import input_layers, layer_keys
-from . import _shardmap  # noqa: F401  (registers the shard_map lowering backend)
 from ._mesh import MeshSpec, lowering_mesh
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
@@ -26,6 +26,7 @@ from ._partitioning import Partitioning
 from ._reshard import Transition, permuted_dims, transition
 from ._rule import FactorRule, factor_rule
 from ._tiling import Tiling
+from .lowering import CONSTRAIN_MODES, lower, register_backend
 from ._verify import check_equivalence
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ._lower import lower
+from .lowering import lower
 from ._partitioning import Partitioning
 
 

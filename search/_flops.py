@@ -84,9 +84,7 @@ def eqn_work(prim: str, params, ins, outs) -> tuple[float, float]:
         # An associative scan / sorting network: about 2 log2(n) operations per element.
         n = ins[0][params.get("axis", params.get("dimension", 0))]
         return float(out * 2 * max(1, math.ceil(math.log2(max(n, 2))))), 0.0
-    if prim == "shard_map":
-        from ._manual import body_work
-
+    if prim == "shard_map":  # a region partitioned by hand: its body's work on one device
         return body_work(params["jaxpr"])
     return 0.0, 0.0
 
@@ -111,3 +109,34 @@ def _conv_flops(p, ins, outs) -> float:
         valid = (pos >= 0) & (pos < dilated) & (pos % ldil == 0)
         taps *= float(valid.sum())
     return 2.0 * n * o * c * taps
+
+
+def body_equations(jaxpr, trips: float = 1.0):
+    """(equation, runs per step) of every equation of `jaxpr` and of the jaxprs nested in
+    it: a scan's body `length` times, a `while` loop's once, every `cond` branch once."""
+    for eqn in jaxpr.eqns:
+        params = eqn.params
+        inner = []
+        if eqn.primitive.name == "scan":
+            inner = [(params["jaxpr"], trips * params["length"])]
+        elif eqn.primitive.name == "while":
+            inner = [(params["cond_jaxpr"], trips), (params["body_jaxpr"], trips)]
+        elif eqn.primitive.name == "cond":
+            inner = [(b, trips) for b in params["branches"]]
+        else:
+            inner = [(p, trips) for p in params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
+        if not inner:
+            yield eqn, trips
+        for sub, t in inner:
+            yield from body_equations(getattr(sub, "jaxpr", sub), t)
+
+
+def body_work(jaxpr) -> tuple[float, float]:
+    """(flops, transcendentals) of one device's run of the body."""
+    flops = trans = 0.0
+    for eqn, trips in body_equations(jaxpr):
+        ins = tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.invars)
+        outs = tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars)
+        f, t = eqn_work(eqn.primitive.name, eqn.params, ins, outs)
+        flops, trans = flops + f * trips, trans + t * trips
+    return flops, trans

@@ -1,6 +1,6 @@
-"""The cost of a region the user partitioned by hand (a `shard_map` in the program): its
-body runs on each device's blocks, so its work is counted on its own shapes, once per
-device, and its collectives are its own (`psum`, `all_gather`, `ppermute`, ...), read
+"""The collectives of a region the user partitioned by hand (a `shard_map` in the
+program): its body runs on each device's blocks (its work is counted on its own shapes,
+once per device, by `_flops.body_work`), and its collectives are its own (`psum`, `all_gather`, `ppermute`, ...), read
 off the body with the mesh axes they name. A loop in the body counts its trips (a
 `while` loop once: its trip count is not static); a `cond` counts every branch (an
 upper bound). What the body keeps live beyond its results is not modeled."""
@@ -8,6 +8,8 @@ upper bound). What the body keeps live beyond its results is not modeled."""
 from __future__ import annotations
 
 import math
+
+from ._flops import body_equations
 
 #: Collective primitives of a `shard_map` body -> (the HLO collective they become, the
 #: param naming their mesh axes, whether their HLO buffer is the result rather than the
@@ -23,39 +25,6 @@ COLLECTIVES = {
 
 def _nbytes(aval) -> float:
     return float(math.prod(getattr(aval, "shape", ()))) * getattr(getattr(aval, "dtype", None), "itemsize", 4)
-
-
-def body_equations(jaxpr, trips: float = 1.0):
-    """(equation, runs per step) of every equation of `jaxpr` and of the jaxprs nested in
-    it: a scan's body `length` times, a `while` loop's once, every `cond` branch once."""
-    for eqn in jaxpr.eqns:
-        params = eqn.params
-        inner = []
-        if eqn.primitive.name == "scan":
-            inner = [(params["jaxpr"], trips * params["length"])]
-        elif eqn.primitive.name == "while":
-            inner = [(params["cond_jaxpr"], trips), (params["body_jaxpr"], trips)]
-        elif eqn.primitive.name == "cond":
-            inner = [(b, trips) for b in params["branches"]]
-        else:
-            inner = [(p, trips) for p in params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
-        if not inner:
-            yield eqn, trips
-        for sub, t in inner:
-            yield from body_equations(getattr(sub, "jaxpr", sub), t)
-
-
-def body_work(jaxpr) -> tuple[float, float]:
-    """(flops, transcendentals) of one device's run of the body."""
-    from ._flops import eqn_work
-
-    flops = trans = 0.0
-    for eqn, trips in body_equations(jaxpr):
-        ins = tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.invars)
-        outs = tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars)
-        f, t = eqn_work(eqn.primitive.name, eqn.params, ins, outs)
-        flops, trans = flops + f * trips, trans + t * trips
-    return flops, trans
 
 
 def body_collectives(jaxpr) -> list[tuple[str, tuple[str, ...], float, float]]:

@@ -19,7 +19,8 @@ import tactics as T
 from examples import REGISTRY, gpt, llama
 from examples.plans import STRATEGIES
 from partir import MeshSpec, PartitioningError, Tiling
-from partir._local import LocalOp, bind_local
+from partir.lowering._local import LocalOp, bind_local
+from partir.lowering._spmd import move
 from search import materialization
 
 MESH = MeshSpec.of(data=2, model=4)
@@ -299,7 +300,7 @@ def test_a_dim_trading_axes_is_permuted_as_modeled(src, partial, dst):
     def local(block):
         if partial:  # a partial sum whose terms add up to the block on every device
             block = block * (jax.lax.axis_index(partial) == 0)
-        return partir._spmd.move(block, src_t, dst_t, MESH)
+        return move(block, src_t, dst_t, MESH)
 
     spmd = jax.jit(jax.shard_map(local, mesh=jmesh, in_specs=Tiling(src).spec(), out_specs=dst_t.spec(),
                                  check_vma=False))

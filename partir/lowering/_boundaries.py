@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ._errors import PartitioningError
-from ._nested import evaluate_nested, split_operands
+from .._errors import PartitioningError
+from .._nested import evaluate_nested, split_operands
+from .._tiling import Tiling
 from ._spmd import move
-from ._tiling import Tiling
 
 
 def fit(t: Tiling, rank: int) -> Tiling:
@@ -79,7 +79,7 @@ def scan(interp, eqn, children, ins, results, operands, whole) -> list:
     """Constants, the initial carry and the stacked inputs are moved into the body's
     layouts before the loop; the carry goes round in the body's layout; per-iteration
     outputs are stacked, then moved to rest. A scan whose body's residuals are
-    recomputed runs as `partir._lower_hooks.ScanRemat` says."""
+    recomputed runs as `_recompute.ScanRemat` says."""
     (child,) = children
     body = interp.prog.regions[child]
     g, w = split_operands(eqn, ins), split_operands(eqn, list(body.invars))
@@ -95,10 +95,9 @@ def scan(interp, eqn, children, ins, results, operands, whole) -> list:
         carry = [cross(interp, y, u, v) for y, u, v in zip(outs[:nk], ov[:nk], w.carry)]
         return carry + [cross(interp, y, u, v, to_made=True) for y, u, v in zip(outs[nk:], ov[nk:], results[nk:])]
 
-    run.values = interp.values
     outs = None
     if interp.remat is not None:
-        outs = interp.remat.scans.evaluate(eqn, children, split_operands(eqn, entering), run)
+        outs = interp.remat.scans.evaluate(eqn, children, split_operands(eqn, entering), run, interp.values)
     if outs is None:
         outs = evaluate_nested(eqn, children, entering, run)
     final = [move(y, interp.rest(v), interp.rest(r), interp.mesh) if r >= 0 else y

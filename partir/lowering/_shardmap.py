@@ -1,13 +1,13 @@
 """The `shard_map` lowering: the plan as the program each device runs, with explicit
 collectives exactly where the plan moves data.
 
-`lower(part, mesh, backend="shard_map")` runs the jaxpr region by region inside
+`partir.lower(part, mesh, backend="shard_map")` runs the jaxpr region by region inside
 `jax.shard_map` over the plan's mesh. Every value lives as its block under its at-rest
 tiling. Before an op, each operand is moved from there to the layout the op reads it
-in; the op runs on blocks (`partir._local`); after it, each result is moved from the
+in; the op runs on blocks (`_local`); after it, each result is moved from the
 layout it comes out in (partial over the axes of split reduction factors) to its
 at-rest tiling. Every move is the collectives `transition` names, run by
-`partir._spmd.move` in the order and on the buffers the cost model charges, so the
+`_spmd.move` in the order and on the buffers the cost model charges, so the
 compiled program holds the collectives the model lists. A value moved to one layout is
 moved once per pass (forward or backward) in a region, as the model counts it.
 
@@ -16,8 +16,8 @@ never moved: they are made whole from the scalars and each reader takes its bloc
 Nested jaxprs (calls, `jax.checkpoint`, `scan`, `while`, `cond`) are evaluated by their
 `partir._nested` entries with this interpreter for their bodies; a value crossing a
 region boundary is moved as the link op joining the two sides says
-(`partir._boundaries`). Residuals the plan rematerializes are recomputed, block by
-block, where the backward pass first reads them (`partir._shardmap_remat`).
+(`_boundaries`). Residuals the plan rematerializes are recomputed, block by
+block, where the backward pass first reads them (`_shardmap_remat`).
 """
 
 from __future__ import annotations
@@ -27,19 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from .._errors import PartitioningError
+from .._mesh import lowering_mesh
+from .._partitioning import Partitioning
+from .._tiling import Tiling
 from ._boundaries import BOUNDARIES, call
-from ._errors import PartitioningError
+from ._common import LAYOUT_ONLY, jit_with_layouts
 from ._eval import bind_equation
+from ._frame import Frame, _Blocks
+from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
-from ._mesh import lowering_mesh
-from ._lower import LAYOUT_ONLY, jit_with_layouts, register_backend
-from ._lower_hooks import made_in_forward
-from ._partitioning import Partitioning
+from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
-from ._tiling import Tiling
 
 
-@register_backend("shard_map")
 def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
     """`jax.jit` of a `jax.shard_map` running the plan per device. `free` lists the values
     that may be made in any layout instead of moved (value ids or a boolean mask; by
@@ -72,76 +73,6 @@ def _free_mask(prog, free) -> list[bool]:
     return [v in ids for v in range(n)]
 
 
-class Frame:
-    """One run of one region (or one recomputation): values' blocks at rest (`env`, by
-    value id), the values made whole (`whole`), and the moves made so far (one per
-    value, layout and pass). With `record`, what it defines is also kept by id in the
-    interpreter's `values` (what recomputation starts from)."""
-
-    def __init__(self, interp: "Interpreter", *, record: bool = True):
-        self.interp, self.record = interp, record
-        self.env, self.whole, self.moved = {}, {}, {}
-        self.last = None  # the latest value the backward pass made here
-
-    def put(self, v: int, x) -> None:
-        self.env[v] = x
-        if self.record:
-            self.interp.values[v] = x
-
-    def make_whole(self, v: int, x) -> None:
-        self.whole[v] = x
-        if self.record:
-            self.interp.wholes[v] = x
-
-    def has(self, v: int) -> bool:
-        return v in self.env or v in self.whole
-
-    def read(self, v: int, need: Tiling | None = None, backward: bool = False, again: bool = False, after=None):
-        """Value `v`'s block in layout `need` (at rest when None). A forward value moved
-        `again` by the backward pass is moved in a form XLA does not merge with the
-        forward's move, after `after` (a value the backward pass made) when given: it is
-        then not kept moved in between either, as the model charges it."""
-        interp = self.interp
-        rest = interp.part.tiling(v)
-        need = rest if need is None else need
-        if v in self.whole:
-            key = (v, need.dims, "whole")
-            if key not in self.moved:
-                self.moved[key] = move(self.whole[v], Tiling.replicated(need.rank), need, interp.mesh)
-            return self.moved[key]
-        if need.dims == rest.dims:
-            return self.env[v]
-        key = (v, need.dims, backward)
-        if key not in self.moved:
-            x = self.env[v]
-            if after is not None:
-                x, _ = jax.lax.optimization_barrier((x, after))
-            self.moved[key] = move(x, rest, need, interp.mesh, again=again)
-        return self.moved[key]
-
-    def replace(self, v: int, x) -> None:
-        """Read value `v` as `x` from now on (a recomputed residual)."""
-        self.env[v] = x
-        self.moved = {k: y for k, y in self.moved.items() if k[0] != v}
-
-
-class _Blocks(dict):
-    """Blocks at rest by value id, as recomputation reads them: a value made whole is cut
-    to its block on first request."""
-
-    def __init__(self, interp: "Interpreter"):
-        super().__init__()
-        self.interp = interp
-
-    def __missing__(self, v: int):
-        interp = self.interp
-        if v not in interp.wholes:
-            raise KeyError(v)
-        t = interp.part.tiling(v)
-        x = self[v] = move(interp.wholes[v], Tiling.replicated(t.rank), t, interp.mesh)
-        return x
-
-
 class Interpreter:
     """Runs the program's regions on one device's blocks (see the module docstring)."""
 
@@ -151,11 +82,7 @@ class Interpreter:
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
         self._ids: dict = {}
-        self.remat = None
-        if part.rematerialized or part.reused:
-            from ._shardmap_remat import Recomputation
-
-            self.remat = Recomputation(part, self)
+        self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
 
     def top(self, args) -> list:
         self.values, self.wholes = _Blocks(self), {}

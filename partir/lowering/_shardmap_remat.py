@@ -2,7 +2,7 @@
 
 Which residuals are recomputed, from which kept values, on which backward read, and
 how a scan's two loops carry what recomputing needs (and the forward values a relaxed
-user checkpoint reads) are the jit lowering's (`partir._lower_hooks.Recomputation` and
+user checkpoint reads) are the jit lowering's (`_recompute.Recomputation` and
 `ScanRemat`); here the recomputed forward ops run on blocks, each with its moves (collectives included, as the cost model charges
 them: the `collectives` policy keeps what moved data, so it repeats none).
 """
@@ -13,13 +13,13 @@ import jax
 from jax.extend.core import Literal
 
 from ._boundaries import cross
-from ._lower_hooks import Recomputation as _Recomputation
-from ._shardmap import Frame
+from ._frame import Frame
+from ._recompute import Recomputation
 
 
-class Recomputation(_Recomputation):
+class BlockRecomputation(Recomputation):
     """Recomputes rematerialized residuals on blocks, where the backward pass first reads
-    them, for the interpreter `interp` (`partir._shardmap.Interpreter`)."""
+    them, for the interpreter `interp` (`_shardmap.Interpreter`)."""
 
     def __init__(self, part, interp):
         super().__init__(part, interp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 from jax.extend.core import ClosedJaxpr, Literal
 
-from ._nested import evaluate_nested, nested_entry, sub_jaxprs
+from .._nested import evaluate_nested, nested_entry, sub_jaxprs
 
 #: Collectives a `shard_map` body traced with `check_vma=True` holds, as the untyped
 #: ones the shard_map lowering binds in their place: it runs with `check_vma=False`, where

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.lax import GatherScatterMode
 
-from ._errors import PartitioningError
+from .._errors import PartitioningError
+from .._mesh import MeshSpec
+from .._tiling import Tiling
 from ._eval import bind_equation, eval_jaxpr
-from ._mesh import MeshSpec
 from ._spmd import block_index, move
-from ._tiling import Tiling
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def _check_partial(op: LocalOp) -> None:
 def _no_rule(name: str, why: str) -> PartitioningError:
     return PartitioningError(
         f"primitive {name!r} cannot run on split blocks under the shard_map lowering: {why}. Its params "
-        "hold shapes or positions and it has no local rule; register one with partir._local.local_rule, "
+        "hold shapes or positions and it has no local rule; register one with partir.lowering._local.local_rule, "
         "or keep its dims whole (pin its values) or use lowering='jit'")
 
 

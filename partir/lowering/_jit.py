@@ -1,7 +1,6 @@
-"""Lowering: a partitioned program becomes a callable that runs on a device mesh.
+"""The `jit` lowering backend: the plan as `jax.jit` with its layouts stated.
 
-One small interface, `lower(part, mesh, backend=...)`, over a table of backends. The
-`jit` backend re-interprets the jaxpr under `jax.jit` with `in_shardings` and
+The backend re-interprets the jaxpr under `jax.jit` with `in_shardings` and
 `out_shardings` from the input and output tilings and a `with_sharding_constraint` on
 every value the plan fixes; XLA's partitioner then inserts the collectives at the
 reshard and reduction points. Constraints never change what is computed, only where,
@@ -11,73 +10,30 @@ that the interpreter keeps it so (nested jaxprs included).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._errors import PartitioningError
+from .._errors import PartitioningError
+from .._mesh import lowering_mesh
+from .._nested import evaluate_nested
+from .._partitioning import Partitioning
+from .._reshard import gathered_first
+from ._common import LAYOUT_ONLY, jit_with_layouts
 from ._eval import bind_equation, lowering_params
-from ._lower_hooks import JitHooks
-from ._mesh import lowering_mesh
-from ._nested import evaluate_nested
-from ._partitioning import Partitioning
-from ._reshard import gathered_first
+from ._hooks import JitHooks
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
 #: and outputs ('boundary', leaving the interior to XLA's propagation).
 CONSTRAIN_MODES = ("all", "boundary")
 
-#: Primitives that only ask for a layout (a user's sharding constraint, a reshard the
-#: arguments' shardings made JAX trace): they compute the identity, and the plan's own
-#: constraints replace them.
-LAYOUT_ONLY = ("sharding_constraint", "reshard", "mesh_cast")
-
 #: Contractions, whose partitioning XLA may choose along a mesh axis the plan leaves idle.
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
-
-_BACKENDS: dict[str, Callable] = {}
-
-
-def register_backend(name: str):
-    """Decorator: add a lowering backend `fn(part, jax_mesh, **options) -> callable`."""
-
-    def deco(fn):
-        _BACKENDS[name] = fn
-        return fn
-
-    return deco
-
-
-def lower(part: Partitioning, mesh=None, *, backend: str = "jit", **options):
-    """Lower a partitioning to a callable taking the original (non-static) arguments.
-
-    `mesh` is a `jax.sharding.Mesh` whose axes match the plan's, Auto or Explicit (as
-    `jax.make_mesh` makes them); by default one is built from the first devices. The
-    plan's layouts are stated on the same devices with Auto axes (`lowering_mesh`), and
-    the outputs come back sharded over `mesh` itself, valid in its axis types. Returns
-    what the backend returns (`jit`: a `jax.jit` object, so `.lower(*args).compile()`
-    shows the partitioned HLO).
-    """
-    if backend not in _BACKENDS:
-        raise PartitioningError(f"unknown lowering backend {backend!r}; choose one of {sorted(_BACKENDS)}")
-    if mesh is None:
-        mesh = part.mesh.jax_mesh()
-    elif dict(mesh.shape) != part.mesh.sizes():
-        raise PartitioningError(
-            f"the plan is for mesh {part.mesh} but the given mesh has axes {dict(mesh.shape)}; "
-            "pass a mesh with the same axis names and sizes"
-        )
-    lowering_mesh(mesh)  # Manual axes: an error before any work
-    return _BACKENDS[backend](part, mesh, **options)
-
 
 def _numeric(dtype) -> bool:
     return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
-@register_backend("jit")
 def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnums=()):
     """`jax.jit` with in/out shardings and sharding constraints on the plan's values."""
     if constrain not in CONSTRAIN_MODES:
@@ -112,65 +68,8 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
     return jit_with_layouts(run, part, user_mesh, donate_argnums)
 
 
-def jit_with_layouts(run, part: Partitioning, mesh, donate_argnums=()) -> "Lowered":
-    """`jax.jit(run)` with the plan's input and output layouts as its shardings, over
-    `mesh` as the user made it; arguments of other shapes or dtypes are refused when they
-    retrace. On a mesh with Explicit axes, `run` (which states its layouts on the same
-    axes made Auto, `lowering_mesh`) runs under `jax.sharding.auto_axes`, so the arrays
-    it takes and gives back are typed by the user's mesh."""
-    prog = part.program
-
-    def checked(*args):
-        _check_shapes(prog, jax.tree_util.tree_leaves(args))  # at trace time: no cost per call
-        return run(*args)
-
-    def sharding(v: int) -> NamedSharding:
-        return NamedSharding(mesh, part.tiling(v).spec() if v >= 0 else PartitionSpec())
-
-    in_sh = jax.tree_util.tree_unflatten(prog.in_tree, [sharding(v) for v in prog.inputs])
-    out_sh = jax.tree_util.tree_unflatten(prog.out_tree, [sharding(v) for v in prog.outputs])
-    body = checked if lowering_mesh(mesh) is mesh else jax.sharding.auto_axes(checked, out_sharding=out_sh)
-    return Lowered(jax.jit(body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums), prog)
-
-
-def _check_shapes(prog, leaves) -> None:
-    for name, v, x in zip(prog.input_names, prog.inputs, leaves):
-        val = prog.values[v]
-        if tuple(x.shape) != tuple(val.shape) or x.dtype != val.dtype:
-            raise PartitioningError(
-                f"argument {name} is {x.dtype}{list(x.shape)}, but the plan was made for {val.dtype}{list(val.shape)}: "
-                "plan again for these shapes (automap.jit does so by itself)")
-
-
-class Lowered:
-    """A lowered plan: call it like the original function (its non-static arguments);
-    `.lower(*args)` gives JAX's `Lowered` stage (`.compile().as_text()` shows the HLO).
-    Arguments are checked against the structure the plan was made for."""
-
-    def __init__(self, jitted, program):
-        self.jitted = jitted
-        self._in_tree = program.in_tree
-
-    def _check(self, args):
-        tree = jax.tree_util.tree_structure(args)
-        if tree != self._in_tree:
-            raise PartitioningError(
-                f"the arguments do not have the structure the plan was made for: expected {self._in_tree}, "
-                f"got {tree}; pass the same pytrees (non-static arguments only) as when the program was lifted"
-            )
-
-    def __call__(self, *args):
-        self._check(args)
-        return self.jitted(*args)
-
-    def lower(self, *args):
-        """`jax.jit(...).lower(*args)` of the plan."""
-        self._check(args)
-        return self.jitted.lower(*args)
-
-
 def _eval_region(prog, rid: int, args, hooks):
-    """Interpret region `rid`'s jaxpr on `args`; `hooks` (`partir._lower_hooks.JitHooks`)
+    """Interpret region `rid`'s jaxpr on `args`; `hooks` (`_hooks.JitHooks`)
     constrain every value it defines and may replace what an equation reads (a value
     moved for the backward pass, a residual recomputed)."""
     region = prog.regions[rid]

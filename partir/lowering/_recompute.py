@@ -1,204 +1,17 @@
-"""What the `jit` lowering does beside re-running each equation: how values are read.
-
-`JitHooks` is what `partir._lower._eval_region` calls for every value it defines
-(`constrain`, `record`) and for what each equation reads (`operands`): it constrains
-values to the plan's layouts, makes XLA move values where the plan says (`Reads`), and
-recomputes rematerialized residuals for the backward pass (`Recomputation`).
-"""
+"""Rematerialization under the lowerings: which residuals are recomputed where the
+backward pass reads them (`Recomputation`), and how a scan's two loops carry what
+recomputing needs (`ScanRemat`). The jit lowering uses them as they are; the
+shard_map lowering runs the recomputed ops on blocks (`_shardmap_remat`)."""
 
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding
 
-from ._errors import PartitioningError
+from .._errors import PartitioningError
+from .._checkpoint import relaxation, scan_body_of
+from .._nested import Link
+from .._remat import _call_roots, blocks, layer_blocks, recompute
 from ._eval import bind_equation, lowering_params
-from ._nested import Link
-from ._reshard import gathered_first
-from .rules._indexing import ADDITIVE_SCATTERS, OTHER_SCATTERS
-
-
-#: Ops that read or write at indices: what they move is constrained to the layout they
-#: read it in. Left to move it themselves, XLA's gather partitioner can emit a gather
-#: its own verifier rejects (an operand split along a sliced dim, all-reduced, then
-#: sliced past its local size).
-INDEXED = ("gather", *ADDITIVE_SCATTERS, *OTHER_SCATTERS)
-
-
-def _numeric(dtype) -> bool:
-    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-
-
-class JitHooks:
-    """The hooks of one lowered plan: `constrain(x, v)` fixes value `v`'s layout,
-    `record` keeps the values of the current trace by id, `operands` rewrites what an
-    equation reads, `produced` notes what an op made."""
-
-    def __init__(self, part, mesh, constrain):
-        self.prog = part.program
-        self.mesh = mesh
-        self.constrain = constrain
-        self.reads = Reads(part, mesh, self.remake)
-        self.remat = Recomputation(part, self) if part.rematerialized or part.reused else None
-        self.values: dict = {}
-
-    def start(self) -> None:
-        """Forget a previous trace."""
-        self.reads.clear()
-        self.values = {}
-        if self.remat is not None:
-            self.remat.clear()
-
-    def record(self, v: int, x) -> None:
-        """Keep value `v` of the trace (what recomputation starts from)."""
-        self.values[v] = x
-
-    def remake(self, v: int):
-        """Value `v`, made from scalars alone (`Program.rematerializable`), made again
-        from this trace's scalars."""
-        op = self.prog.ops[self.prog.producer[v]]
-        args = [self.values[u] if u >= 0 else var.val for u, var in zip(op.operands, op.eqn.invars)]
-        return bind_equation(op.eqn, args)[op.results.index(v)]
-
-    def operands(self, rid: int, i: int, eqn, ids, invals):
-        """What equation `i` of region `rid` reads (`ids`: its operands' value ids)."""
-        oid = self.prog.regions[rid].eqn_ops[i]
-        if self.remat is not None:
-            invals = self.remat.substitute(rid, i, eqn, ids, invals)
-        if oid >= 0:
-            invals = self.reads(oid, invals, rid)
-        return invals
-
-    def produced(self, oid: int, outs) -> None:
-        """Note what op `oid` made."""
-        if oid >= 0:
-            self.reads.produced(oid, outs)
-
-    def nested(self, eqn, children, invals, run):
-        """A nested equation evaluated here (a scan with recomputed residuals), else None."""
-        if self.remat is None or eqn.primitive.name != "scan":
-            return None
-        from ._nested import split_operands
-
-        run.values = self.values
-        return self.remat.scans.evaluate(eqn, children, split_operands(eqn, invals), run)
-
-def made_in_forward(prog, v: int) -> bool:
-    """Is value `v` made by the forward pass (or an input), seen through call boundaries?"""
-    for _ in range(64):  # through call boundaries to where the value is made
-        p = prog.producer[v]
-        if p < 0:
-            return True
-        op = prog.ops[p]
-        if not (op.link and op.primitive == Link.CALL_IN) or op.operands[0] < 0:
-            return not prog.backward[p]
-        v = op.operands[0]
-    return False
-
-
-class Reads:
-    """Makes XLA move values where the plan says, as the cost model counts them.
-
-    An op that reads a value split along a dim its rule blocks (a convolution's spatial
-    dim), or that computes whole along some mesh axis, reads what it moves through a
-    sharding constraint to the layout the plan says it computes with: XLA then moves it
-    there, instead of computing the op some other way (exchanging halos, or splitting it
-    along the idle axis and permuting the result). A value made from scalars alone (a
-    broadcast constant) that such an op reads in another layout is made again there, in
-    that layout, as the cost model has it (it moves nothing); left in its own layout,
-    XLA would split the op the way that value is split. Readers of one value in one
-    layout within one pass and one loop body share one copy (moved once per pass).
-
-    And the backward pass moves a forward value again, as FSDP re-gathers a parameter
-    for its backward matmuls and sequence parallelism an activation: left alone, XLA
-    would merge the backward's all-gather with the forward's (common subexpression
-    elimination) and keep the gathered buffer alive in between. Such a read goes through
-    an `optimization_barrier` taken together with one of the op's backward operands (or
-    the latest backward value), so the move can only happen in the backward pass."""
-
-    def __init__(self, part, mesh, remake):
-        self.part, self.mesh, self.remake = part, mesh, remake
-        self.prog = part.program
-        self.made, self.last = {}, None
-
-    def clear(self) -> None:
-        """Forget the copies of a previous trace."""
-        self.made, self.last = {}, None
-
-    def _forward(self, v: int) -> bool:
-        return made_in_forward(self.prog, v)
-
-    def _moved(self, oid: int) -> tuple[list[int], list[int]]:
-        """The operands op `oid` reads in a layout other than their own: those it moves,
-        and those made from scalars alone that it remakes in its layout (when it must)."""
-        prog, part = self.prog, self.part
-        op = prog.ops[oid]
-        other = [k for k, v in enumerate(op.operands)
-                 if v >= 0 and prog.values[v].shape and _numeric(prog.values[v].dtype)
-                 and part.required(oid, k).dims != part.tiling(v).dims]
-        made = [k for k in other if prog.rematerializable(op.operands[k])]
-        if made and not self._idle(oid):
-            made = [k for k in made if self._pinned(oid, k)]
-        return [k for k in other if not prog.rematerializable(op.operands[k])], made
-
-    def _pinned(self, oid: int, k: int) -> bool:
-        """Must operand `k` of op `oid` be constrained to the layout the op reads it in?
-        Where its at-rest layout splits a dim the op's rule blocks (a convolution's
-        spatial dim), XLA would otherwise compute the op its own way (exchanging halos);
-        elsewhere it reshards as the plan says on its own."""
-        op, v = self.prog.ops[oid], self.prog.ops[oid].operands[k]
-        if op.primitive in INDEXED:
-            return True
-        blocked = set(op.rule.blocked)
-        return any(axes and any(f in blocked for f in op.rule.operands[k][d])
-                   for d, axes in enumerate(self.part.tiling(v).dims))
-
-    def _idle(self, oid: int) -> bool:
-        """Does op `oid` compute whole along some mesh axis (of more than one device)?
-        XLA would then split it along that idle axis itself, to do less work, and move
-        its operands its own way: the operands it reads moved are constrained to the
-        layout the plan reads them in, so that XLA computes it as planned."""
-        used = {a for axes in self.part.factor_tiling(oid) for a in axes}
-        return any(n > 1 and a not in used for a, n in self.part.mesh.sizes().items())
-
-    def __call__(self, oid: int, invals, rid: int):
-        prog, part = self.prog, self.part
-        if part.classes.trivial[oid]:
-            return invals
-        moved, remade = self._moved(oid)
-        if not moved and not remade:
-            return invals
-        op, backward = prog.ops[oid], prog.backward[oid]
-        anchor = next((k for k, v in enumerate(op.operands) if v >= 0 and k not in moved and not self._forward(v)), None)
-        invals = list(invals)
-        for k in remade:
-            x = self.remake(op.operands[k])
-            invals[k] = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, part.required(oid, k).spec()))
-        for k in moved:
-            need = part.required(oid, k)
-            key = (op.operands[k], need.dims, backward, prog.regions[rid].parent >= 0 and rid)
-            if key not in self.made:
-                x = invals[k]
-                if backward and self._forward(op.operands[k]):
-                    if anchor is not None:
-                        x, invals[anchor] = jax.lax.optimization_barrier((x, invals[anchor]))
-                    elif self.last is not None:  # a unary reader: after the latest backward value
-                        x, _ = jax.lax.optimization_barrier((x, self.last))
-                via = gathered_first(part.tiling(op.operands[k]), need, part.mesh)
-                if via is not None:
-                    x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, via.spec()))
-                if via is not None or self._pinned(oid, k) or self._idle(oid):
-                    x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, need.spec()))
-                self.made[key] = x
-            invals[k] = self.made[key]
-        return invals
-
-    def produced(self, oid: int, outs) -> None:
-        """Remember the latest value the backward pass made (to order unary readers)."""
-        if self.prog.backward[oid] and outs:
-            self.last = outs[0]
-
-
 
 
 class Recomputation:
@@ -216,9 +29,6 @@ class Recomputation:
     twin's own op is then dead, and XLA drops it."""
 
     def __init__(self, part, hooks):
-        from ._checkpoint import relaxation
-        from ._remat import _call_roots, blocks, recompute
-
         prog = self.prog = part.program
         self.hooks = hooks
         self.rec = recompute(prog, part.rematerialized)
@@ -328,8 +138,6 @@ class ScanRemat:
     its body from its slices of the kept stacks and of the extra ones."""
 
     def __init__(self, program, rec, loop_blocks, reuse=None):
-        from ._remat import layer_blocks
-
         self.prog = program
         self.fwd = {b.loop: b for b in loop_blocks}  # forward body region -> block
         reused = {}  # forward body -> the forward values relaxed checkpoints in the backward body read
@@ -398,42 +206,42 @@ class ScanRemat:
                                     "loop neither stacks nor is asked to")
         return values[s]
 
-    def evaluate(self, eqn, children, ins, run):
-        """The scan `eqn` evaluated with its rematerialization, or None if it has none."""
+    def evaluate(self, eqn, children, ins, run, values):
+        """The scan `eqn` evaluated with its rematerialization, or None if it has none;
+        `run(child, args)` runs its body and records what it defines, by value id, in
+        `values` (where the stacks of what recomputing needs are read from)."""
         (child,) = children
         if child in self.fwd and self.fwd[child].index is not None:
-            return self._forward(eqn, child, ins, run)
+            return self._forward(eqn, child, ins, run, values)
         if child in self.bwd:
-            return self._backward(eqn, child, ins, run)
+            return self._backward(eqn, child, ins, run, values)
         return None
 
-    def _forward(self, eqn, child, ins, run):
+    def _forward(self, eqn, child, ins, run, values):
         p = eqn.params
         nk = len(ins.carry)
         region = self.prog.regions[child]
         drop = [k for k, v in enumerate(region.outvars[nk:]) if self.stacked.get(v) in self.placeholders]
-        hooks_values = {}
 
         def body(carry, x):
             outs = run(child, [*ins.consts, *carry, *x])
             ys = list(outs[nk:])
             for k in drop:
                 ys[k] = jax.numpy.zeros((), ys[k].dtype)
-            extra = tuple(run.values[s] for s in self.extra[child])
+            extra = tuple(values[s] for s in self.extra[child])
             return tuple(outs[:nk]), (tuple(ys), extra)
 
         carry, (ys, extra) = jax.lax.scan(body, tuple(ins.carry), tuple(ins.xs), length=p["length"],
                                           reverse=p["reverse"], unroll=p["unroll"])
         self.stacks[child] = extra
-        del hooks_values
         return [*carry, *ys]
 
-    def _backward(self, eqn, child, ins, run):
+    def _backward(self, eqn, child, ins, run, values):
         p = eqn.params
         nk, nx = len(ins.carry), len(ins.xs)
         fwd = self.bwd[child]
         more = [(s, stack) for s, stack in self.sliced_sources[fwd] if (stack, child) not in self.sliced]
-        extra_stacks = tuple(self.stacks.get(fwd, ())) + tuple(run.values[stack] for _, stack in more)
+        extra_stacks = tuple(self.stacks.get(fwd, ())) + tuple(values[stack] for _, stack in more)
         names = self.extra[fwd] + [s for s, _ in more]
 
         def body(carry, x):
@@ -449,8 +257,6 @@ class ScanRemat:
 
 def _loop_of(program, v: int) -> int:
     """The scan body value `v` is made in (through the calls inside it), or -1."""
-    from ._checkpoint import scan_body_of
-
     return scan_body_of(program, program.values[v].region)
 
 

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._mesh import MeshSpec
-from ._reshard import permuted_dims, traded, transition
-from ._tiling import Tiling
+from .._mesh import MeshSpec
+from .._reshard import permuted_dims, traded, transition
+from .._tiling import Tiling
 
 #: Reduction kind -> the collective that completes a partial value of that kind.
 _REDUCERS = {
