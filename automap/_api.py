@@ -13,7 +13,7 @@ import jax
 import partir
 import tactics
 
-from ._args import Options, options
+from ._args import Options, options, with_settings_signature
 from ._cache import PlanCache, key_of, key_parts, static_identity
 from ._errors import AutomapError, MemoryLimitError, PlanCacheWarning
 from ._plan import Plan
@@ -68,21 +68,20 @@ def _callable(fn, where: str):
         raise AutomapError(f"{where} got {fn!r}, which is not callable: pass the train step function")
 
 
-def partition(fn, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(), donate_argnums=(),
-              budget_s: float = 30.0, seed: int = 0, best_effort: bool = False, lowering: str = "jit"):
+@with_settings_signature
+def partition(fn, **settings):
     """`partition(fn, mesh=...)(*args)` returns a `Plan` for `fn(*args)` without running it.
 
-    `schedule` is a list of tactics (default: automatic search over all mesh axes within
-    `budget_s` seconds, for `device`, under `memory_limit` bytes per device). `args` may
-    be arrays, `jax.ShapeDtypeStruct`s or Python numbers. A plan over the memory limit
-    raises `MemoryLimitError` unless `best_effort=True` (which also skips a tactic that
-    cannot apply instead of raising). `lowering` is how the plan runs by default
-    (`Plan.jit`; see `automap.LOWERINGS`). Settings are checked here, before any work.
+    `settings` are `Options`' (`mesh` required): `schedule` is a list of tactics
+    (default: automatic search over all mesh axes within `budget_s` seconds, for
+    `device`, under `memory_limit` bytes per device). `args` may be arrays,
+    `jax.ShapeDtypeStruct`s or Python numbers. A plan over the memory limit raises
+    `MemoryLimitError` unless `best_effort=True` (which also skips a tactic that cannot
+    apply instead of raising). `lowering` is how the plan runs by default (`Plan.jit`;
+    see `automap.LOWERINGS`). Settings are checked here, before any work.
     """
     _callable(fn, "automap.partition")
-    opts = options(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
-                   static_argnums=static_argnums, donate_argnums=donate_argnums, budget_s=budget_s, seed=seed,
-                   best_effort=best_effort, lowering=lowering)
+    opts = options(**settings)
 
     def make(*args, **kwargs) -> Plan:
         opts.check_call(args, kwargs, fn)
@@ -128,15 +127,11 @@ class AutomapFunction:
     lowers (as `lowering` says) and compiles; later calls reuse the compiled plan. `stats` counts plans made,
     memory hits and disk hits; `plans` holds the plans by signature."""
 
-    def __init__(self, fn, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(),
-                 donate_argnums=(), cache_dir=None, replan=False, budget_s=30.0, seed=0, best_effort=False,
-                 lowering="jit"):
+    def __init__(self, fn, opts: Options, *, cache_dir=None, replan=False):
         _callable(fn, "automap.jit")
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.options = options(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
-                               static_argnums=static_argnums, donate_argnums=donate_argnums, budget_s=budget_s,
-                               seed=seed, best_effort=best_effort, lowering=lowering)
+        self.options = opts
         if not isinstance(replan, bool):
             raise AutomapError(f"replan={replan!r} is not a bool: give True or False")
         self.cache = PlanCache(cache_folder(cache_dir))
@@ -219,28 +214,25 @@ def _placed(dyn, shardings):
     return jax.tree_util.tree_unflatten(tree, moved)
 
 
-def jit(fn=None, *, mesh, schedule=None, device="h100", memory_limit=None, static_argnums=(), donate_argnums=(),
-        cache_dir=None, replan=False, budget_s=30.0, seed=0, best_effort=False, lowering="jit"):
+@with_settings_signature
+def jit(fn=None, *, cache_dir=None, replan=False, **settings):
     """Partition a train step automatically and run it, as `jax.jit` would.
 
-    Usable as `automap.jit(step, mesh=mesh)` or `@automap.jit(mesh=mesh)`. The first call
-    with a new signature lifts `fn`, plans it (default schedule: automatic search over all
-    mesh axes for `device`, within `budget_s`), lowers and runs it; the plan is cached in
-    memory and on disk under `cache_dir` (default ~/.cache/automap, or
-    AUTOMAP_CACHE_DIR), keyed by everything that can change it (`automap._cache.key_parts`),
-    so a restarted job does not search again; `replan=True` forces a new plan. Python
-    numbers among the arguments are traced as `jax.jit` traces them; other non-array
-    leaves go in `static_argnums`. A plan over the memory limit raises
-    `MemoryLimitError` unless `best_effort=True`. Outputs are sharded `jax.Array`s that
-    can be fed back in without resharding. `lowering` chooses how the plan runs: 'jit'
-    (XLA inserts the collectives the shardings imply) or 'shard_map' (each device's
-    program, with exactly the collectives the cost model lists); see the README.
-    Settings are checked here, before any work.
+    Usable as `automap.jit(step, mesh=mesh)` or `@automap.jit(mesh=mesh)`; `settings` are
+    `Options`' (`mesh` required). The first call with a new signature lifts `fn`, plans it
+    (default schedule: automatic search over all mesh axes for `device`, within
+    `budget_s`), lowers and runs it; the plan is cached in memory and on disk under
+    `cache_dir` (default ~/.cache/automap, or AUTOMAP_CACHE_DIR), keyed by everything that
+    can change it (`automap._cache.key_parts`), so a restarted job does not search again;
+    `replan=True` forces a new plan. Python numbers among the arguments are traced as
+    `jax.jit` traces them; other non-array leaves go in `static_argnums`. A plan over the
+    memory limit raises `MemoryLimitError` unless `best_effort=True`. Outputs are sharded
+    `jax.Array`s that can be fed back in without resharding. `lowering` chooses how the
+    plan runs: 'jit' (XLA inserts the collectives the shardings imply) or 'shard_map'
+    (each device's program, with exactly the collectives the cost model lists); see the
+    README. Settings are checked here, before any work.
     """
-    kwargs = dict(mesh=mesh, schedule=schedule, device=device, memory_limit=memory_limit,
-                  static_argnums=static_argnums, donate_argnums=donate_argnums, cache_dir=cache_dir,
-                  replan=replan, budget_s=budget_s, seed=seed, best_effort=best_effort, lowering=lowering)
+    opts = options(**settings)  # fail at decoration
     if fn is None:
-        options(**{k: v for k, v in kwargs.items() if k not in ("cache_dir", "replan")})  # fail at decoration
-        return lambda f: AutomapFunction(f, **kwargs)
-    return AutomapFunction(fn, **kwargs)
+        return lambda f: AutomapFunction(f, opts, cache_dir=cache_dir, replan=replan)
+    return AutomapFunction(fn, opts, cache_dir=cache_dir, replan=replan)

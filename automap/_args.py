@@ -5,6 +5,7 @@ settings of `partition`/`jit`; `Options.check_call` checks the arguments of one 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 import os
 import stat
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 
 import tactics
 from partir import MeshSpec, PartitioningError, lowering_mesh
+from search import DEFAULT_DEVICE
 from tactics import check
 
 from ._errors import AutomapError
@@ -36,19 +38,63 @@ def check_lowering(lowering, error=AutomapError) -> str:
 
 @dataclass(frozen=True)
 class Options:
-    """The checked settings shared by `automap.partition` and `automap.jit`."""
+    """Every setting of `automap.partition` and `automap.jit`, with its default: the one
+    source of them (the functions take these keywords, the plan cache keys on them, the
+    CLI's flags default to them). Checked and normalised when made (`__post_init__`):
+    a wrong one raises `AutomapError` (or the device's `search.DeviceError`) naming the
+    setting, the problem and the fix.
 
-    mesh: MeshSpec
-    jax_mesh: Mesh | None
-    schedule: tuple | None  # None: the automatic search over all mesh axes
-    device: object
-    memory_limit: float | None
-    static_argnums: tuple[int, ...]
-    donate_argnums: tuple[int, ...]
-    budget_s: float
-    seed: int
-    best_effort: bool
-    lowering: str = "jit"
+    - `mesh`: a `jax.sharding.Mesh` (Auto or Explicit axes), a `partir.MeshSpec`, a dict
+      or 'data=2,model=4'; kept as a `MeshSpec`, the jax mesh (if given) as `jax_mesh`;
+    - `schedule`: a list of tactics, or None for the automatic search over all axes;
+    - `device`: the cost model's device (a preset name, a `DeviceSpec` or a file);
+    - `memory_limit`: bytes per device (None: the device's HBM);
+    - `static_argnums`, `donate_argnums`: as for `jax.jit`;
+    - `budget_s`, `seed`: the automatic search's time budget and seed;
+    - `best_effort`: take a plan over the memory limit, skip a tactic that cannot apply;
+    - `lowering`: how the plan runs, one of `LOWERINGS`.
+    """
+
+    mesh: object
+    schedule: object = None
+    device: object = DEFAULT_DEVICE
+    memory_limit: object = None
+    static_argnums: object = ()
+    donate_argnums: object = ()
+    budget_s: object = 30.0
+    seed: object = 0
+    best_effort: object = False
+    lowering: object = "jit"
+    jax_mesh: Mesh | None = dataclasses.field(default=None, init=False, compare=False)
+
+    def __post_init__(self):
+        import search
+
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        mesh_spec, jax_mesh = mesh_of(self.mesh)
+        put("mesh", mesh_spec), put("jax_mesh", jax_mesh)
+        search.get_device(self.device)
+        static, donate = argnums("static_argnums", self.static_argnums), argnums("donate_argnums", self.donate_argnums)
+        both = sorted(set(static) & set(donate))
+        if both:
+            raise AutomapError(f"argument {both[0]} is in both static_argnums and donate_argnums: a static argument "
+                               "is no buffer to donate; drop it from one")
+        put("static_argnums", static), put("donate_argnums", donate)
+        if not isinstance(self.best_effort, bool):
+            raise AutomapError(f"best_effort={self.best_effort!r} is not a bool: give True or False")
+        check_lowering(self.lowering)
+        put("schedule", schedule_of(self.schedule, mesh_spec))
+        put("memory_limit", check.number("memory_limit", self.memory_limit, optional=True, error=AutomapError,
+                                         example="memory_limit=80e9 (bytes per device)"))
+        put("budget_s", check.number("budget_s", self.budget_s, example="budget_s=30", error=AutomapError))
+        put("seed", check.number("seed", self.seed, integer=True, sign="any", example="seed=0", error=AutomapError))
+
+    @classmethod
+    def default(cls, name: str):
+        """The default of setting `name`."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
     def tactics(self) -> list:
         """The schedule to apply: the one given, or the automatic search."""
@@ -108,30 +154,19 @@ def _check_leaves(name: str, i: int, arg) -> None:
                                "make the leaf an array")
 
 
-def options(*, mesh, schedule, device, memory_limit, static_argnums, donate_argnums, budget_s, seed,
-            best_effort, lowering="jit") -> Options:
-    """Check `partition`/`jit` settings; the first problem raises `AutomapError` (or the
-    device's `search.DeviceError`)."""
-    import search
+#: The settings a user gives (`Options`' fields but the derived `jax_mesh`).
+SETTINGS = tuple(f.name for f in dataclasses.fields(Options) if f.init)
 
-    mesh_spec, jax_mesh = mesh_of(mesh)
-    search.get_device(device)
-    static, donate = argnums("static_argnums", static_argnums), argnums("donate_argnums", donate_argnums)
-    both = sorted(set(static) & set(donate))
-    if both:
-        raise AutomapError(f"argument {both[0]} is in both static_argnums and donate_argnums: a static argument "
-                           "is no buffer to donate; drop it from one")
-    for flag, value in (("best_effort", best_effort),):
-        if not isinstance(value, bool):
-            raise AutomapError(f"{flag}={value!r} is not a bool: give True or False")
-    check_lowering(lowering)
-    return Options(mesh_spec, jax_mesh, schedule_of(schedule, mesh_spec), device,
-                   check.number("memory_limit", memory_limit, optional=True, error=AutomapError,
-                                example="memory_limit=80e9 (bytes per device)"),
-                   static, donate,
-                   check.number("budget_s", budget_s, example="budget_s=30", error=AutomapError),
-                   check.number("seed", seed, integer=True, sign="any", example="seed=0", error=AutomapError),
-                   best_effort, lowering)
+
+def options(**settings) -> Options:
+    """`Options(**settings)`, an unknown setting named in an `AutomapError` that lists
+    them all."""
+    unknown = [k for k in settings if k not in SETTINGS]
+    if unknown:
+        raise AutomapError(f"unknown setting {unknown[0]!r}: automap takes {', '.join(SETTINGS)}")
+    if "mesh" not in settings:
+        raise AutomapError("mesh is missing: give mesh=, e.g. mesh='data=2,model=4' or a jax.sharding.Mesh")
+    return Options(**settings)
 
 
 def mesh_of(mesh) -> tuple[MeshSpec, Mesh | None]:
@@ -181,8 +216,8 @@ def schedule_of(schedule, mesh: MeshSpec) -> tuple | None:
             raise AutomapError(f"schedule[{i}] is the class {t.__name__}, not a tactic: make one, e.g. "
                                f"{t.__name__}('data')")
         if not isinstance(t, tactics.Tactic):
-            raise AutomapError(f"schedule[{i}]={t!r} is not a tactic: use Shard, DataParallel, Megatron, ZeRO, "
-                               "FSDP, SequenceParallel, ExpertParallel or search.AutomaticPartition")
+            raise AutomapError(f"schedule[{i}]={t!r} is not a tactic: use {tactics.tactic_names()} or "
+                               "search.AutomaticPartition")
         for axis in t.axes_named():
             if axis not in mesh.names:
                 raise AutomapError(f"schedule[{i}] {t} names axis {axis!r}, which is not an axis of mesh {mesh}: "
@@ -246,3 +281,15 @@ def distinct_outputs(paths: dict) -> None:
                 raise AutomapError(f"{what} {path} is the same file as {other} {other_path}: give each its own "
                                    "file name")
         seen[what] = (key, path)
+
+
+def with_settings_signature(fn):
+    """`fn` (which takes `**settings`) shown by `help()` and IDEs with `Options`' fields
+    as its keyword arguments and their defaults."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                 default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+               for f in dataclasses.fields(Options) if f.init]
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn

@@ -30,13 +30,14 @@ import re
 import sys
 from pathlib import Path
 
-from tactics import check
+import search
+from tactics import WORDS, check
 
-from ._args import LOWERINGS
+from ._args import LOWERINGS, Options
 
-#: --schedule words -> what they build (AXIS is a mesh axis name).
-SCHEDULE_WORDS = ("dp:AXIS", "megatron:AXIS", "fsdp:AXIS", "zero1:AXIS", "zero2:AXIS", "zero3:AXIS", "sp:AXIS",
-                  "ep:AXIS", "auto", "auto:AXIS+AXIS")
+#: --schedule words (AXIS is a mesh axis name): the tactics' (`tactics.WORDS`), and the
+#: search on all axes or some.
+SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("auto", "auto:AXIS+AXIS")
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -95,12 +96,6 @@ def parse_mesh(text: str):
 
 def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=None):
     """'dp:data,megatron:model,auto' -> tactics."""
-    import search
-    import tactics as T
-
-    makers = {"dp": T.DataParallel, "megatron": T.Megatron, "fsdp": T.FSDP, "sp": T.SequenceParallel,
-              "ep": T.ExpertParallel, "zero1": lambda a: T.ZeRO(a, 1), "zero2": lambda a: T.ZeRO(a, 2),
-              "zero3": lambda a: T.ZeRO(a, 3)}
     out = []
     for word in (w.strip() for w in text.split(",") if w.strip()):
         name, _, arg = word.partition(":")
@@ -111,10 +106,10 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
                     raise CliError(f"--schedule {word!r}: {a!r} is not a mesh axis; the axes are {list(mesh.names)}")
             out.append(search.AutomaticPartition(axes=axes, budget_s=budget, seed=seed, device=device,
                                                  memory_limit=memory, max_episodes=episodes, best_effort=True))
-        elif name in makers:
+        elif name in WORDS:
             if arg not in mesh.names:
                 raise CliError(f"--schedule {word!r}: name a mesh axis after ':' (one of {list(mesh.names)})")
-            out.append(makers[name](arg))
+            out.append(WORDS[name](arg))
         else:
             raise CliError(f"--schedule: unknown tactic {word!r}; use comma-separated {', '.join(SCHEDULE_WORDS)}")
     if not out:
@@ -198,14 +193,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("target", help="path/to/file.py:factory or package.module:factory returning (fn, args)")
     s.add_argument("--mesh", required=True, help="axis sizes, e.g. data=2,model=4")
     s.add_argument("--schedule", default="auto", help="comma-separated tactics, e.g. dp:data,megatron:model,auto")
-    s.add_argument("--device", default="h100", help="h100, h200, a100, v100, tpu-v4, tpu-v5e, cpu or a .json/.toml")
+    s.add_argument("--device", default=Options.default("device"),
+                   help=f"{', '.join(search.PRESETS)} or a .json/.toml (default: %(default)s)")
     s.add_argument("--memory", default=None, help="memory limit per device, e.g. 80GB (default: the device's)")
-    s.add_argument("--budget", default="30", help="search time in seconds")
-    s.add_argument("--seed", default="0", help="search seed")
+    s.add_argument("--budget", default=f"{Options.default('budget_s'):g}", help="search time in seconds")
+    s.add_argument("--seed", default=str(Options.default("seed")), help="search seed")
     s.add_argument("--episodes", default=None,
                    help="stop the search after this many episodes (a plan that does not depend on the machine)")
     s.add_argument("--out", required=True, help="where to write the plan (JSON)")
-    s.add_argument("--lowering", default="jit", choices=LOWERINGS,
+    s.add_argument("--lowering", default=Options.default("lowering"), choices=LOWERINGS,
                    help="how the plan runs by default: jit (XLA places the collectives) or shard_map "
                         "(exactly the modeled collectives)")
     s.add_argument("--png", default=None, help="also draw the plan to this PNG")
@@ -227,8 +223,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(ns) -> dict:
     """Every argument of `search` checked, and every output path, before any work."""
-    import search
-
     from ._api import cache_folder
     from ._args import distinct_outputs, output_path, picture_path
     from ._errors import AutomapError
@@ -297,7 +291,6 @@ def _search(ns) -> int:
 
 def _plan(partition, fn, args, cfg, schedule, best_effort):
     """The plan, or a one-line `CliError` for anything the user can fix."""
-    import search
     from partir import PartitioningError
 
     from ._api import overflow
@@ -328,8 +321,6 @@ def _write_outputs(plan, cfg, timings: bool) -> None:
 
 def _with_progress(tactic, progress):
     import dataclasses
-
-    import search
 
     if isinstance(tactic, search.AutomaticPartition):
         return dataclasses.replace(tactic, progress=progress)

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import partir
+from search import DEFAULT_DEVICE
 
 from ._version import __version__
 from ._args import LOWERINGS, check_lowering, output_path, picture_path
@@ -39,7 +40,7 @@ class Plan:
     processes too; `explain()`, `save(path)`, `plot(path)`.
     """
 
-    def __init__(self, partitioning, *, history=(), search=None, device="h100", memory_limit=None,
+    def __init__(self, partitioning, *, history=(), search=None, device=DEFAULT_DEVICE, memory_limit=None,
                  donate_argnums=(), schedule_text=(), jax_mesh=None, key="", made_for=None, lowering="jit"):
         self.partitioning = partitioning
         self.program = partitioning.program

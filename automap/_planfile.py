@@ -86,7 +86,7 @@ def _device(data):
     else the description the file holds (a device file the plan was made with)."""
     import search
 
-    name, spec = data.get("device", "h100"), data.get("device_spec")
+    name, spec = data.get("device", search.DEFAULT_DEVICE), data.get("device_spec")
     if not isinstance(spec, dict):
         return name
     try:

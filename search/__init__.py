@@ -10,9 +10,9 @@ communication per mesh axis, peak memory; incremental as the partitioning change
 from ._comm import CollectiveCost, LinkModel
 from ._cost import Cost, CostModel, bytes_str, time_str
 from ._report import collectives_table
-from ._device import PRESETS, DeviceError, DeviceSpec, get_device, link_levels
+from ._device import DEFAULT_DEVICE, PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 
-__all__ = ["PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
+__all__ = ["DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
            "bytes_str", "collectives_table", "get_device", "link_levels", "time_str"]
 from ._validate import Fidelity, compare_with_xla  # noqa: E402
 from ._actions import STOP, Action, Group, input_groups, valid_actions  # noqa: E402

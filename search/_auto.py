@@ -13,7 +13,7 @@ from tactics import (FSDP, Context, DataParallel, Megatron, Remat, SequenceParal
 
 from ._actions import apply_action, input_groups
 from ._cost import CostModel, bytes_str, time_str
-from ._device import get_device
+from ._device import DEFAULT_DEVICE, get_device
 from ._mcts import mcts
 from ._result import SearchResult
 from ._state import SearchState
@@ -56,7 +56,7 @@ class AutomaticPartition(Tactic):
     budget_s: float = 30.0
     memory_limit: float | None = None
     seed: int = 0
-    device: object = "h100"
+    device: object = DEFAULT_DEVICE
     group: bool = True
     macros: bool = True
     max_episodes: int | None = None

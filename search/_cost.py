@@ -42,7 +42,7 @@ import numpy as np
 from partir import Tiling
 
 from ._comm import CollectiveCost, LinkModel, gradient_groups
-from ._device import get_device, link_levels
+from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
 from ._manual import body_collectives
@@ -141,7 +141,7 @@ class CostModel:
     the trip count assumed for `while` loops (unknown statically).
     """
 
-    def __init__(self, part, device="h100", *, memory_limit: float | None = None, donate_argnums=(),
+    def __init__(self, part, device=DEFAULT_DEVICE, *, memory_limit: float | None = None, donate_argnums=(),
                  links: dict[str, str] | None = None, while_trips: int = 1):
         prog = part.program
         self.part, self.program = part, prog

@@ -49,7 +49,7 @@ import numpy as np
 
 from tactics import check
 
-__all__ = ["DeviceError", "DeviceSpec", "PRESETS", "get_device", "link_levels"]
+__all__ = ["DEFAULT_DEVICE", "DeviceError", "DeviceSpec", "PRESETS", "get_device", "link_levels"]
 
 
 class DeviceError(ValueError):
@@ -262,6 +262,10 @@ _TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead
 # Figures per device. GPU sources are the NVIDIA datasheets of the named SKU; dense flops
 # are the printed sparse ones / 2. TPU sources are the Google Cloud TPU docs page of each
 # version, where a "node" is the ICI domain (the largest pod slice) and DCN joins slices.
+#: The device plans are costed for unless a setting names another: the one default, read
+#: by the cost model, the search, automap's settings and the CLI.
+DEFAULT_DEVICE = "h100"
+
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM5 80GB: TF32 989/2 (the f32 dot), BF16 = FP16 1,979/2, FP8 3,958/2 TFLOPS;
     # "80GB" HBM3 taken as decimal GB (leaves room for the runtime's reserve), 3.35 TB/s.

@@ -22,7 +22,8 @@ from ._remat import Remat
 from ._roles import Roles, roles, weight_dims, weight_root
 from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
+from ._registry import TACTICS, WORDS, tactic_names
 
 __all__ = ["check", "AmbiguousPatternWarning", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Remat", "Replicate",
-           "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "ZeRO", "applied_order", "apply_schedule",
+           "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "TACTICS", "WORDS", "ZeRO", "applied_order", "apply_schedule", "tactic_names",
            "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]
