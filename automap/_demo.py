@@ -19,6 +19,25 @@ def _use_simulated_cpus(n: int = 8) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def examples_module(name: str):
+    """`examples.<name>` of the automap checkout (the examples are not installed): from
+    the working folder when it is the checkout, else from beside the `automap` package."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if "examples" not in sys.modules and (root / "examples" / "__init__.py").is_file() and str(root) not in sys.path:
+        sys.path.append(str(root))
+    try:
+        return importlib.import_module(f"examples.{name}")
+    except ModuleNotFoundError as e:
+        from ._errors import AutomapError
+
+        raise AutomapError(f"the demo's model (examples/{name}.py) is not here ({e}): run it from an automap "
+                           "checkout (make demo)") from None
+
+
 def run(console=None) -> int:
     """Run the demo; returns a process exit status."""
     _use_simulated_cpus()
@@ -27,7 +46,8 @@ def run(console=None) -> int:
     from rich.table import Table
 
     import search
-    from examples import gpt
+
+    gpt = examples_module("gpt")
 
     from ._api import partition
     from ._console import table_console

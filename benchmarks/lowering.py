@@ -29,6 +29,8 @@ import sys
 # Run as a script, this file's folder comes first on sys.path, where benchmarks/search.py
 # would shadow the `search` package.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+# The examples are not installed: import them from the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import collections  # noqa: E402

@@ -24,6 +24,8 @@ import time
 # Run as a script, this file's folder comes first on sys.path and its name would shadow
 # the `search` package it measures.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+# The examples are not installed: import them from the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

@@ -7,6 +7,11 @@ device query, so it is set here, at import time of the test session.
 import os
 import tempfile
 
+# The examples are not installed: this process finds them through pytest's `pythonpath`
+# (pyproject.toml), and the subprocesses tests start (the CLI, a restarted job, a second
+# process) through PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 # Plans cached by automap.jit go to a fresh folder, never to the user's cache.
 os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
 os.environ["XLA_FLAGS"] = (
