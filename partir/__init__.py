@@ -18,7 +18,7 @@ from ._layers import input_layers, layer_keys
 from ._mesh import MeshSpec, lowering_mesh
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
-from ._remat import Block, Recompute, blocks, layer_blocks, recompute, recomputed
+from ._remat import Layer, Recompute, layers_of, recompute, recomputed, residual_layers
 from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation, remat_layers, reusable,
                           scan_body_of, user_checkpoints)
 from ._decision import Decision, Reshard
@@ -30,7 +30,7 @@ from .lowering import CONSTRAIN_MODES, lower, register_backend
 from ._verify import check_equivalence
 
 __all__ = [
-    "Block", "REMAT_POLICIES", "Recompute", "blocks", "input_layers", "layer_blocks", "layer_keys", "recompute",
+    "Layer", "REMAT_POLICIES", "Recompute", "residual_layers", "input_layers", "layers_of", "layer_keys", "recompute",
     "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",
     "Collective", "CONSTRAIN_MODES", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",

@@ -5,16 +5,16 @@ Differentiating a layer wrapped in `jax.checkpoint` leaves its forward ops in th
 forward pass and puts, in the backward pass, a `checkpoint` (`remat2`) region that
 runs again the forward ops the user's policy did not save, from the layer's inputs and
 the values it saved, then the layer's backward ops. Each op of that region that runs a
-forward op again (the same primitive and params on the same values) is a *twin* of the
-forward op; its results are twins of the forward op's results. A value is the same on
+forward op again (the same primitive and params on the same values) is a *rerun* of the
+forward op; its results are reruns of the forward op's results. A value is the same on
 both sides of a call boundary and across a scan's two loops (a forward body's
 per-iteration output and the backward body's slice of its stack; the two bodies' slices
 of one stacked input).
 
 A plan *keeps* the user's checkpoint when it changes nothing, *tightens* it when it
 recomputes values the user's policy saved (`partir.recomputed`: the saved values are
-the block's residuals), and *relaxes* it when it keeps forward values the user's
-region recomputes: the region's twins then read the forward values (`reusable`).
+the layer's residuals), and *relaxes* it when it keeps forward values the user's
+region recomputes: the region's reruns then read the forward values (`reusable`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from ._nested import Link
-from ._remat import _communicates, _plain_dot, check_policy, layer_blocks
+from ._remat import _communicates, _plain_dot, check_policy, layers_of
 
 #: The region kinds of `jax.checkpoint`.
 CHECKPOINT_KINDS = ("remat2", "checkpoint")
@@ -40,13 +40,13 @@ _CALLS = CHECKPOINT_KINDS + ("jit", "pjit", "closed_call", "core_call", "custom_
 class UserCheckpoint:
     """One backward `jax.checkpoint` region of the user's program: its `region` id, the
     `policy` the user gave (`policy_name` for people: `full` for JAX's default, which
-    saves only the inputs) and its `twins`, `(value in the region, forward value it
+    saves only the inputs) and its `reruns`, `(value in the region, forward value it
     recomputes)` pairs in program order."""
 
     region: int
     policy: object
     policy_name: str
-    twins: tuple[tuple[int, int], ...]
+    reruns: tuple[tuple[int, int], ...]
 
 
 def policy_name(policy) -> str:
@@ -63,44 +63,44 @@ def user_checkpoints(program) -> tuple[UserCheckpoint, ...]:
     return program.analysis(_find_checkpoints)
 
 
-def twins_of(program) -> dict[int, int]:
-    """Every user checkpoint's twins: recomputed value -> the forward value."""
+def reruns_of(program) -> dict[int, int]:
+    """Every user checkpoint's reruns: recomputed value -> the forward value."""
     return program.analysis(_all_twins)
 
 
 def _all_twins(program) -> dict[int, int]:
-    return {w: v for c in user_checkpoints(program) for w, v in c.twins}
+    return {w: v for c in user_checkpoints(program) for w, v in c.reruns}
 
 
-def checkpoints_of(program, block) -> tuple[UserCheckpoint, ...]:
-    """The user's checkpoints that recompute values of `block` (a `partir.Block`): each
-    belongs to the block most of its twins' forward values are made in (a causal mask
-    any layer makes is any layer's twin)."""
-    return program.analysis(_checkpoint_blocks).get(block.index, ())
+def checkpoints_of(program, layer) -> tuple[UserCheckpoint, ...]:
+    """The user's checkpoints that recompute values of `layer` (a `partir.Layer`): each
+    belongs to the layer most of its reruns' forward values are made in (a causal mask
+    any layer makes is any layer's rerun)."""
+    return program.analysis(_checkpoint_blocks).get(layer.index, ())
 
 
 def _checkpoint_blocks(program) -> dict[int, tuple]:
-    owner = {o: b.index for b in layer_blocks(program) for o in b.ops}
+    owner = {o: b.index for b in layers_of(program) for o in b.ops}
     found: dict[int, list] = {}
     for c in user_checkpoints(program):
-        count = Counter(owner[program.producer[v]] for _, v in c.twins if program.producer[v] in owner)
+        count = Counter(owner[program.producer[v]] for _, v in c.reruns if program.producer[v] in owner)
         if count:
             found.setdefault(count.most_common(1)[0][0], []).append(c)
     return {b: tuple(cs) for b, cs in found.items()}
 
 
 def remat_layers(program) -> tuple:
-    """The blocks (`partir.layer_blocks`) a rematerialization policy can change: those
+    """The layers (`partir.layers_of`) a rematerialization policy can change: those
     with residuals, and those whose recomputation the user's checkpoint does."""
-    return tuple(b for b in layer_blocks(program) if b.residuals or checkpoints_of(program, b))
+    return tuple(b for b in layers_of(program) if b.residuals or checkpoints_of(program, b))
 
 
-def reusable(program, block, policy: str, part=None) -> tuple[tuple[int, int], ...]:
-    """The twins `(recomputed, forward)` of `block`'s user checkpoints whose forward value
+def reusable(program, layer, policy: str, part=None) -> tuple[tuple[int, int], ...]:
+    """The reruns `(recomputed, forward)` of `layer`'s user checkpoints whose forward value
     `policy` keeps: relaxing the checkpoint to `policy` reads those forward values in
     the backward pass instead of recomputing them."""
     check_policy(policy)
-    ckpts = checkpoints_of(program, block)
+    ckpts = checkpoints_of(program, layer)
     if not ckpts or policy == "full":
         return ()
     made_of_scalars = program.analysis(_from_scalars)  # a causal mask: remade for free, never kept
@@ -110,7 +110,7 @@ def reusable(program, block, policy: str, part=None) -> tuple[tuple[int, int], .
 
     keep = {"none": lambda v: True, "dots": dot,
             "collectives": lambda v: dot(v) or _communicates(part, program.producer[v])}[policy]
-    return tuple((w, v) for c in ckpts for w, v in c.twins if keep(v) and not made_of_scalars[v])
+    return tuple((w, v) for c in ckpts for w, v in c.reruns if keep(v) and not made_of_scalars[v])
 
 
 def _from_scalars(program) -> list[bool]:
@@ -150,17 +150,17 @@ def _find_checkpoints(program) -> tuple[UserCheckpoint, ...]:
     for r in regions:
         parent = program.regions[r.parent]
         eqn = next(parent.jaxpr.eqns[i] for i, c in parent.children.items() if r.id in c)
-        twins = []
+        reruns = []
         for op in sorted((o for rid in _inside(program, r.id) for o in by_region.get(rid, ())), key=lambda o: o.id):
             if op.link:
                 continue
             match = next((f for f in forward.get(canon.key(op), ()) if _same_params(f.eqn, op.eqn)), None)
             if match is None:
                 continue
-            twins += [(w, v) for w, v in zip(op.results, match.results) if w >= 0 and v >= 0]
+            reruns += [(w, v) for w, v in zip(op.results, match.results) if w >= 0 and v >= 0]
             canon.alias(op.results, match.results)
         policy = eqn.params.get("policy")
-        found.append(UserCheckpoint(r.id, policy, policy_name(policy), tuple(twins)))
+        found.append(UserCheckpoint(r.id, policy, policy_name(policy), tuple(reruns)))
     return tuple(found)
 
 
@@ -181,7 +181,7 @@ def _literal(x: Literal) -> tuple:
 def _same_params(a, b) -> bool:
     try:
         return bool(a.params == b.params)
-    except (ValueError, TypeError):  # params holding arrays: not compared, not twins
+    except (ValueError, TypeError):  # params holding arrays: not compared, not reruns
         return False
 
 
@@ -242,8 +242,8 @@ class _Canon:
 
 @dataclass(frozen=True)
 class Relaxation:
-    """What reusing the values `reused` (twins in user checkpoints) does: the ops of the
-    checkpoint regions that no longer run (`skipped`: the twins' own ops, and what only
+    """What reusing the values `reused` (reruns in user checkpoints) does: the ops of the
+    checkpoint regions that no longer run (`skipped`: the reruns' own ops, and what only
     they read), and `reads`, recomputed value -> forward value, for each reused value a
     running op still reads (what the forward pass must keep for the backward pass)."""
 
@@ -253,7 +253,7 @@ class Relaxation:
 
 def relaxation(program, reused: frozenset) -> Relaxation:
     """The `Relaxation` of reusing `reused` (values `Partitioning.reuse` took)."""
-    twins = twins_of(program)
+    reruns = reruns_of(program)
     inside = set()
     for c in user_checkpoints(program):
         inside |= _inside(program, c.region)
@@ -275,7 +275,7 @@ def relaxation(program, reused: frozenset) -> Relaxation:
             for u in op.operands:
                 if u >= 0:
                     needed[u] = True
-    reads = {w: twins[w] for w in sorted(reused) if needed[w]}
+    reads = {w: reruns[w] for w in sorted(reused) if needed[w]}
     return Relaxation(frozenset(skipped), reads)
 
 

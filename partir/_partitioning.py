@@ -276,12 +276,12 @@ class Partitioning(Propagation):
         """Do not keep residual `value` for the backward pass: recompute it there from kept
         values (`partir._remat`). A no-op when it is recomputed already; a
         `PartitioningError` for a value that is no residual of a block."""
-        from ._remat import blocks
+        from ._remat import residual_layers
 
         v = self.program.resolve(value)
         if v in self._remat:
             return
-        if not any(v in b.residuals for b in blocks(self.program)):
+        if not any(v in b.residuals for b in residual_layers(self.program)):
             raise PartitioningError(f"cannot rematerialize {self.program.name(v)}: it is not a value a layer's "
                                     "forward pass keeps for the backward pass")
         self._mark(_REM, self._remat, v, Decision("remat", v, None, None, source))
@@ -293,15 +293,15 @@ class Partitioning(Propagation):
 
     def reuse(self, value, *, source: str = "user") -> None:
         """Relax the user's `jax.checkpoint`: its backward region reads, instead of
-        recomputing `value`, the forward value it is a twin of (`partir._checkpoint`),
+        recomputing `value`, the forward value it is a rerun of (`partir._checkpoint`),
         which the forward pass then keeps. A no-op when it is reused already; a
         `PartitioningError` for a value no user checkpoint recomputes."""
-        from ._checkpoint import twins_of
+        from ._checkpoint import reruns_of
 
         v = self.program.resolve(value)
         if v in self._reuse:
             return
-        if v not in twins_of(self.program):
+        if v not in reruns_of(self.program):
             raise PartitioningError(f"cannot reuse a forward value for {self.program.name(v)}: no jax.checkpoint "
                                     "region of the backward pass recomputes it")
         self._mark(_REU, self._reuse, v, Decision("reuse", v, None, None, source))

@@ -5,12 +5,12 @@ A train step's forward pass leaves residuals for its backward pass: everything J
 differentiation decided the backward reads. Keeping them all is the memory peak of a
 large model. Rematerializing a residual means not keeping it: the backward pass runs
 again the forward ops that made it, from values that are kept (the *sources*), just
-before it reads it. This module finds the program's *blocks* (one per layer: the
+before it reads it. This module finds the program's *layers* (one per layer: the
 forward ops of a layer, its inputs from outside, its residuals), says which residuals a
 *policy* recomputes, and derives what recomputing a set of residuals takes:
 
     none         keep every residual
-    full         keep nothing but the block's inputs (the layer's input activation and
+    full         keep nothing but the layer's inputs (the layer's input activation and
                  its parameters): the whole layer runs again
     dots         keep also the outputs of the matmuls with no batch dims (projections,
                  MLP), as `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`
@@ -18,8 +18,8 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
                  (a reduced partial sum, a result computed from a gathered operand), so
                  that recomputing never repeats communication
 
-Blocks are found from the program's structure, never from names: a scan in the forward
-pass is one block per iteration (its body), and the layers of an unrolled program are
+Layers are found from the program's structure, never from names: a scan in the forward
+pass is one layer per iteration (its body), and the layers of an unrolled program are
 those of its inputs (`partir._layers`): an op belongs to the last layer whose
 parameters it depends on.
 """
@@ -43,11 +43,11 @@ POLICIES = ("none", "collectives", "dots", "full")
 
 
 @dataclass(frozen=True)
-class Block:
+class Layer:
     """One layer's forward pass: `ops` (op ids, in program order), `inputs` (values it
     reads from outside: the layer's input activation, its parameters), `residuals`
     (values it makes that the backward pass reads) and `label` (for people). `loop` is
-    the scan body region when the block is one, else -1."""
+    the scan body region when the layer is one, else -1."""
 
     index: int
     label: str
@@ -63,25 +63,25 @@ def check_policy(policy: str) -> None:
         raise PartitioningError(f"unknown rematerialization policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def blocks(program) -> tuple[Block, ...]:
-    """The program's blocks with residuals (cached with it): forward scan bodies, else
+def residual_layers(program) -> tuple[Layer, ...]:
+    """The program's layers with residuals (cached with it): forward scan bodies, else
     its layers."""
-    return tuple(b for b in layer_blocks(program) if b.residuals)
+    return tuple(b for b in layers_of(program) if b.residuals)
 
 
-def layer_blocks(program) -> tuple[Block, ...]:
-    """Every block, those without residuals too (a layer whose `jax.checkpoint` keeps
+def layers_of(program) -> tuple[Layer, ...]:
+    """Every layer, those without residuals too (a layer whose `jax.checkpoint` keeps
     only its input): their inputs are layer boundaries all the same."""
-    return program.analysis(_find_blocks)
+    return program.analysis(_find_layers)
 
 
-def _find_blocks(program) -> tuple[Block, ...]:
+def _find_layers(program) -> tuple[Layer, ...]:
     backward = program.backward
     late = _read_late(program, backward)
     found = []
     for r in program.regions:
         if r.kind == "scan" and _forward_call(program, r, backward):
-            found.append(_scan_block(program, r, late, len(found)))
+            found.append(_scan_layer(program, r, late, len(found)))
     if not found:
         found = _layer_blocks(program, backward, late)
     return tuple(found)
@@ -106,14 +106,14 @@ def _read_late(program, backward) -> list[bool]:
     return late
 
 
-def _scan_block(program, region, late, index) -> Block:
+def _scan_layer(program, region, late, index) -> Layer:
     ops, made = _region_ops(program, region.id)
     residuals = []
     for op in program.ops:
         if op.link and op.primitive == Link.SCAN_YS and op.operands[0] in made and late[op.results[0]]:
             residuals.append(op.operands[0])
     inputs = frozenset(region.invars) | frozenset(region.constvars)
-    return Block(index, f"scan#{region.id} body", tuple(ops), inputs, tuple(dict.fromkeys(residuals)), region.id)
+    return Layer(index, f"scan#{region.id} body", tuple(ops), inputs, tuple(dict.fromkeys(residuals)), region.id)
 
 
 def _region_ops(program, rid: int):
@@ -129,8 +129,8 @@ def _region_ops(program, rid: int):
     return ops, made
 
 
-def _layer_blocks(program, backward, late) -> list[Block]:
-    """Blocks of an unrolled program's layers (no layers: no blocks). Layer i runs from
+def _layer_blocks(program, backward, late) -> list[Layer]:
+    """Layers of an unrolled program's layers (no layers: no layers). Layer i runs from
     its input activation x_i to x_(i+1): x_i is made by the op that dominates (in the
     forward pass's dataflow) every op reading layer i's parameters, last among those
     that depend on layer i - 1 (the residual stream's add, say), as a scan's body runs
@@ -166,7 +166,7 @@ def _layer_blocks(program, backward, late) -> list[Block]:
         made = {v for o in ops for v in program.ops[o].results if v >= 0}
         inputs = {u for o in ops for u in program.ops[o].operands if u >= 0 and u not in made}
         residuals = tuple(v for v in sorted(made) if late[v])
-        out.append(Block(i, f"layer {layers[i]}", tuple(ops), frozenset(inputs), residuals))
+        out.append(Layer(i, f"layer {layers[i]}", tuple(ops), frozenset(inputs), residuals))
     return out
 
 
@@ -257,23 +257,23 @@ def _dominators(program, backward, derived) -> dict:
     return nx.immediate_dominators(g, -1)
 
 
-def recomputed(program, block: Block, policy: str, part=None) -> tuple[int, ...]:
-    """The residuals of `block` that `policy` does not keep. Values other blocks read
+def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]:
+    """The residuals of `layer` that `policy` does not keep. Values other layers read
     (the next layer's input) are always kept; `collectives` needs the partitioning, to
     know which ops move data."""
     check_policy(policy)
     if policy == "none":
         return ()
     root = program.analysis(_call_roots)
-    boundary = {root[v] for b in layer_blocks(program) for v in b.inputs}
-    keep = {r for r in block.residuals if root[r] in boundary}
+    boundary = {root[v] for b in layers_of(program) for v in b.inputs}
+    keep = {r for r in layer.residuals if root[r] in boundary}
     if policy in ("dots", "collectives"):
-        keep |= {r for r in block.residuals if _plain_dot(program, r)}
+        keep |= {r for r in layer.residuals if _plain_dot(program, r)}
     if policy == "collectives":
         if part is None:
             raise PartitioningError("the 'collectives' policy needs the partitioning (which ops move data)")
-        keep |= {r for r in block.residuals if _communicates(part, program.producer[r])}
-    return tuple(r for r in block.residuals if r not in keep)
+        keep |= {r for r in layer.residuals if _communicates(part, program.producer[r])}
+    return tuple(r for r in layer.residuals if r not in keep)
 
 
 def _call_roots(program) -> list[int]:
@@ -314,32 +314,32 @@ def _communicates(part, op: int) -> bool:
 class Recompute:
     """What recomputing a set of residuals takes: per residual, the kept values it is
     recomputed from (`sources`); the forward ops run again (`ops`, in program order);
-    and per block index, its recomputed residuals (`by_block`)."""
+    and per layer index, its recomputed residuals (`by_layer`)."""
 
     sources: dict
     ops: tuple[int, ...]
-    by_block: dict
+    by_layer: dict
 
 
 def recompute(program, residuals: frozenset) -> Recompute:
-    """The recomputation of `residuals` (each a residual of some block)."""
-    where = {r: b for b in blocks(program) for r in b.residuals}
+    """The recomputation of `residuals` (each a residual of some layer)."""
+    where = {r: b for b in residual_layers(program) for r in b.residuals}
     root = program.analysis(_call_roots)
-    kept = {root[v]: v for b in layer_blocks(program) for v in sorted(b.inputs)}  # every layer's input is kept
-    sources, ops, by_block = {}, set(), {}
+    kept = {root[v]: v for b in layers_of(program) for v in sorted(b.inputs)}  # every layer's input is kept
+    sources, ops, by_layer = {}, set(), {}
     for r in sorted(residuals):
         b = where.get(r)
         if b is None:
-            raise PartitioningError(f"{program.name(r)} is not a residual of any block: nothing to recompute")
-        by_block.setdefault(b.index, []).append(r)
+            raise PartitioningError(f"{program.name(r)} is not a residual of any layer: nothing to recompute")
+        by_layer.setdefault(b.index, []).append(r)
         sources[r] = tuple(sorted(_walk(program, b, r, residuals, ops, kept, root)))
-    return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_block.items()})
+    return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_layer.items()})
 
 
-def _walk(program, block: Block, r: int, gone: frozenset, ops: set, kept: dict, root) -> set[int]:
-    """The kept values `r` is recomputed from (made outside the block, another layer's
+def _walk(program, layer: Layer, r: int, gone: frozenset, ops: set, kept: dict, root) -> set[int]:
+    """The kept values `r` is recomputed from (made outside the layer, another layer's
     input, or a residual kept), adding the ops that remake it to `ops`."""
-    in_block = set(block.ops)
+    in_block = set(layer.ops)
     found, stack, seen = set(), [r], set()
     while stack:
         v = stack.pop()
@@ -347,10 +347,10 @@ def _walk(program, block: Block, r: int, gone: frozenset, ops: set, kept: dict, 
             continue
         seen.add(v)
         p = program.producer[v]
-        if v != r and root[v] in kept and v not in block.residuals:
-            found.add(kept[root[v]] if kept[root[v]] in block.inputs else v)  # the input, not a call's copy
+        if v != r and root[v] in kept and v not in layer.residuals:
+            found.add(kept[root[v]] if kept[root[v]] in layer.inputs else v)  # the input, not a call's copy
             continue
-        if p < 0 or p not in in_block or (v != r and v in block.residuals and v not in gone):
+        if p < 0 or p not in in_block or (v != r and v in layer.residuals and v not in gone):
             found.add(v)
             continue
         ops.add(p)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir import Link, layer_blocks
+from partir import Link, layers_of
 
 from ._attention import AttentionRegion, attention_region
 
@@ -321,7 +321,7 @@ def _layer_boundaries(program) -> set[int]:
     layer's start is where the cut is least sure, and its input, made once, is a
     constant beside the layers.)"""
     out = set()
-    for b in layer_blocks(program)[1:]:
+    for b in layers_of(program)[1:]:
         if b.loop < 0:
             op = program.ops[b.ops[0] - 1]
             out.update(v for v in op.results if v in b.inputs and not op.link)

@@ -141,7 +141,7 @@ def _is_invar(program, v: int) -> bool:
 
 def _reads_kept(program, reads: dict, virtual, sources: dict) -> list:
     """The forward values a relaxed checkpoint reads, kept for it (`virtual` and
-    `sources` updated): in line, the read value stands for its forward twin, which then
+    `sources` updated): in line, the read value stands for its forward rerun, which then
     lives until the read, a buffer even where XLA would fuse it into its forward readers
     (the checkpoint region reads its operands through an `optimization_barrier`); across
     a scan's two loops, the extra temporaries of the stacks the forward loop makes."""

@@ -146,21 +146,21 @@ class Megatron(Tactic):
         prog = part.program
         r = roles(prog)
         uses = weight_uses(prog, set(r.params), r.forward_end)
-        search = _Search(self, part, r, uses)
+        finder = _BlockFinder(self, part, r, uses)
         for use in uses:
-            search.visit(use)
-        if not search.blocks:
-            tried = [x for x in search.trials if x.why != "no-contraction"]
+            finder.visit(use)
+        if not finder.blocks:
+            tried = [x for x in finder.trials if x.why != "no-contraction"]
             detail = "; ".join(f"{prog.name(x.weight)}: {x.detail}" for x in tried[:4]) or WHY["no-contraction"]
             raise TacticError(f"found no tensor-parallel block over {self.axis!r} "
                               f"(size {part.mesh.size(self.axis)}): {detail}")
-        left_out = search.left_out()
-        ctx.blocks.setdefault(self.axis, []).extend(search.blocks)
+        left_out = finder.left_out()
+        ctx.blocks.setdefault(self.axis, []).extend(finder.blocks)
         ctx.left_out.setdefault(self.axis, []).extend(left_out)
-        return part, search.notes(left_out)
+        return part, finder.notes(left_out)
 
 
-class _Search:
+class _BlockFinder:
     """One pass of `Megatron` over a program's weight uses."""
 
     def __init__(self, tactic: Megatron, part, roles, uses):
@@ -322,23 +322,23 @@ class _Search:
         return notes
 
 
-def _closes(search: _Search, mark, act: int):
+def _closes(finder: _BlockFinder, mark, act: int):
     """Why tiling since `mark` is not a tensor-parallel block (None if it is):
     `(why, detail)`. `act` is the input of the op that reads the split weight (or that
     cuts the fused projection into pieces)."""
-    part, prog, axis = search.part, search.prog, search.axis
+    part, prog, axis = finder.part, finder.prog, finder.axis
     if act >= 0 and axis in part.tiling(act).axes():
         return "input-split", f"its input {prog.name(act)} would be split over {axis!r}"
     vals, ops = part.changed_since(mark)
     # A block ends in one row-parallel weight (or in reductions alone, as a softmax
     # over a split vocabulary does); a split that reaches several weights on their
     # contracting dims has escaped into the activations that all layers share.
-    rows = {u.weight for u in search.uses if u.weight in vals
+    rows = {u.weight for u in finder.uses if u.weight in vals
             and any(axis in part.tiling(u.weight).dims[d] for d in u.contracting)}
     if len(rows) > 1:
         names = ", ".join(sorted(prog.name(w) for w in rows)[:3])
         return "spreads", f"the split spreads into the shared activations (row-split weights: {names})"
-    forward_end = search.roles.forward_end
+    forward_end = finder.roles.forward_end
     closed, gathers, sliced = False, [], set()
     for rs in part.reshards(ops):
         if axis in rs.src.partial:
@@ -347,7 +347,7 @@ def _closes(search: _Search, mark, act: int):
             # query attention) get their gradient summed over the heads: partial sums
             # that a weight's matmul (the projection's backward) reads next, as it does a
             # column-parallel input's gradient. Any other is the attention cut in two.
-            if _inner(search, prog.ops[rs.op]) and (rs.op < forward_end or not _feeds_weight(search, rs.value)):
+            if _inner(finder, prog.ops[rs.op]) and (rs.op < forward_end or not _feeds_weight(finder, rs.value)):
                 return "activation-contraction", (f"its partial sums come from {prog.name(rs.value)}, a contraction of "
                                                   "two computed activations (the split would cut the attention in the "
                                                   "middle)")
@@ -371,28 +371,28 @@ def _closes(search: _Search, mark, act: int):
     return None
 
 
-def _inner(search: _Search, op) -> bool:
+def _inner(finder: _BlockFinder, op) -> bool:
     """A contraction of two activations the model computes from its parameters (not of a
     weight, not of a one-hot of the labels): attention's scores or its weighted sum."""
     if op.primitive not in CONTRACTIONS:
         return False
-    prog = search.prog
+    prog = finder.prog
     for v in op.operands:
         root = weight_dims(prog, v) if v >= 0 else None
-        if v < 0 or (root is not None and root[0] in search.params) or not search.reaches(v, search.roles.params):
+        if v < 0 or (root is not None and root[0] in finder.params) or not finder.reaches(v, finder.roles.params):
             return False
     return True
 
 
-def _feeds_weight(search: _Search, v: int) -> bool:
+def _feeds_weight(finder: _BlockFinder, v: int) -> bool:
     """Does `v` reach, before any other contraction, a matmul that reads a parameter?"""
-    prog, seen, todo = search.prog, {v}, [v]
+    prog, seen, todo = finder.prog, {v}, [v]
     while todo:
         for u in prog.users[todo.pop()]:
             op = prog.ops[u]
             if op.primitive in CONTRACTIONS:
                 roots = (weight_dims(prog, x) for x in op.operands if x >= 0)
-                if any(r is not None and r[0] in search.params for r in roots):
+                if any(r is not None and r[0] in finder.params for r in roots):
                     return True
                 continue
             fresh = [r for r in op.results if r >= 0 and r not in seen]

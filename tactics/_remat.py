@@ -14,7 +14,7 @@ from ._base import Context, Tactic, TacticError
 @dataclass(frozen=True)
 class Remat(Tactic):
     """Recompute activations in the backward pass instead of keeping them, as
-    `jax.checkpoint` does, for every layer (`partir.blocks`: a scan's body, the layers
+    `jax.checkpoint` does, for every layer (`partir.layers`: a scan's body, the layers
     of an unrolled model) whose parameters match `pattern` (a glob on `/`-joined keys or
     a `re:` regex on input names; every layer when None).
 
@@ -54,15 +54,15 @@ class Remat(Tactic):
             raise TacticError(f"pattern {self.pattern!r} matches the parameters of no layer; layers read e.g. "
                               f"{sorted(prog.name(v) for v in layers[0].inputs if v in prog.input_set)[:3]}")
         count, users = 0, {}
-        for block in chosen:
-            recomputed = partir.recomputed(prog, block, self.policy, part)
-            reused = partir.reusable(prog, block, self.policy, part)
+        for layer in chosen:
+            recomputed = partir.recomputed(prog, layer, self.policy, part)
+            reused = partir.reusable(prog, layer, self.policy, part)
             for r in recomputed:
                 part.remat(r, source=str(self))
             for w, _ in reused:
                 part.reuse(w, source=str(self))
             count += len(recomputed)
-            ckpts = partir.checkpoints_of(prog, block)
+            ckpts = partir.checkpoints_of(prog, layer)
             if ckpts:
                 verdict = "tightened" if recomputed else "relaxed" if reused else "kept"
                 name = "/".join(sorted({c.policy_name for c in ckpts}))

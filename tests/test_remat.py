@@ -31,7 +31,7 @@ def _program(scan, **kw):
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_blocks_are_the_layers(scan):
     prog = _program(scan)
-    blocks = partir.blocks(prog)
+    blocks = partir.residual_layers(prog)
     if scan:
         (block,) = blocks  # the forward loop's body, one layer per iteration
         assert block.loop >= 0
@@ -183,11 +183,11 @@ def test_user_checkpoint_twins_are_the_recomputed_forward_ops(scan):
         assert len(ckpts) == (1 if scan else ACTIVE.n_layers)
         for c in ckpts:
             assert c.policy_name == policy
-            matmuls = [w for w, _ in c.twins if prog.ops[prog.producer[w]].primitive == "dot_general"]
+            matmuls = [w for w, _ in c.reruns if prog.ops[prog.producer[w]].primitive == "dot_general"]
             # full: q, k, v, scores, attention, out and mlp-in projections run again (the
             # last matmul's output is not needed); dots: only the two batched ones
             assert len(matmuls) == (7 if policy == "full" else 2)
-            for w, v in c.twins:
+            for w, v in c.reruns:
                 assert not prog.backward[prog.producer[v]] and prog.backward[prog.producer[w]]
 
 
@@ -277,7 +277,7 @@ def test_reuse_takes_only_what_a_user_checkpoint_recomputes():
     (ckpt,) = partir.user_checkpoints(prog)
     with pytest.raises(partir.PartitioningError, match="no jax.checkpoint region of the backward pass recomputes it"):
         part.reuse(prog.inputs[0])
-    w = ckpt.twins[-1][0]
+    w = ckpt.reruns[-1][0]
     part.reuse(w)
     again = partir.Partitioning(prog, MESH)
     for d in part.decisions:  # a plan file's decisions replay
@@ -287,7 +287,7 @@ def test_reuse_takes_only_what_a_user_checkpoint_recomputes():
 
 def test_the_search_can_change_a_user_checkpoint():
     prog, _ = _user(True, None)
-    assert not partir.blocks(prog)  # a layer only through the user's checkpoint: no residuals
+    assert not partir.residual_layers(prog)  # a layer only through the user's checkpoint: no residuals
     auto = search.AutomaticPartition(budget_s=600, max_episodes=1, device="h100")
     _, macros = auto.search_space(partir.Partitioning(prog, MESH), T.Context())
     assert {m.policy for m in macros if isinstance(m, T.Remat)} == {"dots", "full"}
@@ -323,6 +323,6 @@ def test_every_checkpoint_of_a_layer_is_relaxed():
     assert len(layers) == 2 and all(len(partir.checkpoints_of(prog, b)) == 2 for b in layers)
     res = T.apply_schedule(prog, MESH, [T.DataParallel("data"), T.Remat("none")])
     ckpts = [c for b in layers for c in partir.checkpoints_of(prog, b)]
-    assert all(set(res.partitioning.reused) & {w for w, _ in c.twins} for c in ckpts)
+    assert all(set(res.partitioning.reused) & {w for w, _ in c.reruns} for c in ckpts)
     for backend in ("jit", "shard_map"):
         partir.check_equivalence(step, args, res.partitioning, backend=backend)

@@ -1,7 +1,7 @@
 """Rematerialization under the lowerings: which residuals are recomputed where the
 backward pass reads them (`Recomputation`), and how a scan's two loops carry what
 recomputing needs (`ScanRemat`). The jit lowering uses them as they are; the
-shard_map lowering runs the recomputed ops on blocks (`_shardmap_remat`)."""
+shard_map lowering runs the recomputed ops on layers (`_shardmap_remat`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 from .._errors import PartitioningError
 from .._checkpoint import relaxation, scan_body_of
 from .._nested import Link
-from .._remat import _call_roots, blocks, layer_blocks, recompute
+from .._remat import _call_roots, layers_of, recompute, residual_layers
 from ._eval import bind_equation, lowering_params
 
 
@@ -24,21 +24,21 @@ class Recomputation:
     XLA frees it.
 
     And reads the forward values a relaxed user checkpoint reuses (`Partitioning.reuse`):
-    a read of a reused value in the checkpoint's backward region reads its forward twin
+    a read of a reused value in the checkpoint's backward region reads its forward rerun
     (in a scan's backward body, its slice of the stack the forward loop makes of it); the
-    twin's own op is then dead, and XLA drops it."""
+    rerun's own op is then dead, and XLA drops it."""
 
     def __init__(self, part, hooks):
         prog = self.prog = part.program
         self.hooks = hooks
         self.rec = recompute(prog, part.rematerialized)
         self.root = prog.analysis(_call_roots)
-        self.block_of = {self.root[r]: b for b, rs in self.rec.by_block.items() for r in rs}
-        self.residual_of = {self.root[r]: r for rs in self.rec.by_block.values() for r in rs}
-        self.ops = {b.index: [o for o in self.rec.ops if o in set(b.ops)] for b in blocks(prog)}
+        self.block_of = {self.root[r]: b for b, rs in self.rec.by_layer.items() for r in rs}
+        self.residual_of = {self.root[r]: r for rs in self.rec.by_layer.values() for r in rs}
+        self.ops = {b.index: [o for o in self.rec.ops if o in set(b.ops)] for b in residual_layers(prog)}
         reads = relaxation(prog, part.reused).reads
         self.reuse = {self.root[w]: v for w, v in reads.items()}
-        self.scans = ScanRemat(prog, self.rec, [b for b in blocks(prog) if b.loop >= 0 and b.index in self.rec.by_block],
+        self.scans = ScanRemat(prog, self.rec, [b for b in residual_layers(prog) if b.loop >= 0 and b.index in self.rec.by_layer],
                                reads)
         self.scans.owner = self
         self.block_of.update({self.root[s]: b for s, b in self.scans.slice_block.items()})
@@ -99,13 +99,13 @@ class Recomputation:
                 return
 
     def _block(self, b: int, anchor, rid: int = 0) -> dict:
-        """The recomputed values of block `b` (made on its first backward read; in a
+        """The recomputed values of layer `b` (made on its first backward read; in a
         scan's backward body, from that body's slices)."""
         key = (b, self.scans.body_of(rid))
         if key in self.done:
             return self.done[key]
         prog, values = self.prog, self.hooks.values
-        sources = sorted({s for r in self.rec.by_block[b] for s in self.rec.sources[r]})
+        sources = sorted({s for r in self.rec.by_layer[b] for s in self.rec.sources[r]})
         kept = tuple(self.scans.source(s, key[1], values) for s in sources)
         if anchor is not None:
             kept, _ = jax.lax.optimization_barrier((kept, anchor))
@@ -137,14 +137,14 @@ class ScanRemat:
     say); the backward loop slices those extra stacks, and recomputes the residuals in
     its body from its slices of the kept stacks and of the extra ones."""
 
-    def __init__(self, program, rec, loop_blocks, reuse=None):
+    def __init__(self, program, rec, loop_layers, reuse=None):
         self.prog = program
-        self.fwd = {b.loop: b for b in loop_blocks}  # forward body region -> block
+        self.fwd = {b.loop: b for b in loop_layers}  # forward body region -> layer
         reused = {}  # forward body -> the forward values relaxed checkpoints in the backward body read
         for w, v in (reuse or {}).items():
             fwd, bwd = _loop_of(program, v), _loop_of(program, w)
             if fwd >= 0 and bwd >= 0:
-                self.fwd.setdefault(fwd, next(b for b in layer_blocks(program) if b.loop == fwd))
+                self.fwd.setdefault(fwd, next(b for b in layers_of(program) if b.loop == fwd))
                 reused.setdefault(fwd, []).append(v)
         stacked, sliced, self.slice_block, self.slice_residual = {}, {}, {}, {}
         for op in program.ops:
@@ -153,7 +153,7 @@ class ScanRemat:
             elif op.link and op.primitive == Link.SCAN_XS:
                 sliced[(op.operands[0], program.values[op.results[0]].region)] = op.results[0]
         self.stacked, self.sliced = stacked, sliced
-        gone = {r for b in loop_blocks for r in rec.by_block[b.index]}
+        gone = {r for b in loop_layers for r in rec.by_layer[b.index]}
         self.placeholders = {stacked[r] for r in gone if r in stacked}
         self.bwd: dict[int, int] = {_loop_of(program, w): _loop_of(program, v)  # backward body -> forward body
                                     for w, v in (reuse or {}).items() if _loop_of(program, v) >= 0}
@@ -166,7 +166,7 @@ class ScanRemat:
         self.extra: dict[int, list] = {}  # forward body -> the body values it stacks in addition
         self.sliced_sources: dict[int, list] = {}  # forward body -> (its slice, the stacked input)
         for fwd, b in self.fwd.items():
-            srcs = sorted({s for r in rec.by_block.get(b.index, ()) for s in rec.sources[r]})
+            srcs = sorted({s for r in rec.by_layer.get(b.index, ()) for s in rec.sources[r]})
             self.extra[fwd] = [s for s in srcs if program.values[s].region == fwd and s not in stacked
                                and not _loop_input(program, s)]
             self.extra[fwd] += [v for v in dict.fromkeys(reused.get(fwd, ())) if v not in stacked

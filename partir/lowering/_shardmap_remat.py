@@ -46,7 +46,7 @@ class BlockRecomputation(Recomputation):
         if key in self.done:
             return self.done[key]
         interp, prog = self.interp, self.prog
-        sources = sorted({s for r in self.rec.by_block[b] for s in self.rec.sources[r]})
+        sources = sorted({s for r in self.rec.by_layer[b] for s in self.rec.sources[r]})
         kept = tuple(self.scans.source(s, key[1], interp.values) for s in sources)
         if anchor is not None:
             kept, _ = jax.lax.optimization_barrier((kept, anchor))
@@ -66,5 +66,5 @@ class BlockRecomputation(Recomputation):
                     frame.whole[r] = frame.whole[u]
                 else:
                     frame.env[r] = cross(interp, frame.env[u], u, r)
-        self.done[key] = {r: frame.read(r) for r in self.rec.by_block[b]}
+        self.done[key] = {r: frame.read(r) for r in self.rec.by_layer[b]}
         return self.done[key]
