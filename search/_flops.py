@@ -1,12 +1,15 @@
 """Work of one op, counted the way XLA's `HloCostAnalysis` counts it.
 
-`op_work(op, program) -> (flops, transcendentals)` for the whole (unpartitioned) op.
-The counting follows what `compiled.cost_analysis()` reports on this JAX version
-(measured, see `tests/test_cost.py`): one flop per result element for arithmetic,
-comparisons, selects and converts; none for transcendentals (`exp`, `log`, `tanh`,
-`sqrt`, `rsqrt`, `pow`, `erf`, ...), which are counted apart; `2*m*n*k` for a dot;
-`in - out` elements for a reduction; data movement (reshape, transpose, broadcast,
-slice, pad, concatenate, gather, iota) is free.
+`op_work(op, program) -> (flops, transcendentals)` for the whole (unpartitioned) op,
+from its primitive's traits (`partir.rules.get_traits`: the one table of what each
+primitive costs, beside its factor rule): `flops` and `transcendentals` per result
+element for elementwise ops (what `compiled.cost_analysis()` reports on this JAX
+version: one flop for arithmetic, comparisons, selects and converts, one
+transcendental for `exp`, `tanh`, ..., more for the special functions XLA expands);
+`2*m*n*k` for a dot; `flops` per element reduced for a reduction; data movement
+(reshape, transpose, broadcast, slice, pad, concatenate, gather, iota) is free. A
+primitive without a rule has no traits: the IR replicates it and warns, and it counts
+no work.
 
 A partitioned op does `work / k` per device, where `k` is the number of devices its
 factor tiling splits it over (an op on replicated values pays in full on every device).
@@ -18,19 +21,7 @@ import math
 
 import numpy as np
 
-#: Per result element: 1 flop.
-ARITHMETIC = set("""add add_any sub mul div rem max min neg abs sign floor ceil round clamp eq ne lt le gt ge
-and or not xor select_n convert_element_type square shift_left shift_right_arithmetic shift_right_logical
-nextafter is_finite population_count clz real imag conj complex reduce_precision""".split())
-
-#: Per result element: 1 transcendental, no flop.
-TRANSCENDENTAL = set("""exp exp2 log log1p expm1 tanh sqrt rsqrt cbrt pow erf erfc erf_inv sin cos tan asin
-acos atan asinh acosh atanh sinh cosh atan2 lgamma digamma igamma igammac bessel_i0e bessel_i1e""".split())
-
-#: Reductions: (input - output) elements, times this many flops per element (XLA's
-#: variadic arg-max/arg-min reduce compares and selects value and index: 9 per element).
-REDUCTIONS = {"reduce_sum": 1, "reduce_max": 1, "reduce_min": 1, "reduce_prod": 1, "reduce_and": 1,
-              "reduce_or": 1, "reduce_xor": 1, "argmax": 9, "argmin": 9}
+from partir.rules import Work, get_traits
 
 
 def _size(shape) -> int:
@@ -51,42 +42,47 @@ def op_work(op, program) -> tuple[float, float]:
 
 def eqn_work(prim: str, params, ins, outs) -> tuple[float, float]:
     """(flops, transcendentals) of one equation of primitive `prim` with `params`, operand
-    shapes `ins` and result shapes `outs`."""
+    shapes `ins` and result shapes `outs`, by its traits' `Work`."""
+    traits = get_traits(prim)
+    if traits is None:
+        return 0.0, 0.0
     out = _size(outs[0]) if outs else 0
-    if prim in ARITHMETIC:
-        return float(out), 0.0
-    if prim in TRANSCENDENTAL:
-        return 0.0, float(out)
-    if prim == "integer_pow":
-        return float(out * max(1, abs(params["y"]) - 1)), 0.0
-    if prim == "one_minus_square":  # 1 - x*x, the tanh derivative of newer JAX versions
-        return 2.0 * out, 0.0
-    if prim == "logistic":  # XLA expands it: 3 flops and an exp per element
-        return 3.0 * out, float(out)
-    if prim in REDUCTIONS:
-        return float(REDUCTIONS[prim] * (_size(ins[0]) - out)), 0.0
-    if prim == "dot_general":  # 2 * every result element * the contracted size
-        (contracting, _), _ = params["dimension_numbers"]
-        return 2.0 * out * _size(ins[0][d] for d in contracting), 0.0
-    if prim == "conv_general_dilated":
-        return _conv_flops(params, ins, outs), 0.0
-    if prim in ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"):
-        window = _size(params["window_dimensions"])
-        return float(out * (window - 1)), 0.0
-    if prim in ("select_and_scatter_add", "select_and_gather_add"):
-        # Per source element and window element: XLA's select comparisons and the
-        # scatter's add come to 7.5 flops (measured on a 2x2 max-pool gradient).
-        window = _size(params["window_dimensions"])
-        return 7.5 * window * _size(ins[0]), 0.0
-    if prim in ("scatter-add", "scatter_add", "scatter-mul", "scatter-min", "scatter-max"):
-        return float(_size(ins[2])), 0.0
-    if prim in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"):
-        # An associative scan / sorting network: about 2 log2(n) operations per element.
-        n = ins[0][params.get("axis", params.get("dimension", 0))]
-        return float(out * 2 * max(1, math.ceil(math.log2(max(n, 2))))), 0.0
-    if prim == "shard_map":  # a region partitioned by hand: its body's work on one device
-        return body_work(params["jaxpr"])
-    return 0.0, 0.0
+    work = _WORK.get(traits.work)
+    return work(traits, params, ins, outs, out) if work is not None else (0.0, 0.0)
+
+
+def _window(params) -> int:
+    return _size(params["window_dimensions"])
+
+
+def _scanned(params, ins, out) -> float:
+    # An associative scan / sorting network: about 2 log2(n) operations per element.
+    n = ins[0][params.get("axis", params.get("dimension", 0))]
+    return float(out * 2 * max(1, math.ceil(math.log2(max(n, 2)))))
+
+
+def _contraction(params, ins, out) -> float:
+    (contracting, _), _ = params["dimension_numbers"]  # 2 * every result element * the contracted size
+    return 2.0 * out * _size(ins[0][d] for d in contracting)
+
+
+#: How each kind of work is counted: (traits, params, operand shapes, result shapes,
+#: result elements) -> (flops, transcendentals).
+_WORK = {
+    Work.ELEMENTWISE: lambda t, p, ins, outs, out: (t.flops * out, t.transcendentals * out),
+    Work.POWER: lambda t, p, ins, outs, out: (float(out * max(1, abs(p["y"]) - 1)), 0.0),
+    Work.POLYNOMIAL: lambda t, p, ins, outs, out: (2.0 * out * len(p.get("coefficients", ())), 0.0),
+    Work.REDUCTION: lambda t, p, ins, outs, out: (float(t.flops * (_size(ins[0]) - out)), 0.0),
+    Work.CONTRACTION: lambda t, p, ins, outs, out: (_contraction(p, ins, out), 0.0),
+    Work.CONVOLUTION: lambda t, p, ins, outs, out: (_conv_flops(p, ins, outs), 0.0),
+    Work.WINDOW: lambda t, p, ins, outs, out: (float(out * (_window(p) - 1)), 0.0),
+    # Per source element and window element: XLA's select comparisons and the scatter's
+    # add come to 7.5 flops (measured on a 2x2 max-pool gradient).
+    Work.WINDOW_GRAD: lambda t, p, ins, outs, out: (7.5 * _window(p) * _size(ins[0]), 0.0),
+    Work.SCATTER: lambda t, p, ins, outs, out: (float(_size(ins[2])), 0.0),
+    Work.SCAN: lambda t, p, ins, outs, out: (_scanned(p, ins, out), 0.0),
+    Work.REGION: lambda t, p, ins, outs, out: body_work(p["jaxpr"]),  # a region partitioned by hand
+}
 
 
 def _conv_flops(p, ins, outs) -> float:

@@ -14,16 +14,18 @@ from jax.sharding import NamedSharding
 from .._errors import PartitioningError
 from .._nested import Link, split_operands
 from .._reshard import gathered_first
-from ..rules._indexing import ADDITIVE_SCATTERS, OTHER_SCATTERS
+from ..rules import get_traits
 from ._eval import bind_equation
 from ._recompute import Recomputation
 
 
-#: Ops that read or write at indices: what they move is constrained to the layout they
-#: read it in. Left to move it themselves, XLA's gather partitioner can emit a gather
-#: its own verifier rejects (an operand split along a sliced dim, all-reduced, then
-#: sliced past its local size).
-INDEXED = ("gather", *ADDITIVE_SCATTERS, *OTHER_SCATTERS)
+def _indexed(prim: str) -> bool:
+    """Does the op read or write at indices (its traits' `indexed`: a gather, a scatter)?
+    What it moves is then constrained to the layout it reads it in: left to move it
+    itself, XLA's gather partitioner can emit a gather its own verifier rejects (an
+    operand split along a sliced dim, all-reduced, then sliced past its local size)."""
+    traits = get_traits(prim)
+    return traits is not None and traits.indexed
 
 
 def _numeric(dtype) -> bool:
@@ -145,7 +147,7 @@ class Reads:
         spatial dim), XLA would otherwise compute the op its own way (exchanging halos);
         elsewhere it reshards as the plan says on its own."""
         op, v = self.prog.ops[oid], self.prog.ops[oid].operands[k]
-        if op.primitive in INDEXED:
+        if _indexed(op.primitive):
             return True
         blocked = set(op.rule.blocked)
         return any(axes and any(f in blocked for f in op.rule.operands[k][d])

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from .._rule import factor_rule
 from ._registry import Namer, conservative_rule, register
+from ._traits import Traits, Work
+
+#: Contractions are kernels of their own (cuBLAS, the MXU): XLA fuses nothing into them here.
+CONTRACTION = Traits(Work.CONTRACTION)
 
 
-@register("dot_general")
+@register("dot_general", traits=CONTRACTION)
 def dot_general(in_shapes, out_shapes, params):
     """Batch dims are shared by both operands and the result, free dims pass through,
     contracting dims are reductions: a matmul is `([i, j], [j, k]) -> ([i, k]) reduction={j}`."""
@@ -26,7 +30,7 @@ def dot_general(in_shapes, out_shapes, params):
     return factor_rule([lhs, rhs], [out], in_shapes, out_shapes, reduction=[lhs[d] for d in lc])
 
 
-@register("scaled_dot")
+@register("scaled_dot", traits=CONTRACTION)
 def scaled_dot(in_shapes, out_shapes, params):
     """`(lhs * lhs_scale) @ (rhs * rhs_scale)`: lhs and rhs as in `dot_general`; a scale
     shares the non-contracting dims of its operand, and a contracting dim of `K` values
@@ -63,7 +67,7 @@ def scaled_dot(in_shapes, out_shapes, params):
                        reduction=[f for d in lc for f in L[d]])
 
 
-@register("ragged_dot_general")
+@register("ragged_dot_general", traits=CONTRACTION)
 def ragged_dot_general(in_shapes, out_shapes, params):
     """A grouped matmul (`lax.ragged_dot`): lhs rows fall into groups of data-dependent
     sizes, each multiplied by its group's rhs. Contracting, batch and rhs output dims are
@@ -91,7 +95,7 @@ def ragged_dot_general(in_shapes, out_shapes, params):
                        blocked=[lf[d] for d in ragged] + [rf[group]] + gs)
 
 
-@register("conv_general_dilated")
+@register("conv_general_dilated", traits=Traits(Work.CONVOLUTION))
 def conv_general_dilated(in_shapes, out_shapes, params):
     """Batch `n` passes through, input features `c` are a reduction, output features `o`
     pass from the kernel to the result; spatial dims are blocked (no halo exchange):

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from .._rule import factor_rule
 from ._registry import Namer, register
+from ._traits import Traits, Work
 
 #: Scatters whose combiner is a sum: scattering from split updates leaves partial sums.
 ADDITIVE_SCATTERS = ["scatter-add", "scatter_add"]
 OTHER_SCATTERS = ["scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
                   "scatter-max", "scatter_max", "scatter_apply"]
 
+#: A scatter that combines (one flop per update element) or only writes.
+_COMBINING = Traits(Work.SCATTER, indexed=True)
+SCATTER_TRAITS = {**{p: _COMBINING for p in ADDITIVE_SCATTERS + OTHER_SCATTERS},
+                  "scatter": Traits(Work.MOVE, indexed=True), "scatter_apply": Traits(Work.MOVE, indexed=True)}
+
 
 #: Gather modes under which a start index into a dim taken whole can only be 0.
 _CLAMPED = ("CLIP", "PROMISE_IN_BOUNDS")
 
 
-@register("gather")
+@register("gather", traits=Traits(Work.MOVE, indexed=True))
 def gather(in_shapes, out_shapes, params):
     """Index dims of the indices pass to the result's batch dims, whole slice dims of the
     operand pass to its offset dims, batching dims are shared by all three. An indexed
@@ -89,7 +95,7 @@ def _scatter(in_shapes, out_shapes, params, *, additive: bool):
     return factor_rule([op, idx, upd, *extra], [op] * len(out_shapes), in_shapes, out_shapes, **kw)
 
 
-@register(*ADDITIVE_SCATTERS)
+@register(*ADDITIVE_SCATTERS, traits=SCATTER_TRAITS)
 def scatter_add(in_shapes, out_shapes, params):
     """The operand and result share every dim; update window dims pass through; the
     scattered (index) dims of updates and indices are reductions: split updates
@@ -98,7 +104,7 @@ def scatter_add(in_shapes, out_shapes, params):
     return _scatter(in_shapes, out_shapes, params, additive=True)
 
 
-@register(*OTHER_SCATTERS)
+@register(*OTHER_SCATTERS, traits=SCATTER_TRAITS)
 def scatter(in_shapes, out_shapes, params):
     """Like scatter-add, but a non-additive combine cannot merge partial results, so the
     scattered dims are blocked."""

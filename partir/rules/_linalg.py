@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .._rule import factor_rule
 from ._registry import Namer, register
+from ._traits import OPAQUE
 
 #: Matrix decompositions and solves, with how many trailing dims of operand 0 make one
 #: problem (the rest are batch dims every operand and result leads with).
@@ -40,14 +41,14 @@ def _def_linalg(prim: str, core: int) -> None:
         return _batched(in_shapes, out_shapes, len(in_shapes[0]) - core)
 
     rule.__name__ = f"{prim}_rule"
-    register(prim)(rule)
+    register(prim, traits=OPAQUE)(rule)  # LAPACK/cuSOLVER calls: no flops XLA counts
 
 
 for _prim, _core in LINALG.items():
     _def_linalg(_prim, _core)
 
 
-@register("fft")
+@register("fft", traits=OPAQUE)
 def fft(in_shapes, out_shapes, params):
     """The transformed trailing dims (`fft_lengths`) are blocked, the leading ones pass
     through: a 1-D FFT is `([i, j]) -> ([i, k]) blocked={j, k}`."""

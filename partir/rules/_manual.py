@@ -11,6 +11,7 @@ import dataclasses
 
 from .._rule import FixedLayout
 from ._registry import conservative_rule, register
+from ._traits import Traits, Work
 
 
 def manual_axes(params) -> frozenset:
@@ -29,7 +30,7 @@ def _dims(spec, rank: int) -> tuple[tuple[str, ...], ...]:
     return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
 
 
-@register("shard_map")
+@register("shard_map", traits=Traits(Work.REGION))
 def shard_map(in_shapes, out_shapes, params):
     """Every dim its own blocked factor, and the layouts fixed by the specs:
     `([i, j], [k, l]) -> ([m, n]) blocked={...} fixed=(P(None, 'model'), P('model', None)) -> (P(None, None))`."""

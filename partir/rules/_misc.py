@@ -6,12 +6,19 @@ from __future__ import annotations
 from .._rule import factor_rule
 from ._elementwise import elementwise
 from ._registry import Namer, conservative_rule, register
+from ._traits import OPAQUE, Traits, Work
 
 WINDOWED = ["reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
             "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"]
+#: Pooling counts (window - 1) flops per result element; its gradients 7.5 per source
+#: and window element (measured on a 2x2 max-pool gradient); the generic select and
+#: scatter none.
+WINDOW_TRAITS = {**{p: Traits(Work.WINDOW) for p in WINDOWED[:4]},
+                 "select_and_scatter_add": Traits(Work.WINDOW_GRAD), "select_and_gather_add": Traits(Work.WINDOW_GRAD),
+                 "select_and_scatter": OPAQUE}
 
 
-@register(*WINDOWED)
+@register(*WINDOWED, traits=WINDOW_TRAITS)
 def windowed(in_shapes, out_shapes, params):
     """Dims with a trivial window (size 1, stride 1, no padding or dilation) are shared by
     every value; windowed dims are blocked (no halo exchange): `([i, j]) -> ([i, k]) blocked={j, k}`."""
@@ -40,7 +47,7 @@ def windowed(in_shapes, out_shapes, params):
     return factor_rule(ins, outs, in_shapes, out_shapes, blocked=blocked)
 
 
-@register("sort")
+@register("sort", traits=Traits(Work.SCAN))
 def sort(in_shapes, out_shapes, params):
     """All operands (keys and payloads) share factors; the sorted dim is blocked."""
     name = Namer()
@@ -49,7 +56,7 @@ def sort(in_shapes, out_shapes, params):
                        blocked=[dims[params["dimension"]]])
 
 
-@register("top_k", "approx_top_k")
+@register("top_k", "approx_top_k", traits=OPAQUE)
 def top_k(in_shapes, out_shapes, params):
     """Every dim blocked: `([i, j]) -> ([k, l], [k, l]) blocked={i, j, k, l}`. Mathematically
     the leading dims could pass through, but XLA's SPMD partitioner replicates the TopK
@@ -62,7 +69,7 @@ def top_k(in_shapes, out_shapes, params):
     return factor_rule([ins], [out] * len(out_shapes), in_shapes, out_shapes, blocked=ins + out)
 
 
-@register("random_bits", "random_split")
+@register("random_bits", "random_split", traits=OPAQUE)
 def random_expand(in_shapes, out_shapes, params):
     """The key array's dims lead the result; the generated dims are free to split
     (JAX's partitionable threefry makes bits independent of the layout)."""
@@ -72,7 +79,7 @@ def random_expand(in_shapes, out_shapes, params):
     return factor_rule([key], [out], in_shapes, out_shapes)
 
 
-@register("random_seed", "random_fold_in", "random_clone", "random_gamma")
+@register("random_seed", "random_fold_in", "random_clone", "random_gamma", traits=OPAQUE)
 def random_elementwise(in_shapes, out_shapes, params):
     """Seeds (and folded-in data) map one-to-one to keys, keys to keys (a clone), keys and
     shape parameters to gamma samples."""
@@ -82,7 +89,7 @@ def random_elementwise(in_shapes, out_shapes, params):
     return factor_rule(ins, [out], in_shapes, out_shapes)
 
 
-@register("random_wrap", "random_unwrap")
+@register("random_wrap", "random_unwrap", traits=OPAQUE)
 def random_wrap(in_shapes, out_shapes, params):
     """Raw key data carries a trailing key-word dim that the typed key array does not."""
     name = Namer()
@@ -94,14 +101,14 @@ def random_wrap(in_shapes, out_shapes, params):
     return factor_rule([ins], [outs], in_shapes, out_shapes, blocked=[word])
 
 
-@register("pure_callback", "io_callback", "debug_callback", "debug_print")
+@register("pure_callback", "io_callback", "debug_callback", "debug_print", traits=OPAQUE)
 def host_callback(in_shapes, out_shapes, params):
     """Every dim blocked: a host callback sees whole arrays, so its operands are gathered
     and its results made whole on every device (whatever sharding the callback asks)."""
     return conservative_rule(in_shapes, out_shapes)
 
 
-@register("rng_bit_generator", "rng_uniform")
+@register("rng_bit_generator", "rng_uniform", traits=OPAQUE)
 def stateful_random(in_shapes, out_shapes, params):
     """Every dim blocked: XLA's generators (RngBitGenerator, stateful RngUniform) draw a
     stream whose values depend on the whole output shape, so each device draws it whole
@@ -109,14 +116,14 @@ def stateful_random(in_shapes, out_shapes, params):
     return conservative_rule(in_shapes, out_shapes)
 
 
-@register("custom_linear_solve")
+@register("custom_linear_solve", traits=OPAQUE)
 def custom_linear_solve(in_shapes, out_shapes, params):
     """Every dim blocked: the solve runs through the user's `matvec` and `solve` jaxprs,
     which lift does not enter, so it runs whole on every device."""
     return conservative_rule(in_shapes, out_shapes)
 
 
-@register("dce_sink")
+@register("dce_sink", traits=OPAQUE)
 def sink(in_shapes, out_shapes, params):
     """Keeps values alive and computes nothing: they stay in whatever layout they have
     (their factors have no result to make partial)."""
@@ -132,7 +139,7 @@ ELEMENTWISE_HI = ("Frexp", "Ldexp")
 WHOLE_HI = ("Nonzero",)
 
 
-@register("call_hi_primitive")
+@register("call_hi_primitive", traits=OPAQUE)
 def call_hi_primitive(in_shapes, out_shapes, params):
     """Ruled by the primitive it wraps: elementwise ones (frexp, ldexp) as `elementwise`;
     a search of queries in a sorted array (`jnp.searchsorted`) as the queries'

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from .._rule import factor_rule
 from ._registry import Namer, register
+from ._traits import Fusion, Traits, Work
+
+
+def _reduction(flops: float = 1.0, fusion: Fusion = Fusion.INPUT) -> Traits:
+    """A reduction of `flops` flops per element reduced that input fusions take their
+    producers into (XLA's variadic arg-max/arg-min reduce compares and selects value
+    and index: 9 per element)."""
+    return Traits(Work.REDUCTION, fusion, flops=flops)
+
 
 #: reduce_* primitive -> the kind of partial result a split reduced dim leaves.
-REDUCTIONS = {
+REDUCTION_KINDS = {
     "reduce_sum": "sum",
     "reduce_max": "max",
     "reduce_min": "min",
@@ -47,21 +56,22 @@ def _def_reduction(prim: str, kind: str) -> None:
         return _reduce_rule(in_shapes, out_shapes, tuple(params["axes"]), kind=kind)
 
     rule.__name__ = f"{prim}_rule"
-    register(prim)(rule)
+    register(prim, traits=_reduction())(rule)
 
 
-for _prim, _kind in REDUCTIONS.items():
+for _prim, _kind in REDUCTION_KINDS.items():
     _def_reduction(_prim, _kind)
 
 
-@register(*BLOCKED_REDUCTIONS)
+@register(*BLOCKED_REDUCTIONS, traits={"argmax": _reduction(9), "argmin": _reduction(9),
+                                     "reduce_xor": _reduction(fusion=Fusion.NONE), "reduce": _reduction(0, Fusion.NONE)})
 def blocked_reduction(in_shapes, out_shapes, params):
     """`([i, j]) -> ([i]) blocked={j}`: the reduced dims must be whole on every device."""
     axes = params.get("axes", params.get("dimensions"))
     return _reduce_rule(in_shapes, out_shapes, tuple(axes))
 
 
-@register(*CUMULATIVE)
+@register(*CUMULATIVE, traits=Traits(Work.SCAN))
 def cumulative(in_shapes, out_shapes, params):
     """`([i, j]) -> ([i, j]) blocked={j}` for a scan along dim 1."""
     name = Namer()
@@ -84,7 +94,7 @@ def _def_collective(prim: str, kind: str) -> None:
         return factor_rule(ins, outs, in_shapes, out_shapes, reduction=gone, reduce_kind=kind)
 
     rule.__name__ = f"{prim}_rule"
-    register(prim)(rule)
+    register(prim, traits=Traits(Work.MOVE))(rule)  # over positional axes: counted as no work, as always
 
 
 for _prim, _kind in COLLECTIVE_REDUCTIONS.items():

@@ -7,6 +7,7 @@ import math
 
 from .._rule import factor_rule
 from ._registry import Namer, register
+from ._traits import MOVE_FUSED, OPAQUE, VIEW, Fusion, Traits, Work
 
 
 def _same_except(in_shapes, out_shapes, changed_in, changed_out, *, shared_extra=()):
@@ -28,7 +29,7 @@ def _same_except(in_shapes, out_shapes, changed_in, changed_out, *, shared_extra
     return factor_rule(ins, [res] * len(out_shapes), in_shapes, out_shapes, blocked=blocked)
 
 
-@register("broadcast_in_dim")
+@register("broadcast_in_dim", traits=Traits(Work.MOVE, Fusion.CONSUMER, creates=True))
 def broadcast_in_dim(in_shapes, out_shapes, params):
     """Operand dims map to `broadcast_dimensions`; new and size-1-expanded result dims get
     factors of their own, free to split: `([j]) -> ([i, j])`."""
@@ -119,7 +120,7 @@ def _split_group(ga, gb):
             return plan if i == len(ga) and j == len(gb) else None
 
 
-@register("reshape")
+@register("reshape", traits=VIEW)
 def reshape(in_shapes, out_shapes, params):
     """Split and merged dims share factors: `([i*j, k]) -> ([i, j, k])`."""
     a, b = in_shapes[0], out_shapes[0]
@@ -130,7 +131,7 @@ def reshape(in_shapes, out_shapes, params):
     return factor_rule([fa, *extra], [fb], in_shapes, out_shapes, sizes=sizes, blocked=blocked)
 
 
-@register("transpose")
+@register("transpose", traits=MOVE_FUSED)
 def transpose(in_shapes, out_shapes, params):
     """Result dim d is operand dim `permutation[d]`: `([i, j]) -> ([j, i])`."""
     name = Namer()
@@ -138,7 +139,7 @@ def transpose(in_shapes, out_shapes, params):
     return factor_rule([ins], [[ins[p] for p in params["permutation"]]], in_shapes, out_shapes)
 
 
-@register("squeeze")
+@register("squeeze", traits=VIEW)
 def squeeze(in_shapes, out_shapes, params):
     """Removed size-1 dims have factors of their own: `([i, j]) -> ([i])`."""
     name = Namer()
@@ -147,7 +148,7 @@ def squeeze(in_shapes, out_shapes, params):
     return factor_rule([ins], [[f for d, f in enumerate(ins) if d not in gone]], in_shapes, out_shapes)
 
 
-@register("concatenate")
+@register("concatenate", traits=MOVE_FUSED)
 def concatenate(in_shapes, out_shapes, params):
     """Other dims are shared; the concatenated dim is blocked in every value."""
     name = Namer()
@@ -158,14 +159,14 @@ def concatenate(in_shapes, out_shapes, params):
     return factor_rule(ins, [out], in_shapes, out_shapes, blocked=blocked)
 
 
-@register("pad")
+@register("pad", traits=MOVE_FUSED)
 def pad(in_shapes, out_shapes, params):
     """Unpadded dims are shared, padded dims blocked; the padding value is a scalar."""
     changed = [d for d, cfg in enumerate(params["padding_config"]) if tuple(cfg) != (0, 0, 0)]
     return _same_except(in_shapes, out_shapes, changed, changed)
 
 
-@register("slice")
+@register("slice", traits=MOVE_FUSED)
 def slice_(in_shapes, out_shapes, params):
     """Dims taken whole are shared, sliced dims blocked: `([i, j]) -> ([i, k]) blocked={j, k}`."""
     a = in_shapes[0]
@@ -178,7 +179,7 @@ def slice_(in_shapes, out_shapes, params):
     return _same_except(in_shapes, out_shapes, changed, changed)
 
 
-@register("dynamic_slice")
+@register("dynamic_slice", traits=OPAQUE)
 def dynamic_slice(in_shapes, out_shapes, params):
     """Dims taken whole are shared, sliced dims blocked; start indices are scalars."""
     a = in_shapes[0]
@@ -186,7 +187,7 @@ def dynamic_slice(in_shapes, out_shapes, params):
     return _same_except(in_shapes, out_shapes, changed, changed)
 
 
-@register("dynamic_update_slice")
+@register("dynamic_update_slice", traits=OPAQUE)
 def dynamic_update_slice(in_shapes, out_shapes, params):
     """Operand and result share every dim; the update shares the dims it covers whole.
     Dims it covers in part are blocked in all three."""
@@ -200,7 +201,7 @@ def dynamic_update_slice(in_shapes, out_shapes, params):
     return dataclasses.replace(rule, blocked=tuple(sorted(blocked)))
 
 
-@register("rev")
+@register("rev", traits=MOVE_FUSED)
 def rev(in_shapes, out_shapes, params):
     """Reversed dims are blocked (reversing a split dim would swap blocks between devices)."""
     name = Namer()
@@ -208,7 +209,7 @@ def rev(in_shapes, out_shapes, params):
     return factor_rule([ins], [ins], in_shapes, out_shapes, blocked=[ins[d] for d in params["dimensions"]])
 
 
-@register("split")
+@register("split", traits=OPAQUE)
 def split(in_shapes, out_shapes, params):
     """Other dims are shared; the split dim is blocked in every value."""
     name = Namer()
@@ -218,7 +219,7 @@ def split(in_shapes, out_shapes, params):
     return factor_rule([ins], outs, in_shapes, out_shapes, blocked=[ins[ax]] + [o[ax] for o in outs])
 
 
-@register("stack")
+@register("stack", traits=OPAQUE)
 def stack(in_shapes, out_shapes, params):
     """Operands share their dims with the result's other dims; the new dim they are
     stacked along is blocked: `([i, j], [i, j]) -> ([i, j, k]) blocked={k}`."""
@@ -229,7 +230,7 @@ def stack(in_shapes, out_shapes, params):
     return factor_rule([dims] * len(in_shapes), [dims[:ax] + [new] + dims[ax:]], in_shapes, out_shapes, blocked=[new])
 
 
-@register("unstack")
+@register("unstack", traits=OPAQUE)
 def unstack(in_shapes, out_shapes, params):
     """The inverse of `stack`: the dim taken apart is blocked, the others pass to every
     result: `([i, j]) -> ([j], [j]) blocked={i}`."""
@@ -240,7 +241,7 @@ def unstack(in_shapes, out_shapes, params):
     return factor_rule([dims], [rest] * len(out_shapes), in_shapes, out_shapes, blocked=[dims[ax]])
 
 
-@register("tile")
+@register("tile", traits=OPAQUE)
 def tile(in_shapes, out_shapes, params):
     """Result dim d is `reps[d]` copies of operand dim d, the copies major: the operand's
     factor is shared and the copies are a factor of the result alone, free to split
@@ -259,7 +260,9 @@ def tile(in_shapes, out_shapes, params):
     return factor_rule([ins], [outs], in_shapes, out_shapes, sizes=sizes)
 
 
-@register("iota", "empty", "empty2", "platform_index", "create_token")
+@register("iota", "empty", "empty2", "platform_index", "create_token",
+          traits={"iota": Traits(Work.MOVE, creates=True), "empty": Traits(Work.MOVE, creates=True),
+                  "empty2": Traits(Work.MOVE, creates=True), "platform_index": OPAQUE, "create_token": OPAQUE})
 def creation(in_shapes, out_shapes, params):
     """No array operands (an iota, an empty buffer, which platform runs, a token): every
     result dim is free to split (each device makes its own block): `() -> ([i, j])`."""
