@@ -34,9 +34,11 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from ._reshard import Kind
+
 __all__ = ["Collective", "collective_buffers", "collectives", "collectives_of", "summarize"]
 
-_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_KINDS = tuple(k.value for k in Kind if k.communicates)
 
 # Bits per element (every f8 variant is 8); sub-byte types round up per buffer.
 _BITS = dict(pred=8, s8=8, u8=8, s16=16, u16=16, f16=16, bf16=16, s32=32, u32=32, f32=32,
@@ -70,7 +72,7 @@ class Collective:
     f32); ``shapes`` lists ``(dtype, dims)`` of each result buffer.
     """
 
-    kind: str
+    kind: Kind
     axes: tuple[str, ...]
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     result_bytes: int
@@ -298,7 +300,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
         if not (m := _COLL_RE.match(rest, end)):  # the opcode right after the shape
             continue
         opcode = m.group(1)
-        kind = opcode.removesuffix("-start")
+        kind = Kind(opcode.removesuffix("-start"))
         # Operand list: up to the matching ')'.
         depth, j = 1, m.end()
         while depth:
@@ -310,7 +312,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
             # These return (operand(s), result(s)[, u32[] contexts]): keep the result.
             shape = shape[1]
         leaves = _leaves(shape)
-        if kind == "collective-permute":
+        if kind == Kind.COLLECTIVE_PERMUTE:
             axes, size = _permute_axes(attrs, mesh)
         else:
             groups = _groups(attrs, n) or [list(range(n))]  # no replica_groups: all devices
@@ -357,10 +359,10 @@ def collective_buffers(cols, *, reduce_scatter: bool = True) -> "collections.Cou
 
     out = collections.Counter()
     for c in cols:
-        if c.kind == "all-to-all":
+        if c.kind == Kind.ALL_TO_ALL:
             out[c.kind, c.axes, c.result_bytes] += 1
-        elif c.kind == "reduce-scatter" and not reduce_scatter:
-            out["all-reduce", c.axes, c.operand_bytes] += 1
+        elif c.kind == Kind.REDUCE_SCATTER and not reduce_scatter:
+            out[Kind.ALL_REDUCE, c.axes, c.operand_bytes] += 1
         else:
             for shape in c.shapes:
                 out[c.kind, c.axes, _nbytes([shape])] += 1

@@ -17,20 +17,36 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from ._mesh import MeshSpec
 from ._tiling import Tiling
 
-#: Collective kinds, in the order they are applied and reported.
-KINDS = ("all-reduce", "reduce-scatter", "collective-permute", "all-to-all", "all-gather", "slice")
+
+class Kind(enum.StrEnum):
+    """What a layout change runs: the one list of collective kinds (and the local slice),
+    in the order they run, what shrinks the buffer first. Strings as XLA's HLO names
+    them, so a `Kind` compares equal to the name."""
+
+    REDUCE_SCATTER = "reduce-scatter"
+    SLICE = "slice"  # each device keeps its block: no communication
+    ALL_REDUCE = "all-reduce"
+    COLLECTIVE_PERMUTE = "collective-permute"
+    ALL_TO_ALL = "all-to-all"
+    ALL_GATHER = "all-gather"
+
+    @property
+    def communicates(self) -> bool:
+        """Does it move data between devices (every kind but the slice)?"""
+        return self is not Kind.SLICE
 
 
 @dataclass(frozen=True, slots=True)
 class Transition:
     """One collective of a layout change: its kind and the mesh axes it runs over."""
 
-    kind: str
+    kind: Kind
     axes: tuple[str, ...]
 
     def __str__(self) -> str:
@@ -52,31 +68,31 @@ def transition(src: Tiling, dst: Tiling, mesh: MeshSpec) -> list[Transition]:
     if src == dst:
         return []
     s, d = _place(src), _place(dst)
-    by_kind: dict[str, set[str]] = {}
+    by_kind: dict[Kind, set[str]] = {}
     permuted = {a for gone, new in permuted_dims(src, dst, mesh).values() for a in gone + new}
     # A partial axis that splits a dim which trades axes is reduced whole first: scattered
     # there, each device would hold a strided set of blocks.
     trading = {dim for dim, (before, after) in enumerate(zip(src.dims, dst.dims)) if all(traded(before, after))}
     for a in src.partial:
         scatter = a in d and d[a][0] not in trading
-        by_kind.setdefault("reduce-scatter" if scatter else "all-reduce", set()).add(a)
+        by_kind.setdefault(Kind.REDUCE_SCATTER if scatter else Kind.ALL_REDUCE, set()).add(a)
     if permuted:
-        by_kind["collective-permute"] = permuted
+        by_kind[Kind.COLLECTIVE_PERMUTE] = permuted
     for a, (dim, before) in s.items():
         if a in permuted:
             continue
         if a not in d:
-            by_kind.setdefault("all-gather", set()).add(a)
+            by_kind.setdefault(Kind.ALL_GATHER, set()).add(a)
         elif d[a][0] != dim:
-            by_kind.setdefault("all-to-all", set()).add(a)
+            by_kind.setdefault(Kind.ALL_TO_ALL, set()).add(a)
         elif d[a][1] != before:
-            by_kind.setdefault("all-gather", set()).add(a)
-            by_kind.setdefault("slice", set()).add(a)
+            by_kind.setdefault(Kind.ALL_GATHER, set()).add(a)
+            by_kind.setdefault(Kind.SLICE, set()).add(a)
     for a in d:
         if a not in s and a not in src.partial and a not in permuted:
-            by_kind.setdefault("slice", set()).add(a)
+            by_kind.setdefault(Kind.SLICE, set()).add(a)
     order = mesh.names
-    return [Transition(k, tuple(a for a in order if a in by_kind[k])) for k in KINDS if k in by_kind]
+    return [Transition(k, tuple(a for a in order if a in by_kind[k])) for k in Kind if k in by_kind]
 
 
 def traded(before: tuple, after: tuple) -> tuple[tuple[str, ...], tuple[str, ...]]:

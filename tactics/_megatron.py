@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 from typing import NamedTuple
 
-from partir import PartitioningError, transition
+from partir import Kind, PartitioningError, transition
 
 from . import _checks as check
 from ._base import Context, Tactic, TacticError
@@ -355,7 +355,7 @@ def _closes(finder: _BlockFinder, mark, act: int):
         if prog.rematerializable(rs.value):
             continue
         step = next((s for s in transition(rs.src, rs.dst, part.mesh)
-                     if axis in s.axes and s.kind in ("all-gather", "all-to-all")), None)
+                     if axis in s.axes and s.kind in (Kind.ALL_GATHER, Kind.ALL_TO_ALL)), None)
         if step is not None:
             gathers.append((rs, step))
         elif rs.op < forward_end and axis in rs.dst.axes() and axis not in rs.src.axes():

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mesh import MeshSpec
-from .._reshard import permuted_dims, traded, transition
+from .._reshard import Kind, permuted_dims, traded, transition
 from .._tiling import Tiling
 
 #: Reduction kind -> the collective that completes a partial value of that kind.
@@ -157,23 +157,23 @@ class _Factors:
         steps = {t.kind: t.axes for t in transition(self.src, self.dst, self.mesh)}
         kind = self.src.reduce_kind
         place = {a: dim for dim, axes in enumerate(self.dst.dims) for a in axes}
-        if "reduce-scatter" in steps:
-            axes = steps["reduce-scatter"]
+        if Kind.REDUCE_SCATTER in steps:
+            axes = steps[Kind.REDUCE_SCATTER]
             at = [(place[a], a) for a in axes]
             if kind == "sum":
                 self._front(at, lambda y: jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True))
             else:  # no scattering collective for this kind: reduce whole, keep one's piece
                 self.x = self._flat(self.x, lambda y: reduce_all(y, axes, kind))
                 self._front(at, lambda y: self._own(y, axes), collective=False)
-        if "slice" in steps:
-            axes = steps["slice"]
+        if Kind.SLICE in steps:
+            axes = steps[Kind.SLICE]
             self._front([(place[a], a) for a in axes], lambda y: self._own(y, axes), collective=False)
-        if "all-reduce" in steps:
-            self.x = self._flat(self.x, lambda y: reduce_all(y, steps["all-reduce"], kind))
-        if "all-to-all" in steps:
-            self._all_to_all(steps["all-to-all"], place)
-        if "all-gather" in steps:
-            axes = steps["all-gather"]
+        if Kind.ALL_REDUCE in steps:
+            self.x = self._flat(self.x, lambda y: reduce_all(y, steps[Kind.ALL_REDUCE], kind))
+        if Kind.ALL_TO_ALL in steps:
+            self._all_to_all(steps[Kind.ALL_TO_ALL], place)
+        if Kind.ALL_GATHER in steps:
+            axes = steps[Kind.ALL_GATHER]
             at = [(dim, a) for dim, dims in enumerate(self.src.dims) for a in dims if a in axes]
             at.sort(key=lambda label: axes.index(label[1]))
             self._front(at, lambda y: jax.lax.all_gather(y, axes, axis=0, tiled=True))
