@@ -157,10 +157,8 @@ class DeviceSpec:
                 raise DeviceError(f"{f} must be a fraction of the peak in (0, 1], got {v!r}")
             object.__setattr__(self, f, v)
         for f in _NONNEGATIVE:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise DeviceError(f"{f} must be a finite number >= 0, got {v!r}")
-            object.__setattr__(self, f, float(v))
+            v = check.number(f, getattr(self, f), sign="non-negative", example=f"{f}=0", error=DeviceError)
+            object.__setattr__(self, f, v)
         if self.overlap_slowdown >= 1:
             raise DeviceError(f"overlap_slowdown must be below 1, got {self.overlap_slowdown!r}")
         for f in _TOPOLOGY:
