@@ -55,6 +55,15 @@ from ._timing import batch_free, dot_efficiency, overlappable, shard_shape, step
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
 _MEMO_LIMIT = 200_000
 
+#: The backward ops that turn an activation's gradient into a weight's: contractions
+#: (`dW = X^T dY`) and the transpose of a lookup (an embedding table's gradient is a
+#: scatter-add of the rows' gradients). A partial sum one of them depends on is an
+#: activation gradient, reduced on the critical path; one none of them depends on is a
+#: weight's gradient. Without the scatter-add, the first layer's input gradient of an
+#: unrolled model (read by the embedding's scatter-add alone) passed for a weight's,
+#: where a scan's carry gradient, read by the next trip's contractions, does not.
+WEIGHT_GRADIENT_OPS = frozenset(("dot_general", "conv_general_dilated", "scatter-add"))
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -183,7 +192,7 @@ class CostModel:
         # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
         # be made in any layout where they are needed: XLA makes them, never moves them.
         self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
-        heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops], dtype=bool)
+        heavy = np.array([op.primitive in WEIGHT_GRADIENT_OPS for op in prog.ops], dtype=bool)
         self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
@@ -583,9 +592,10 @@ def _shards(dims, mesh) -> int:
 
 
 def _feeds_backward(prog, backward) -> np.ndarray:
-    """Per value: does any of the `backward` ops (the backward pass's contractions)
-    depend on it? Activation gradients do; a weight gradient feeds only reshapes and the
-    optimizer, so its reduction can overlap the rest of the backward pass. Ops are in
+    """Per value: does any of the `backward` ops (the backward pass's contractions and
+    lookups' transposes, `WEIGHT_GRADIENT_OPS`) depend on it? Activation gradients do; a
+    weight gradient feeds only reshapes and the optimizer, so its reduction can overlap
+    the rest of the backward pass. Ops are in
     execution order except loop-carry links, hence a second sweep."""
     feeds = np.zeros(len(prog.values), dtype=bool)
     for _ in range(2):
