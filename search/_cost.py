@@ -93,7 +93,7 @@ class CostModel(CostTime, CostMemory):
         vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
         # (broadcasts, iotas, what is made from them) are no buffer and no memory traffic.
-        self.materialization = mat = materialization(prog, self.device.fused_attention)
+        self.materialization = mat = materialization(prog, self.device.fused_attention, self.device.priority_fusion)
         self._timing_setup(prog, mat)
         self._virtual = mat.virtual
         # Ops that take time: live, not fused away, not a link (links only rename buffers;

@@ -9,7 +9,7 @@ import numpy as np
 from partir import Tiling
 
 from ._comm import gradient_groups
-from ._remat import RematView
+from ._remat import RematView, carried_buffers, extra_buffers
 
 
 class CostMemory:
@@ -67,10 +67,11 @@ class CostMemory:
         buffers of reshards and of recomputation beside the program's."""
         view = self._view()
         starts, ends, sizes, keys = self._reshard_buffers()
-        if view is not None:
-            vs, ve, vz = view.buffers(value_bytes)
+        carried = view.carried if view is not None else carried_buffers(self.materialization)
+        for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried)):
+            vs, ve, vz = extra_buffers(entries, value_bytes)
             starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
-            keys = keys + [("remat", v) for _, _, v, _ in view.extra]
+            keys = keys + [(kind, v) for _, _, v, _ in entries]
         liveness = view.liveness if view is not None else self.liveness
         peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact)
         return peak, t, buf, liveness, (starts, ends, sizes, keys)
@@ -87,6 +88,8 @@ class CostMemory:
                 return f"{self.program.name(key[1])} as {Tiling(key[2])}"
             if key[0] == "remat":
                 return f"{self.program.name(key[1])} recomputed"
+            if key[0] == "stacked":
+                return f"{self.program.name(key[1])} stacked"
             return f"{op_label(self.program, key[1])} as computed"
         cache = self._buffer_name.setdefault(id(liveness), {})
         name = cache.get(b)

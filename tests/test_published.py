@@ -1,7 +1,8 @@
 """The cost model's time against published training runs (`benchmarks/published.py`):
 the data file's schema, the ±15% band on the `check` rows (never used to fit), and
-the mechanisms that moved them: the fused attention kernel (GPU/TPU presets only) and
-the `cpu` preset left the roofline of XLA:CPU."""
+the mechanisms that moved them: the fused attention kernel (GPU/TPU presets only),
+XLA:GPU's fusion of casts (GPU presets only), and the `cpu` preset left the roofline
+of XLA:CPU."""
 
 import dataclasses
 import importlib.util
@@ -75,9 +76,37 @@ def test_fused_attention_keeps_no_scores_and_prices_the_kernel():
     assert fused.compute_time < plain.compute_time
 
 
+def _norm_casts(prog) -> list[int]:
+    """The forward pass's float32 copies of bfloat16 activations (the norms' inputs)."""
+    out = []
+    for op in prog.ops:
+        if op.primitive == "convert_element_type" and not op.link and not prog.backward[op.id]:
+            src, res = prog.values[op.operands[0]], prog.values[op.results[0]]
+            if src.dtype == jnp.bfloat16 and res.dtype == jnp.float32 and res.shape[-1:] == (256,):
+                out.append(op.results[0])
+    return out
+
+
+def test_gpu_fusion_casts_a_norms_input_in_each_reader():
+    # XLA:GPU's priority fusion fuses the float32 copy of a norm's bfloat16 input into
+    # every reader, the mean of squares among them: it is no buffer, and the scan stacks
+    # the bfloat16 layer input for the backward loop instead. XLA:CPU makes a buffer of
+    # it (a reduction reads it), and the `cpu` preset keeps that.
+    part = _tiny_llama()
+    h100 = search.get_device("h100")
+    assert h100.priority_fusion and not search.get_device("cpu").priority_fusion
+    gpu = search.CostModel(part.copy(), h100)
+    cpu_like = search.CostModel(part.copy(), dataclasses.replace(h100, priority_fusion=False))
+    casts = _norm_casts(part.program)
+    assert casts and all(gpu.materialization.virtual[v] for v in casts)
+    assert not any(cpu_like.materialization.virtual[v] for v in casts)
+    assert gpu.materialization.carried and not cpu_like.materialization.carried
+    assert gpu.cost().memory_peak < cpu_like.cost().memory_peak
+
+
 def test_cpu_preset_keeps_the_roofline_of_xla_cpu():
     cpu = search.get_device("cpu")
-    assert not (cpu.fused_attention or cpu.overlap or cpu.overlap_activations)
+    assert not (cpu.fused_attention or cpu.overlap or cpu.overlap_activations or cpu.priority_fusion)
     assert cpu.matmul_efficiency == cpu.attention_efficiency == cpu.collective_efficiency == 1.0
     assert cpu.matmul_knee == cpu.op_overhead == cpu.overlap_slowdown == 0.0
     cost = search.CostModel(_tiny_llama(), "cpu").cost()
