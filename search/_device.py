@@ -227,9 +227,22 @@ def _flops(f32, bf16, f16, f8=None):
     return pf + ((("float8_e4m3fn", f8), ("float8_e5m2", f8)) if f8 else ())
 
 
-def _gpu(name, flops, hbm, hbm_bw, nvlink, ib, **time):
+#: Bytes in a GiB. A GPU's "80GB" of HBM are 80 GiB (five 16 GiB stacks; the driver of an
+#: A100 80GB reports 81,920 MiB): datasheet capacities are read as GiB.
+GIB = 2**30
+#: The fraction of a GPU's memory a training step's buffers may use: NVIDIA's guide to
+#: LLMs with JAX and XLA on GPUs (NVIDIA/JAX-Toolbox, rosetta/docs/GPU_performance.md)
+#: sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.9: the rest goes to NVIDIA's libraries and
+#: JAX itself (the CUDA context, cuBLAS and cuDNN workspaces, NCCL's buffers). JAX's own
+#: default, 0.75, is for a GPU shared with other processes.
+GPU_MEMORY_FRACTION = 0.9
+
+
+def _gpu(name, flops, hbm_gib, hbm_bw, nvlink, ib, **time):
     # Every GPU preset is an 8-GPU HGX/DGX board: NVLink inside it, InfiniBand across.
-    return DeviceSpec(name, flops, hbm, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP, devices_per_node=8, **time)
+    # The memory a step may use: the datasheet's GiB, less what the runtime takes.
+    return DeviceSpec(name, flops, hbm_gib * GIB * GPU_MEMORY_FRACTION, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP,
+                      devices_per_node=8, **time)
 
 
 # The time model of the GPU and TPU presets (module docstring), from the vendors'
@@ -273,20 +286,20 @@ _TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead
 # version, where a "node" is the ICI domain (the largest pod slice) and DCN joins slices.
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM5 80GB: TF32 989/2 (the f32 dot), BF16 = FP16 1,979/2, FP8 3,958/2 TFLOPS;
-    # "80GB" HBM3 taken as decimal GB (leaves room for the runtime's reserve), 3.35 TB/s.
-    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80e9, 3.35e12, _NVLINK4, _NDR,
+    # 80 GB HBM3 (80 GiB, `GIB`), 3.35 TB/s.
+    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80, 3.35e12, _NVLINK4, _NDR,
                  **_GPU_TIME),
     # H200 SXM 141GB: H100 compute (same datasheet figures); 141 GB HBM3e at 4.8 TB/s.
-    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141e9, 4.8e12, _NVLINK4, _NDR,
+    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141, 4.8e12, _NVLINK4, _NDR,
                  **_GPU_TIME),
     # A100 SXM 80GB: TF32 312/2, BF16 = FP16 624/2 TFLOPS, no FP8; 80 GB HBM2e, 2,039 GB/s.
-    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80e9, 2.039e12, _NVLINK3, _HDR, **_GPU_TIME),
+    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80, 2.039e12, _NVLINK3, _HDR, **_GPU_TIME),
     # V100 SXM2 32GB: FP32 15.7 TFLOPS (no TF32 on Volta), FP16 tensor cores 125 TFLOPS
     # (no sparsity on Volta). No BF16 tensor cores: a bf16 dot runs on the CUDA cores, at
     # best at the FP32 rate, so 'bfloat16' gets that. 32 GB HBM2, 900 GB/s. DGX-1 wires its 8 GPUs
     # as a hybrid cube-mesh, not a switch: the NVLink figure is the per-GPU total. No time
     # model: no published run of ours is on V100, and cuDNN's fused attention needs Ampere.
-    "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32e9, 900e9, _NVLINK2, _EDR),
+    "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32, 900e9, _NVLINK2, _EDR),
     # TPU v4: "275 teraflops (bf16 or int8)" per chip; float32 at the same rate (one bf16
     # pass, JAX's default), float16 assumed (not documented) to be converted to that path.
     # "32 GiB, 1200 GBps" HBM2. ICI, derived estimate: "all-reduce bandwidth per Pod
