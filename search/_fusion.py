@@ -33,8 +33,8 @@ reads `in` bytes of buffers, writes `out` and has `n` readers fuses when
 so a widening cast (a norm's float32 copy of its bfloat16 input) is never a buffer:
 each reader casts again. On such a backend a scan's fused residual may be re-derived
 from body buffers its forward loop does not stack (the layer's input, a projection's
-output): the loop stacks those instead (`_stacks`, `Materialization.carried`), once each, as the
-unrolled program keeps each layer's copy.
+output): the loop stacks those instead (`_stacks`, `Materialization.carried`), once
+each, as the unrolled program keeps each layer's copy.
 
 `materialization(program, fused_attention=False, priority_fusion=False)` computes these
 static facts once per program; the cost model prices and the liveness counts only what
