@@ -292,14 +292,27 @@ def _layer_boundaries(program, first: bool = False) -> set[int]:
             op = program.ops[b.ops[0] - 1]
             out.update(v for v in op.results if v in b.inputs and not op.link)
     if first and len(blocks) > 1 and blocks[0].loop < 0 and out:
-        # The first layer's input: what it reads of the shape and dtype the second
-        # layer's input has, made by an op of the program (not an argument, not a link).
-        like = {(program.values[v].shape, program.values[v].dtype) for v in out}
-        args = set(program.inputs)
-        out.update(v for v in blocks[0].inputs if v not in args and program.producer[v] >= 0
-                   and not program.ops[program.producer[v]].link
-                   and (program.values[v].shape, program.values[v].dtype) in like)
+        out.update(_first_layer_input(program, blocks[0], out))
     return out
+
+
+def _first_layer_input(program, block, boundaries) -> set[int]:
+    """The input of the first layer `block` its residual stream starts from: reached
+    from the second layer's input back through the residual adds inside the block."""
+    inputs, seen, found = set(block.inputs), set(), set()
+    stack = [v for v in boundaries if program.producer[v] in set(block.ops) | {block.ops[-1] + 1}]
+    while stack:
+        v = stack.pop()
+        if v in seen or v < 0:
+            continue
+        seen.add(v)
+        if v in inputs:
+            found.add(v)
+            continue
+        p = program.producer[v]
+        if p >= 0 and program.ops[p].primitive == "add" and not program.ops[p].link:
+            stack += list(program.ops[p].operands)
+    return {v for v in found if program.producer[v] >= 0 and not program.ops[program.producer[v]].link}
 
 
 def _materialized_sources(sources, virtual) -> dict:
