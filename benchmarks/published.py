@@ -4,10 +4,13 @@ For each run of `benchmarks/published/runs.toml` (transformer LMs of 8B-405B par
 on H100, A100 and TPU v5e/v5p, each cited by document and table): the published figure;
 where today's tactics express the run, the modeled figure of the published
 configuration (its schedule of tactics on `examples/llama.py` set to the run's shape,
-on the run's device preset, from abstract shapes) and its relative error; and the plan
+on the run's device preset, from abstract shapes; unrolled where only some layers are
+checkpointed), its relative error and its peak memory; and the plan
 `AutomaticPartition` finds for the same model, devices and global batch, with its
 modeled step divided by the published configuration's. Rows needing pipeline or
-context parallelism, FP8 or a MoE Llama say so.
+context parallelism, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
+configurations of one model, ranked by time per token per device as measured and as
+modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
 Figures are compared like with like: each source's model-flops formula (`FORMULAS`)
 turns its published figure into a step time and the modeled step into the same MFU.
@@ -41,8 +44,13 @@ RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "ru
 EPISODES = 300
 #: Relative error band the modeled MFU of a published configuration must hold.
 BAND = 0.15
+#: A measured gap in time per token under this (relative) is within one run's noise:
+#: the pair is a tie (the data file's header says why).
+NOISE = 0.01
+#: The most a tie's modeled gap may be (the data file's header says why).
+TIE = 0.05
 SPLITS = ("fit", "check")
-REMAT = ("none", "dots", "full")
+REMAT = ("none", "dots", "full", "full/2")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
 PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
 
@@ -180,16 +188,24 @@ def published_step(r: Row) -> float:
 
 # -- modeling -----------------------------------------------------------------------------
 
-def program(r: Row):
-    """The lifted train step of `examples/llama.py` set to the row's shape (abstract)."""
+#: torchtitan's selective layer checkpointing with option 2 wraps layers 2, 4, 6, ...
+#: (counting from 1): the odd indices of the unrolled program's layers.
+ODD_LAYERS = r"re:^params\['layers'\]\[\d*[13579]\]"
+
+
+def program(r: Row, *, scan: bool | None = None):
+    """The lifted train step of `examples/llama.py` set to the row's shape (abstract):
+    its layers under `scan`, unrolled where the row checkpoints some layers only
+    (`scan` overrides)."""
     import jax.numpy as jnp
 
     import partir
     from examples import llama
 
+    scan = r.remat != "full/2" if scan is None else scan
     config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
                                d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq, batch=r.global_batch,
-                               dtype=jnp.bfloat16, scan_layers=True, remat=False)
+                               dtype=jnp.bfloat16, scan_layers=scan, remat=False)
     step, args = llama.make_train_step(config, abstract=True)
     return partir.lift(step, *args)
 
@@ -204,6 +220,8 @@ def schedule(r: Row) -> list:
         out += [tactics.Megatron("model"), tactics.FSDP("fsdp")]
     else:
         out += [tactics.FSDP("fsdp", leave_room=False)]
+    if r.remat == "full/2":
+        return out + [tactics.Remat("full", pattern=ODD_LAYERS)]
     return out + ([tactics.Remat(r.remat)] if r.remat != "none" else [])
 
 
@@ -217,26 +235,76 @@ def summary(part, r: Row, device) -> dict:
             "mfu": FORMULAS[r.flops](r) / (peak * cost.step_time)}
 
 
-def model_row(r: Row, episodes: int, device=None) -> dict:
-    """The row's published and modeled figures and the searched plan's."""
+def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) -> dict:
+    """The row's published and modeled figures and the searched plan's. `searches`
+    caches the search by what it sees (shape, devices, global batch, device): the
+    configurations of one run share it."""
     import partir
     import search
-    import tactics
 
     device = device or r.device
-    prog = program(r)
     mesh = partir.MeshSpec(r.mesh_axes)
-    part = tactics.apply_schedule(prog, mesh, schedule(r)).partitioning
+    part = _apply(program(r), mesh, schedule(r))
     out = {"id": r.id, "split": r.split, "published_step_s": published_step(r), "published": summary(part, r, device)}
     peak = search.get_device(device).flops_for("bfloat16")
     out["published_mfu"] = FORMULAS[r.flops](r) / (peak * out["published_step_s"])
     out["error"] = out["published"]["mfu"] / out["published_mfu"] - 1
     if episodes > 0:
-        auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True)
-        found = tactics.apply_schedule(prog, mesh, [auto])
-        out["searched"] = summary(found.partitioning, r, device)
-        out["plan"] = [a.describe(res.groups) for res in found.context.search for a in res.actions]
+        searches = {} if searches is None else searches
+        key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.global_batch, r.mesh_axes,
+               device, episodes)
+        if key not in searches:
+            searches[key] = _search(r, mesh, device, episodes)
+        found, out["plan"] = searches[key]
+        out["searched"] = summary(found, r, device)
         out["searched_over_published"] = out["searched"]["step_s"] / out["published"]["step_s"]
+    return out
+
+
+def _apply(prog, mesh, tactic_list):
+    import tactics
+
+    return tactics.apply_schedule(prog, mesh, tactic_list).partitioning
+
+
+def _search(r: Row, mesh, device, episodes: int):
+    """(partitioning, plan) the search finds for the row's model on its devices: on
+    the scanned program, whose plans are the unrolled one's (layer by layer alike)."""
+    import search
+    import tactics
+
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True)
+    found = tactics.apply_schedule(program(r, scan=True), mesh, [auto])
+    return found.partitioning, [a.describe(res.groups) for res in found.context.search for a in res.actions]
+
+
+def run_of(r: Row) -> tuple:
+    """What makes rows configurations of one model to rank: the model and the device
+    type (the number of devices and the mesh are part of a configuration)."""
+    return (r.model, r.device)
+
+
+def rankings(rows: list[Row], results: dict) -> list[dict]:
+    """Every pair of modeled configurations of one model (`run_of`): the measured and
+    modeled gaps in time per token per device (configurations differ in batch and
+    devices; second over first, minus 1), and whether the model ranks them as measured
+    (a tie: a modeled gap under `TIE`)."""
+    groups: dict = {}
+    for r in rows:
+        if r.id in results:
+            groups.setdefault(run_of(r), []).append(r)
+    out = []
+    for group in groups.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                ra, rb = results[a.id], results[b.id]
+                scale = (a.global_batch / a.devices) / (b.global_batch / b.devices)  # tokens a device, a over b
+                measured = rb["published_step_s"] / ra["published_step_s"] * scale - 1
+                modeled = rb["published"]["step_s"] / ra["published"]["step_s"] * scale - 1
+                tie = abs(measured) < NOISE
+                ok = abs(modeled) < TIE if tie else (measured > 0) == (modeled > 0)
+                out.append({"first": a.id, "second": b.id, "measured": measured, "modeled": modeled, "tie": tie,
+                            "ok": ok})
     return out
 
 
@@ -253,11 +321,10 @@ def fit(rows: list[Row]) -> dict:
 
     import partir
     import search
-    import tactics
 
     models = []
     for r in rows:
-        part = tactics.apply_schedule(program(r), partir.MeshSpec(r.mesh_axes), schedule(r)).partitioning
+        part = _apply(program(r), partir.MeshSpec(r.mesh_axes), schedule(r))
         models.append((r, search.CostModel(part, r.device), published_step(r)))
 
     def loss(x):
@@ -303,6 +370,20 @@ def _table(rows: list[Row], results: dict) -> None:
         Console(width=200).print(table)
 
 
+def _ranking_table(pairs: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"configurations of one model, ranked (time per token per device of the second over the first; a measured gap "
+                        f"under {NOISE:.0%} is a tie, which the model must keep under {TIE:.0%})")
+    for col in ("first", "second", "measured", "modeled", "ranked as measured"):
+        table.add_column(col, justify="left" if col in ("first", "second") else "right")
+    for p in pairs:
+        table.add_row(p["first"], p["second"], f"{p['measured']:+.1%}" + (" (tie)" if p["tie"] else ""),
+                      f"{p['modeled']:+.1%}", "yes" if p["ok"] else "NO")
+    Console(width=200).print(table)
+
+
 def _parallel(r: Row) -> str:
     return " ".join(f"{k}{v}" for k, v in r.parallelism.items() if v > 1) or "-"
 
@@ -327,13 +408,16 @@ def main(argv=None) -> None:
         return
     chosen = [r for r in rows if args.rows is None or r.id in args.rows]
     results: dict[str, Any] = {}
+    searches: dict = {}
     for r in chosen:
         if r.expressible:
-            results[r.id] = model_row(r, args.episodes)
+            results[r.id] = model_row(r, args.episodes, searches=searches)
     _table(chosen, results)
+    pairs = rankings(chosen, results)
+    _ranking_table(pairs)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+            json.dump({"rows": results, "rankings": pairs}, fh, indent=1)
 
 
 if __name__ == "__main__":

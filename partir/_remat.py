@@ -83,7 +83,7 @@ def _find_layers(program) -> tuple[Layer, ...]:
         if r.kind == "scan" and _forward_call(program, r, backward):
             found.append(_scan_layer(program, r, late, len(found)))
     if not found:
-        found = _layer_blocks(program, backward, late)
+        found = _unrolled_layers(program, backward, late)
     return tuple(found)
 
 
@@ -129,7 +129,7 @@ def _region_ops(program, rid: int):
     return ops, made
 
 
-def _layer_blocks(program, backward, late) -> list[Layer]:
+def _unrolled_layers(program, backward, late) -> list[Layer]:
     """Layers of an unrolled program's layers (no layers: no layers). Layer i runs from
     its input activation x_i to x_(i+1): x_i is made by the op that dominates (in the
     forward pass's dataflow) every op reading layer i's parameters, last among those

@@ -8,7 +8,8 @@ communication per mesh axis, peak memory; incremental as the partitioning change
 """
 
 from ._comm import CollectiveCost, LinkModel
-from ._cost import Cost, CostModel, bytes_str, time_str
+from ._breakdown import Cost, bytes_str, time_str
+from ._cost import CostModel
 from ._report import collectives_table
 from ._device import DEFAULT_DEVICE, PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 

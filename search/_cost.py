@@ -26,6 +26,10 @@ kernel's ops take no time of their own and its matmuls run at `attention_efficie
 of peak, on the tiles a causal mask leaves, plus `Q K^T` again in the backward kernel.
 On the `cpu` preset all of it is the identity: the model is the roofline XLA:CPU runs.
 
+The model is three modules: this one keeps the per-op prices up to date and adds them
+up (`evaluate`, `cost`); `_costtime` assembles the step's time, `_costmemory` its peak
+memory; `_breakdown` holds the readable `Cost`.
+
 Re-costing is incremental: the model consumes what the partitioning reports changed
 (`Partitioning.take_touched`), recomputes only the non-trivial ops involved, and
 re-derives the totals with vectorised sums over per-op arrays.
@@ -35,104 +39,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from partir import Tiling
-
-from ._comm import CollectiveCost, LinkModel, gradient_groups
+from ._breakdown import Cost, bytes_str, time_str
+from ._comm import CollectiveCost, LinkModel
+from ._costmemory import CostMemory, op_label
+from ._costtime import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
 from ._manual import body_collectives
 from ._memory import Liveness
 from ._moves import MoveBuffers
-from ._remat import RematView
-from ._timing import batch_free, dot_efficiency, overlappable, shard_shape, step_time
+from ._timing import dot_efficiency, shard_shape
+
+__all__ = ["Cost", "CostModel", "bytes_str", "time_str"]
 
 
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
 _MEMO_LIMIT = 200_000
 
 
-@dataclass(frozen=True)
-class Cost:
-    """A readable cost breakdown; `print(cost)` or `rich.print(cost)` shows the tables."""
-
-    device: str
-    mesh: str
-    flops: float
-    flops_loops_once: float
-    transcendentals: float
-    compute_time: float
-    backward_compute_time: float
-    comm_time: float
-    exposed_comm_time: float
-    overlap: bool
-    gradient_comm_time: float
-    collectives: tuple[CollectiveCost, ...]
-    memory_peak: float
-    memory_at_peak: tuple[tuple[str, float], ...]
-    argument_bytes: float
-    memory_limit: float
-    top_ops: tuple[tuple[str, float], ...]
-
-    @property
-    def step_time(self) -> float:
-        """Compute plus the communication it does not hide (seconds): all of it where
-        the device does not overlap (`DeviceSpec.overlap`), see `_timing`."""
-        return self.compute_time + self.exposed_comm_time
-
-    @property
-    def step_time_overlap(self) -> float:
-        """Step time with gradient reductions overlapping the backward pass (seconds):
-        `step_time` where the device's model overlaps already."""
-        if self.overlap:
-            return self.step_time
-        hidden = min(self.gradient_comm_time, self.backward_compute_time)
-        return self.compute_time + self.comm_time - hidden
-
-    @property
-    def fits(self) -> bool:
-        """Whether the peak memory fits the memory limit."""
-        return self.memory_peak <= self.memory_limit
-
-    def by_kind(self) -> dict[str, tuple[float, float]]:
-        """Collective kind -> (count per step, bytes per device per step)."""
-        out: dict[str, list] = {}
-        for c in self.collectives:
-            e = out.setdefault(c.kind, [0.0, 0.0])
-            e[0] += c.count
-            e[1] += c.bytes * c.count
-        return {k: tuple(v) for k, v in sorted(out.items())}
-
-    def by_axis(self) -> dict[tuple[str, ...], tuple[float, float, float]]:
-        """Mesh axes -> (count, bytes, seconds) per step, over all kinds."""
-        out: dict[tuple, list] = {}
-        for c in self.collectives:
-            e = out.setdefault(c.axes, [0.0, 0.0, 0.0])
-            e[0] += c.count
-            e[1] += c.bytes * c.count
-            e[2] += c.time * c.count
-        return {k: tuple(v) for k, v in sorted(out.items())}
-
-    def __rich_console__(self, console, options):
-        from ._report import cost_tables
-
-        yield from cost_tables(self)
-
-    def __str__(self) -> str:
-        import io
-
-        from rich.console import Console
-
-        console = Console(width=120, file=io.StringIO())
-        console.print(self)
-        return console.file.getvalue()
-
-
-class CostModel:
+class CostModel(CostTime, CostMemory):
     """Costs one `Partitioning` on one device, incrementally as it changes.
 
     `device` is a preset name, a `DeviceSpec` or a JSON/TOML path; `memory_limit`
@@ -156,7 +85,7 @@ class CostModel:
         self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
         work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
         self._flops, self._trans = work[:, 0], work[:, 1]
-        self._peak = np.array([self.device.flops_for(_dtype(op, prog)) for op in prog.ops])
+        self._peak = np.array([self.device.flops_for(op_dtype(op, prog)) for op in prog.ops])
         self._backward = np.array(prog.backward, dtype=bool)
         self._op_region = [op.region for op in prog.ops]
         self._trivial = np.array(cls.trivial, dtype=bool)
@@ -164,7 +93,7 @@ class CostModel:
         vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
         # (broadcasts, iotas, what is made from them) are no buffer and no memory traffic.
-        self.materialization = mat = materialization(prog, self.device.fused_attention)
+        self.materialization = mat = materialization(prog, self.device.fused_attention, self.device.priority_fusion)
         self._timing_setup(prog, mat)
         self._virtual = mat.virtual
         # Ops that take time: live, not fused away, not a link (links only rename buffers;
@@ -183,8 +112,8 @@ class CostModel:
         # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
         # be made in any layout where they are needed: XLA makes them, never moves them.
         self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
-        heavy = np.array([op.primitive in ("dot_general", "conv_general_dilated") for op in prog.ops], dtype=bool)
-        self._feeds_backward = _feeds_backward(prog, self._backward & heavy)
+        heavy = np.array([op.primitive in WEIGHT_GRADIENT_OPS for op in prog.ops], dtype=bool)
+        self._feeds_backward = feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
         self.liveness = Liveness(prog, mat, donate_argnums)
         self._move_buffers = MoveBuffers(part, self.device, mat)  # the backend's ways with moves
@@ -206,31 +135,6 @@ class CostModel:
         part.take_touched()
         self._refresh_classes(range(len(cls)))
         self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o] and mat.live_op[o]])
-
-    def _timing_setup(self, prog, mat) -> None:
-        """Static arrays of the device's time model: each op's matmul efficiency on its
-        whole shapes (a partitioned op's is re-derived on its shards), the fused
-        attention kernel's matmuls, the values the batch does not reach (weights), and
-        each op's computation (region, pass) for overlap."""
-        from tactics import roles
-
-        vals, dev = prog.values, self.device
-        self._eff = np.array([dot_efficiency(op, vals[op.operands[0]].shape, vals[op.operands[1]].shape, dev)
-                              if op.primitive == "dot_general" and not op.link else 1.0 for op in prog.ops])
-        self._is_dot = np.array([op.primitive == "dot_general" and not op.link for op in prog.ops], dtype=bool)
-        att = mat.attention
-        n_ops = len(prog.ops)
-        self._kernel = att.dots & mat.live_op if att is not None else np.zeros(n_ops, dtype=bool)
-        self._kernel_work = att.work if att is not None else np.ones(n_ops)
-        self._kernel_again = att.recompute * mat.live_op if att is not None else np.zeros(n_ops)
-        self._weights = batch_free(prog, roles(prog).batch)
-        keys: dict = {}
-        self._bucket = np.array([keys.setdefault((op.region, bool(b)), len(keys))
-                                 for op, b in zip(prog.ops, prog.backward)], dtype=np.int64)
-        self._bucket_bwd = np.array([keys.setdefault((op.region, True), len(keys)) for op in prog.ops],
-                                    dtype=np.int64)
-        self._n_buckets = len(keys)
-        self._bucket_parents = _bucket_parents(prog, keys)
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -357,136 +261,6 @@ class CostModel:
         self._refresh_ops([o for o in todo if live[o]])
 
     # -- evaluation ------------------------------------------------------------------------
-    def _op_times(self):
-        """(seconds per op per step, work division, seconds the backward attention
-        kernel spends recomputing each forward score dot's `Q K^T`)."""
-        dev = self.device
-        div = np.where(self._trivial, self._class_div[self._op_class], self._op_div)
-        moved = np.where(self._trivial, self._op_bytes_full / div, self._op_bytes)
-        work = (self._flops + self._trans) / div
-        eff = np.where(self._is_dot, self._eff * dev.matmul_efficiency, 1.0)
-        times = np.maximum(work / (self._peak * eff), moved / dev.hbm_bandwidth) * self._mult * self._runs
-        kernel = self._flops / div / (self._peak * dev.attention_efficiency) * self._mult
-        times = np.where(self._kernel, kernel * self._kernel_work, times)
-        if dev.op_overhead > 0:
-            # Matmuls and attention kernels, each a kernel of its own in any form of the
-            # program; elementwise ops fuse into them or into few loop fusions, as many
-            # in a scan as unrolled, which the op list does not follow one to one.
-            times = times + dev.op_overhead * self._mult * ((times > 0) & self._is_dot)
-        return times, div, kernel * self._kernel_again
-
-    def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:
-        """(step time, exposed communication) of the current state (`_timing`)."""
-        if not self.device.overlap:
-            cols = [c for _, e in self._moves() for c in e[min(e)][1]] + [c for _, c, _ in cols_again]
-            return step_time(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
-        buckets = np.bincount(self._bucket, weights=times, minlength=self._n_buckets)
-        redo, skipped, extra = again_ops
-        buckets += np.bincount(self._bucket_bwd, weights=extra, minlength=self._n_buckets)
-        if redo is not None:
-            buckets += np.bincount(self._bucket_bwd[redo], weights=times[redo], minlength=self._n_buckets)
-            buckets -= np.bincount(self._bucket[skipped], weights=times[skipped], minlength=self._n_buckets)
-        moves = []
-        for _, e in self._moves():
-            first = min(e)
-            v, cs, _ = e[first]
-            moves += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device)) for c in cs]
-        moves += [(int(self._bucket_bwd[o]), c, overlappable(c, v, self._weights, self.device)) for o, c, v in cols_again]
-        return step_time(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
-                         self._bucket_parents)
-
-    def _reshard_buffers(self):
-        """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
-        its readers want, live from the first such reader to the last; the whole result of
-        an op that is reduce-scattered or sliced after it, for that op. Gradient
-        reductions are combined (see `gradient_groups`): a gradient's whole result waits
-        for its group's collective, and a backend without reduce-scatter holds every
-        member's all-reduced result there at once. `MoveBuffers` says how the backend
-        differs."""
-        starts, ends, sizes, keys = [], [], [], []
-        grads = []
-        for key, e in self._moves():
-            first = min(e)
-            v, cols, buf = e[first]
-            if key[0] == "made" and any(c.gradient for c in cols):
-                grads.append((first, key, cols, buf))
-            elif buf > 0:
-                mb = self._move_buffers
-                starts.append(mb.start(key, v, first)), sizes.append(buf * mb.copies(key, v, e))
-                ends.append(mb.end(key, e[first], max(e))), keys.append(key)
-        for group in gradient_groups(sorted(grads, key=lambda g: g[0]), self._op_region):
-            last = group[-1][0]
-            for first, key, cols, buf in group:
-                if buf > 0:
-                    starts.append(first), ends.append(last), sizes.append(buf), keys.append(key)
-            whole = sum(c.bytes for _, _, cols, _ in group for c in cols if c.kind == "all-reduce")
-            if whole > 0:
-                starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
-        return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
-
-    def _view(self):
-        """The rematerialization view of the current recomputed residuals, or None."""
-        rec, reused = self.part.rematerialized, self.part.reused
-        if not rec and not reused:
-            return None
-        view = self._views.get((rec, reused))
-        if view is None:
-            view = self._views[(rec, reused)] = RematView(self.program, self.materialization, self._donated, rec,
-                                                          reused)
-        return view
-
-    def _moves(self) -> list:
-        """(key, entry) of the reshards (entry: op -> (value, collectives, buffer)) of the
-        ops that run (a relaxed checkpoint's skipped ops move nothing)."""
-        view = self._view()
-        return list(self._dedup.items()) if view is None else view.running(self._dedup)
-
-    def _memory(self, value_bytes, *, exact: bool):
-        """(peak, op index, buffer bytes, liveness, keys of the extra buffers): the
-        buffers of reshards and of recomputation beside the program's."""
-        view = self._view()
-        starts, ends, sizes, keys = self._reshard_buffers()
-        if view is not None:
-            vs, ve, vz = view.buffers(value_bytes)
-            starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
-            keys = keys + [("remat", v) for _, _, v, _ in view.extra]
-        liveness = view.liveness if view is not None else self.liveness
-        peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact)
-        return peak, t, buf, liveness, (starts, ends, sizes, keys)
-
-    def _recomputed(self, times) -> tuple[float, list]:
-        """(seconds, (op, collective, value) triples) of the forward ops the backward
-        pass runs again."""
-        view = self._view()
-        if view is None:
-            return 0.0, []
-        skipped = -float(times[view.skipped].sum())  # a relaxed checkpoint's ops that no longer run
-        # A recomputed op runs in the backward pass, behind the barrier that keeps XLA
-        # from merging it into the forward pass: what it reads it moves again, even in a
-        # layout the backward pass moves the value to as well (an FSDP weight gathered
-        # for the gradients), as XLA runs it in unrolled code and in a scan's backward
-        # loop alike; recomputed ops that read a value in one layout move it once.
-        cols, moved = [], set()
-        for o in view.ops.tolist():
-            for key in self._op_cols.get(o, ()):
-                if key[0] == "read":
-                    if key in moved:
-                        continue
-                    moved.add(key)
-                v, cs, _ = self._dedup[key][o]
-                cols += [(o, c, v) for c in cs]
-        return float(times[view.ops].sum()) + skipped, cols
-
-    def _again_ops(self, extra):
-        """(recomputed ops, skipped ops, backward kernel recompute seconds) for `_step`."""
-        view = self._view()
-        return (None, None, extra) if view is None else (view.ops, view.skipped, extra)
-
-    def exact_peak(self) -> float:
-        """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
-        self._sync()
-        return self._memory(self._nbytes / self._class_div[self._value_class], exact=True)[0]
-
     def evaluate(self) -> tuple[float, float]:
         """(step time without overlap, fast estimate of the peak memory): the search's
         fast path."""
@@ -535,90 +309,10 @@ class CostModel:
                                  if buf[b] > 0),
             argument_bytes=float(sum(value_bytes[v] for v in prog.inputs)),
             memory_limit=self.memory_limit,
-            top_ops=tuple((_op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
+            top_ops=tuple((op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
         )
-
-    def _name_of_buffer(self, b: int, liveness, extra_keys) -> str:
-        if b >= liveness.num_buffers:  # a reshard's or a recomputation's buffer
-            key = extra_keys[b - liveness.num_buffers]
-            if key[0] == "read":
-                return f"{self.program.name(key[1])} as {Tiling(key[2])}"
-            if key[0] == "remat":
-                return f"{self.program.name(key[1])} recomputed"
-            return f"{_op_label(self.program, key[1])} as computed"
-        cache = self._buffer_name.setdefault(id(liveness), {})
-        name = cache.get(b)
-        if name is None:
-            members = np.nonzero(liveness.buffer == b)[0]
-            is_input = set(self.program.inputs)
-            inputs = [v for v in members if v in is_input]
-            name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
-        return name
-
-
-def _bucket_parents(prog, keys: dict) -> dict:
-    """Computation id -> the id of the one enclosing it (its region's parent, same pass;
-    None at the top), innermost first (`_timing.step_time`)."""
-    regions = prog.regions
-
-    def depth(r):
-        d = 0
-        while regions[r].parent is not None and regions[r].parent >= 0:
-            r, d = regions[r].parent, d + 1
-        return d
-
-    out = {}
-    for (region, backward), k in sorted(keys.items(), key=lambda kv: -depth(kv[0][0])):
-        parent = regions[region].parent
-        if parent is not None and parent >= 0:
-            out[k] = keys.setdefault((parent, backward), len(keys))
-        else:
-            out[k] = None
-    return out
-
 
 def _shards(dims, mesh) -> int:
     """Devices along the axes of a dim tiling (or factor tiling)."""
     return mesh.devices_along(a for axes in dims for a in axes)
 
-
-def _feeds_backward(prog, backward) -> np.ndarray:
-    """Per value: does any of the `backward` ops (the backward pass's contractions)
-    depend on it? Activation gradients do; a weight gradient feeds only reshapes and the
-    optimizer, so its reduction can overlap the rest of the backward pass. Ops are in
-    execution order except loop-carry links, hence a second sweep."""
-    feeds = np.zeros(len(prog.values), dtype=bool)
-    for _ in range(2):
-        for op in reversed(prog.ops):
-            out = bool(backward[op.id]) or any(feeds[v] for v in op.results if v >= 0)
-            if out:
-                for v in op.operands:
-                    if v >= 0:
-                        feeds[v] = True
-    return feeds
-
-
-def _dtype(op, prog):
-    for v in op.operands + op.results:
-        if v >= 0:
-            return prog.values[v].dtype
-    return np.float32
-
-
-def _op_label(prog, o: int) -> str:
-    op = prog.ops[o]
-    res = next((v for v in op.results if v >= 0), None)
-    return prog.name(res) if res is not None else op.primitive
-
-
-def bytes_str(n: float) -> str:
-    """Human-readable bytes (KiB/MiB/GiB)."""
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def time_str(s: float) -> str:
-    """Human-readable seconds."""
-    return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.2f} us"

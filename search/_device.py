@@ -58,7 +58,8 @@ class DeviceError(ValueError):
 
 _FLOAT_FIELDS = ("hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
 #: Backend behaviours (true or false), optional in a device description.
-_FLAGS = ("reduce_scatter", "breadth_first", "gather_copies", "fused_attention", "overlap", "overlap_activations")
+_FLAGS = ("reduce_scatter", "breadth_first", "gather_copies", "fused_attention", "overlap", "overlap_activations",
+          "priority_fusion")
 #: Time-model fractions in (0, 1], optional (default 1: the datasheet figure).
 _FRACTIONS = ("matmul_efficiency", "attention_efficiency", "collective_efficiency")
 #: Time-model figures >= 0, optional (default 0: none).
@@ -101,8 +102,11 @@ class DeviceSpec:
     for a backend that all-gathers with the gathered dim major and copies the result
     row-major for each way dots read it (XLA:CPU). `fused_attention` is True for a
     backend whose `jax.nn.dot_product_attention` runs as one fused kernel that never
-    materializes the `[B, H, S, S]` scores (cuDNN on GPU, splash on TPU). The time-model
-    fields (module docstring) default to the ideal machine.
+    materializes the `[B, H, S, S]` scores (cuDNN on GPU, splash on TPU).
+    `priority_fusion` is True for a backend that fuses a cheap elementwise producer into
+    all its readers, reductions included, whenever that moves fewer bytes (XLA:GPU's
+    priority fusion; `search._fusion`): XLA:CPU makes a buffer of one a reduction reads.
+    The time-model fields (module docstring) default to the ideal machine.
     """
 
     name: str
@@ -120,6 +124,7 @@ class DeviceSpec:
     fused_attention: bool = False
     overlap: bool = False
     overlap_activations: bool = False
+    priority_fusion: bool = False
     matmul_efficiency: float = 1.0
     attention_efficiency: float = 1.0
     collective_efficiency: float = 1.0
@@ -182,8 +187,8 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, d: Mapping) -> DeviceSpec:
         """Inverse of `to_dict`; the backend flags (`reduce_scatter`, `breadth_first`,
-        `gather_copies`, `fused_attention`, `overlap`, `overlap_activations`: defaults
-        True, then False) and the
+        `gather_copies`, `fused_attention`, `overlap`, `overlap_activations`,
+        `priority_fusion`: defaults True, then False) and the
         time-model fields (defaults: the ideal machine) may be left out.
 
         Unknown or missing keys raise `DeviceError` naming them and the allowed keys.
@@ -220,9 +225,22 @@ def _flops(f32, bf16, f16, f8=None):
     return pf + ((("float8_e4m3fn", f8), ("float8_e5m2", f8)) if f8 else ())
 
 
-def _gpu(name, flops, hbm, hbm_bw, nvlink, ib, **time):
+#: Bytes in a GiB. A GPU's "80GB" of HBM are 80 GiB (five 16 GiB stacks; the driver of an
+#: A100 80GB reports 81,920 MiB): datasheet capacities are read as GiB.
+GIB = 2**30
+#: The fraction of a GPU's memory a training step's buffers may use: NVIDIA's guide to
+#: LLMs with JAX and XLA on GPUs (NVIDIA/JAX-Toolbox, rosetta/docs/GPU_performance.md)
+#: sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.9: the rest goes to NVIDIA's libraries and
+#: JAX itself (the CUDA context, cuBLAS and cuDNN workspaces, NCCL's buffers). JAX's own
+#: default, 0.75, is for a GPU shared with other processes.
+GPU_MEMORY_FRACTION = 0.9
+
+
+def _gpu(name, flops, hbm_gib, hbm_bw, nvlink, ib, **time):
     # Every GPU preset is an 8-GPU HGX/DGX board: NVLink inside it, InfiniBand across.
-    return DeviceSpec(name, flops, hbm, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP, devices_per_node=8, **time)
+    # The memory a step may use: the datasheet's GiB, less what the runtime takes.
+    return DeviceSpec(name, flops, hbm_gib * GIB * GPU_MEMORY_FRACTION, hbm_bw, nvlink, _NVLINK_HOP, ib, _IB_HOP,
+                      devices_per_node=8, **time)
 
 
 # The time model of the GPU and TPU presets (module docstring), from the vendors'
@@ -231,15 +249,15 @@ def _gpu(name, flops, hbm, hbm_bw, nvlink, ib, **time):
 # `check` rows choose nothing). The names say which.
 #: Fit: large bf16 GEMMs through cuBLAS/XLA reach this fraction of the dense datasheet
 #: peak on Hopper and Ampere.
-GPU_MATMUL_EFFICIENCY = 0.665
+GPU_MATMUL_EFFICIENCY = 0.681
 #: Fit: large matmuls on the MXUs (XLA:TPU) reach this fraction of peak.
-TPU_MATMUL_EFFICIENCY = 0.859
+TPU_MATMUL_EFFICIENCY = 0.865
 #: Estimate: a per-device matmul dim of this many elements halves the rate along it
 #: (one 128-wide tile of the tensor cores or MXU half filled).
 MATMUL_KNEE = 32.0
 #: Fit: the fused attention kernels (cuDNN on GPU, splash on TPU) reach this fraction of
 #: peak on the tiles they compute.
-ATTENTION_EFFICIENCY = 0.469
+ATTENTION_EFFICIENCY = 0.401
 #: NCCL-tests' bus bandwidth reaches about 80% of the NVLink/InfiniBand line rate at
 #: large messages (all-reduce and all-gather on DGX H100/A100 boards); taken for ICI too.
 COLLECTIVE_EFFICIENCY = 0.80
@@ -251,12 +269,14 @@ OVERLAP_SLOWDOWN = 0.10
 GPU_OP_OVERHEAD = 4e-6
 #: Estimate: a TPU op's fixed cost (program step, DMA set-up).
 TPU_OP_OVERHEAD = 2e-6
-_GPU_TIME = dict(fused_attention=True, overlap=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY,
+_GPU_TIME = dict(fused_attention=True, overlap=True, priority_fusion=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY,
                  matmul_knee=MATMUL_KNEE, attention_efficiency=ATTENTION_EFFICIENCY,
                  collective_efficiency=COLLECTIVE_EFFICIENCY, overlap_slowdown=OVERLAP_SLOWDOWN,
                  op_overhead=GPU_OP_OVERHEAD)
+# XLA:TPU's fusion passes are not public: its presets keep XLA:CPU's rule for cheap ops
+# with several readers (`priority_fusion` off).
 _TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead=TPU_OP_OVERHEAD,
-                 overlap_activations=True)
+                 overlap_activations=True, priority_fusion=False)
 
 
 # Figures per device. GPU sources are the NVIDIA datasheets of the named SKU; dense flops
@@ -268,20 +288,20 @@ DEFAULT_DEVICE = "h100"
 
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM5 80GB: TF32 989/2 (the f32 dot), BF16 = FP16 1,979/2, FP8 3,958/2 TFLOPS;
-    # "80GB" HBM3 taken as decimal GB (leaves room for the runtime's reserve), 3.35 TB/s.
-    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80e9, 3.35e12, _NVLINK4, _NDR,
+    # 80 GB HBM3 (80 GiB, `GIB`), 3.35 TB/s.
+    "h100": _gpu("h100", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 80, 3.35e12, _NVLINK4, _NDR,
                  **_GPU_TIME),
     # H200 SXM 141GB: H100 compute (same datasheet figures); 141 GB HBM3e at 4.8 TB/s.
-    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141e9, 4.8e12, _NVLINK4, _NDR,
+    "h200": _gpu("h200", _flops(494.5e12, 989.5e12, 989.5e12, 1979e12), 141, 4.8e12, _NVLINK4, _NDR,
                  **_GPU_TIME),
     # A100 SXM 80GB: TF32 312/2, BF16 = FP16 624/2 TFLOPS, no FP8; 80 GB HBM2e, 2,039 GB/s.
-    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80e9, 2.039e12, _NVLINK3, _HDR, **_GPU_TIME),
+    "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80, 2.039e12, _NVLINK3, _HDR, **_GPU_TIME),
     # V100 SXM2 32GB: FP32 15.7 TFLOPS (no TF32 on Volta), FP16 tensor cores 125 TFLOPS
     # (no sparsity on Volta). No BF16 tensor cores: a bf16 dot runs on the CUDA cores, at
     # best at the FP32 rate, so 'bfloat16' gets that. 32 GB HBM2, 900 GB/s. DGX-1 wires its 8 GPUs
     # as a hybrid cube-mesh, not a switch: the NVLink figure is the per-GPU total. No time
     # model: no published run of ours is on V100, and cuDNN's fused attention needs Ampere.
-    "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32e9, 900e9, _NVLINK2, _EDR),
+    "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32, 900e9, _NVLINK2, _EDR),
     # TPU v4: "275 teraflops (bf16 or int8)" per chip; float32 at the same rate (one bf16
     # pass, JAX's default), float16 assumed (not documented) to be converted to that path.
     # "32 GiB, 1200 GBps" HBM2. ICI, derived estimate: "all-reduce bandwidth per Pod

@@ -17,8 +17,28 @@ The jaxpr is not what XLA executes. Before buffers are assigned, XLA
 5. on a backend that runs attention as one fused kernel (`fused_attention=True`: GPU and
    TPU presets), makes none of the score-shaped values a buffer (`_attention`).
 
-`materialization(program, fused_attention=False)` computes these static facts once per
-program; the cost model prices and the liveness counts only what XLA materializes.
+Which cheap ops with several readers fuse depends on the backend. XLA:CPU duplicates
+one into its readers unless one of them ends in a reduction (measured: a float32 copy
+of a bfloat16 activation that a norm's mean of squares reads is a buffer). XLA:GPU's
+priority fusion (`priority_fusion=True`: GPU presets) fuses a producer into all its
+readers, reductions included, whenever its cost model says the fused kernels run
+faster than the producer's own kernel plus the readers reading its result
+(openxla/xla, `xla/service/gpu/transforms/priority_fusion.cc`: a producer's priority
+is the time saved by fusing it into every reader, and it is fused into all or none).
+For the memory-bound elementwise ops this is about, time is bytes: a cheap op that
+reads `in` bytes of buffers, writes `out` and has `n` readers fuses when
+
+    n * in <= in + out + n * out        (`priority_fuses`)
+
+so a widening cast (a norm's float32 copy of its bfloat16 input) is never a buffer:
+each reader casts again. On such a backend a scan's fused residual may be re-derived
+from body buffers its forward loop does not stack (the layer's input, a projection's
+output): the loop stacks those instead (`_stacks`, `Materialization.carried`), once
+each, as the unrolled program keeps each layer's copy.
+
+`materialization(program, fused_attention=False, priority_fusion=False)` computes these
+static facts once per program; the cost model prices and the liveness counts only what
+XLA materializes.
 """
 
 from __future__ import annotations
@@ -30,6 +50,7 @@ import numpy as np
 from partir import Link, layers_of
 
 from ._attention import AttentionRegion, attention_region
+from ._stacks import CALL_LINKS, STACKS, Stacks
 
 #: Elementwise (and data-movement) primitives XLA computes inside the fusions of their
 #: consumers, duplicating them into each (its `IsExpensive` says they are cheap).
@@ -53,21 +74,6 @@ FUSING = CHEAP | EXPENSIVE | REDUCTIONS | frozenset(("broadcast_in_dim",))
 #: Primitives that only make values from their shapes (or from scalars).
 CREATION = frozenset(("iota", "empty", "empty2", "broadcast_in_dim"))
 
-#: Links through which XLA sees one computation: it inlines calls, so a value fuses
-#: across a call's boundary as if the call were not there.
-CALL_LINKS = frozenset((Link.CALL_IN, Link.CALL_OUT))
-
-#: The links of a scan's stacked inputs and outputs. A residual of a scan body (a value
-#: its forward loop stacks for the backward loop to slice) is seen through them, as if
-#: the two loops were one computation: the model assumes that cheap residuals are
-#: re-derived in the backward loop, as XLA does in unrolled code, so that one computation
-#: has one cost (XLA today stacks them all: a scan may need more than modeled).
-STACKS = frozenset((Link.SCAN_YS, Link.SCAN_XS))
-
-#: A body value this many times smaller than a residual it helps re-derive is taken along
-#: as it is (a norm's per-token statistics beside the normalized activations).
-SMALL = 16
-
 #: Links into a loop body: a `while` loop's operands are buffers, so a value made from
 #: scalars that a scan takes as a constant (JAX hoists loop-invariant residuals out of
 #: the body) is materialized once before the loop.
@@ -89,6 +95,11 @@ class Materialization:
     `sources[v]`: for a virtual value that is fused, the materialized values its
     consumers re-derive it from (they stay live as long as v is read).
     `attention`: the fused attention kernels (None where the backend has none).
+    `carried`: the body buffers a scan's forward loop stacks for residuals re-derived
+    from them in the backward loop (priority fusion only), as `(start, end, value,
+    scale, stacks)`: `scale` more copies of the value, live from `start` to `end` (the
+    value's own buffer lives until the backward loop reads it, as a source), for the
+    fused stacks `stacks` (the stacked outputs re-derived from it).
     """
 
     live_op: np.ndarray
@@ -96,11 +107,13 @@ class Materialization:
     from_scalars: np.ndarray
     sources: dict
     attention: AttentionRegion | None = None
+    carried: tuple = ()
 
 
-def materialization(program, fused_attention: bool = False) -> Materialization:
+def materialization(program, fused_attention: bool = False, priority_fusion: bool = False) -> Materialization:
     """The static buffer facts of `program` (see the module docstring); with
-    `fused_attention`, the attention scores are inside a kernel and no buffer."""
+    `fused_attention`, the attention scores are inside a kernel and no buffer; with
+    `priority_fusion`, cheap ops fuse as XLA:GPU's priority fusion fuses them."""
     live = _live_ops(program)
     n = len(program.values)
     produced = _producers(program)
@@ -109,8 +122,8 @@ def materialization(program, fused_attention: bool = False) -> Materialization:
     sources: dict[int, tuple[int, ...]] = {}
     backward = np.array(program.backward, dtype=bool)
     readers, late = _readers(program, live, backward)
-    stacks = _Stacks(program)
-    boundaries = _layer_boundaries(program)
+    stacks = Stacks(program, carry=priority_fusion)
+    boundaries = _layer_boundaries(program, first=priority_fusion)
     for op in program.ops:  # lift order: operands are decided before their users
         if not live[op.id]:
             for v in op.results:
@@ -120,7 +133,8 @@ def materialization(program, fused_attention: bool = False) -> Materialization:
         if op.link and op.primitive in STACKS:
             kind = stacks.fused(op, virtual, scalar_made, sources)
         else:
-            kind = _fused(program, op, virtual, scalar_made, sources, (readers, late), bool(backward[op.id]))
+            kind = _fused(program, op, virtual, scalar_made, sources, (readers, late), bool(backward[op.id]),
+                          priority_fusion)
         if kind is None:
             continue
         made, srcs = kind
@@ -140,102 +154,22 @@ def materialization(program, fused_attention: bool = False) -> Materialization:
         v = op.operands[0] if op.link and op.operands else -1
         if v >= 0 and op.primitive in LOOP_ENTRIES and live[op.id] and not scalar_made[v]:
             virtual[v] = False
+    carried = stacks.carried_buffers(virtual)
     if not fused_attention:
-        return Materialization(live, virtual, scalar_made, sources)
+        return Materialization(live, virtual, scalar_made, sources, carried=carried)
     region = attention_region(program, scalar_made)
     virtual = virtual | region.values
     # A value outside the kernel re-derived from one inside it (none in the attention
     # users write) would read it from the kernel's output: it keeps no score alive.
     sources = {v: tuple(s for s in srcs if not region.values[s]) for v, srcs in sources.items()
                if not region.values[v]}
-    return Materialization(live, virtual, scalar_made, {v: s for v, s in sources.items() if s}, region)
+    return Materialization(live, virtual, scalar_made, {v: s for v, s in sources.items() if s}, region, carried)
 
 
-class _Stacks:
-    """How a scan's residuals are seen through its stacked outputs and inputs: a fused
-    residual of the forward loop is re-derived in the backward loop from the slices of
-    what it is made from, when the forward loop stacks all of that and the backward loop
-    slices it (else the stack is a buffer, as XLA makes it)."""
-
-    def __init__(self, program):
-        self.values, self.ops, self.producer = program.values, program.ops, program.producer
-        self.stacked: dict[int, int] = {}  # forward body value -> its stacked output
-        self.sliced: dict[tuple[int, int], int] = {}  # (stacked value, body) -> the slice
-        self.readers: dict[int, list[int]] = {}  # stacked value -> bodies slicing it
-        self.stacks: set[int] = set()  # the stacked outputs
-        self.alias = list(range(len(program.values)))  # union-find over call boundaries
-        for op in program.ops:
-            if op.link and op.primitive in CALL_LINKS and op.operands[0] >= 0 and op.results[0] >= 0:
-                a, b = self._root(op.operands[0]), self._root(op.results[0])
-                self.alias[max(a, b)] = min(a, b)
-        for op in program.ops:
-            if not op.link or op.operands[0] < 0 or op.results[0] < 0:
-                continue
-            a, b = op.operands[0], op.results[0]
-            if op.primitive == Link.SCAN_YS:
-                self.stacked[a] = b
-                self.stacks.add(b)
-            elif op.primitive == Link.SCAN_XS:
-                body = program.values[b].region
-                self.sliced[(a, body)] = b
-                self.readers.setdefault(a, []).append(body)
-        self.stacked_alias = {self._root(a): a for a in self.stacked}
-
-    def fused(self, op, virtual, scalar_made, sources):
-        """(made from scalars, sources) if the stack or slice is fused, else None."""
-        v = op.operands[0]
-        if v < 0 or not virtual[v]:
-            return None
-        if op.primitive == Link.SCAN_YS:
-            outer = self._express(v, virtual, set(), self.values[v].nbytes)
-            bodies = self.readers.get(op.results[0], ())
-            if outer is None or any((s, b) not in self.sliced for s in outer if s in self.stacks for b in bodies):
-                return None
-            return bool(scalar_made[v]), outer
-        body = self.values[op.results[0]].region
-        return bool(scalar_made[v]), tuple(self.sliced.get((s, body), s) for s in sources.get(v, ()))
-
-    def _through_calls(self, u: int) -> int:
-        """The stacked value among `u`'s aliases through call boundaries (a call's
-        argument and result only rename a value), else `u`."""
-        return self.stacked_alias.get(self._root(u), u)
-
-    def _root(self, u: int) -> int:
-        while self.alias[u] != u:
-            self.alias[u] = self.alias[self.alias[u]]
-            u = self.alias[u]
-        return u
-
-    def _express(self, v, virtual, seen, nbytes) -> tuple[int, ...] | None:
-        """What a fused body value of `nbytes` can be re-derived from in the backward loop:
-        the stacks of its operands, or of theirs where an operand is fused and not stacked
-        itself, or a body value much smaller than it (a norm's statistics: its stack would
-        cost next to nothing); None if some other operand is a buffer the loop does not
-        stack."""
-        out: dict[int, None] = {}
-        producer = self.producer[v]
-        for u in self.ops[producer].operands if producer >= 0 else ():
-            if u < 0 or not self.values[u].shape or u in seen:
-                continue
-            seen.add(u)
-            u = self._through_calls(u)
-            if u in self.stacked:
-                out[self.stacked[u]] = None
-            elif virtual[u] and self.producer[u] >= 0 and not self.ops[self.producer[u]].link:
-                more = self._express(u, virtual, seen, nbytes)
-                if more is None:
-                    return None
-                out.update(dict.fromkeys(more))
-            elif not virtual[u] and self.values[u].nbytes * SMALL <= nbytes:
-                out[u] = None
-            elif not virtual[u]:
-                return None
-        return tuple(out)
-
-
-def _fused(program, op, virtual, scalar_made, sources, reading, backward):
+def _fused(program, op, virtual, scalar_made, sources, reading, backward, priority=False):
     """(made from scalars alone, sources) if op's results are fused into their
-    consumers, else None."""
+    consumers, else None; `priority`: cheap ops fuse as XLA:GPU's priority fusion
+    fuses them (module docstring)."""
     arrays = [v for v in op.operands if v >= 0 and program.values[v].shape]
     if op.link:
         if len(arrays) != 1 or not virtual[arrays[0]]:
@@ -249,6 +183,9 @@ def _fused(program, op, virtual, scalar_made, sources, reading, backward):
         pass  # made from scalars: made wherever it is read, in any layout
     elif op.primitive == "broadcast_in_dim":
         pass  # re-derived where it is read
+    elif op.primitive in CHEAP and priority:
+        if not _priority_fuses(program, op, reading[0], virtual, sources):
+            return None
     elif op.primitive in CHEAP:
         if not _fuses(op, *reading, backward, many=True):
             return None
@@ -272,6 +209,31 @@ def _fuses(op, readers, late, backward: bool, *, many: bool) -> bool:
         if not kinds:
             return False
         if len(kinds) > 1 and (not many or any(into_reduction for _, into_reduction in kinds)):
+            return False
+    return True
+
+
+def priority_fuses(n: int, read: float, written: float) -> bool:
+    """Does a producer that reads `read` bytes and writes `written` fuse into its `n`
+    readers under XLA:GPU's priority fusion? Fused, each reader reads what the producer
+    read; unfused, the producer reads and writes once and each reader reads its result."""
+    return n * read <= read + written + n * written
+
+
+def _priority_fuses(program, op, readers, virtual, sources) -> bool:
+    """Do all of op's results go only to fusing consumers, and does re-deriving it in
+    each move no more bytes than making it once (`priority_fuses`)? A fused operand is
+    read from its sources."""
+    read: dict[int, None] = {}
+    for v in op.operands:
+        if v >= 0 and program.values[v].shape:
+            read.update(dict.fromkeys(sources.get(v, ()) if virtual[v] else (v,)))
+    read_bytes = sum(program.values[v].nbytes for v in read)
+    for v in op.results:
+        if v < 0:
+            continue
+        kinds = readers[v]
+        if not kinds or not priority_fuses(len(kinds), read_bytes, program.values[v].nbytes):
             return False
     return True
 
@@ -312,20 +274,45 @@ def _readers(program, live, backward):
     return out, late
 
 
-def _layer_boundaries(program) -> set[int]:
+def _layer_boundaries(program, first: bool = False) -> set[int]:
     """The activations that enter a layer of an unrolled program after the first (made
     by the op just before it, the residual stream's add): XLA makes each a buffer, as a
     scan's carry is one. Fused into its readers instead (the next layer's norm and
     residual add, and the backward pass's recomputation), it would keep both summands of
     every earlier layer's residual add alive: XLA bounds what it fuses. (The first
     layer's start is where the cut is least sure, and its input, made once, is a
-    constant beside the layers.)"""
+    constant beside the layers.) With `first` (priority fusion), the first layer's input
+    is one too, as the carry entering a scan is: fused into the layer's readers, a cast
+    of the embedding lookup (float32 rows to bfloat16) had every reader read, and the
+    backward pass keep, the float32 rows."""
     out = set()
-    for b in layers_of(program)[1:]:
+    layers = layers_of(program)
+    for b in layers[1:]:
         if b.loop < 0:
             op = program.ops[b.ops[0] - 1]
             out.update(v for v in op.results if v in b.inputs and not op.link)
+    if first and len(layers) > 1 and layers[0].loop < 0 and out:
+        out.update(_first_layer_input(program, layers[0], out))
     return out
+
+
+def _first_layer_input(program, block, boundaries) -> set[int]:
+    """The input of the first layer `block` its residual stream starts from: reached
+    from the second layer's input back through the residual adds inside the block."""
+    inputs, seen, found = set(block.inputs), set(), set()
+    stack = [v for v in boundaries if program.producer[v] in set(block.ops) | {block.ops[-1] + 1}]
+    while stack:
+        v = stack.pop()
+        if v in seen or v < 0:
+            continue
+        seen.add(v)
+        if v in inputs:
+            found.add(v)
+            continue
+        p = program.producer[v]
+        if p >= 0 and program.ops[p].primitive == "add" and not program.ops[p].link:
+            stack += list(program.ops[p].operands)
+    return {v for v in found if program.producer[v] >= 0 and not program.ops[program.producer[v]].link}
 
 
 def _materialized_sources(sources, virtual) -> dict:

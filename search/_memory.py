@@ -108,10 +108,13 @@ class Liveness:
         nb, end_of_program = self.num_buffers, len(program.ops)
         start = np.full(nb, end_of_program, dtype=np.int64)
         end = np.zeros(nb, dtype=np.int64)
-        last = _last_reads(program, mat)
         loops = _Loops(program)
         backward = program.analysis(backward_reads)
         cut = {int(self.buffer[v]) for v in forward_only}
+        # A fused value recomputed for the backward pass is re-derived there from what the
+        # recomputation keeps: what it is made of stays live for its forward reads only.
+        stopped = {v for v in forward_only if mat.virtual[v]}
+        last = last_reads(program, mat, stop=(backward, stopped) if stopped else None)
         home = np.zeros(nb, dtype=np.int64)  # the region of a buffer's first member
         for v in range(len(program.values)):
             if mat.virtual[v]:
@@ -252,7 +255,7 @@ def fused_reads_end(program, mat) -> np.ndarray:
     buffer: it lives until this op."""
     from ._fusion import FUSING
 
-    last = _last_reads(program, mat)
+    last = last_reads(program, mat)
     out = np.full(len(program.values), -1, dtype=np.int64)
     for op in program.ops:
         if op.link or op.primitive not in FUSING or not mat.live_op[op.id]:
@@ -265,10 +268,13 @@ def fused_reads_end(program, mat) -> np.ndarray:
     return out
 
 
-def _last_reads(program, mat) -> np.ndarray:
+def last_reads(program, mat, stop=None) -> np.ndarray:
     """Per virtual value, the last op that reads it, following it through the virtual
-    values made from it (a broadcast of a broadcast, a call's argument)."""
+    values made from it (a broadcast of a broadcast, a call's argument). `stop` is
+    (per op: does it read for the backward pass, values): reads of those values by
+    such ops do not count (the backward pass reads a recomputed copy of them)."""
     last = np.zeros(len(program.values), dtype=np.int64)
+    late, stopped = stop if stop is not None else (None, ())
     for op in reversed(program.ops):
         if not mat.live_op[op.id]:
             continue
@@ -276,6 +282,6 @@ def _last_reads(program, mat) -> np.ndarray:
         fused = bool(results) and all(mat.virtual[r] for r in results)
         when = max((last[r] for r in results), default=op.id) if fused else op.id
         for v in op.operands:
-            if v >= 0 and mat.virtual[v]:
+            if v >= 0 and mat.virtual[v] and not (v in stopped and late[op.id]):
                 last[v] = max(last[v], when)
     return last

@@ -58,22 +58,26 @@ class RematView:
                 if r >= 0:
                     virtual[r] = True
                     sources.pop(r, None)
-        forward_only, extra, added, extend, slices = set(), [], set(), {}, set()
+        forward_only, extra, added, extend, slices, gone, copies = set(), [], set(), {}, set(), set(), set()
         stacked = {op.operands[0]: op.results[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
         kernel = materialization.attention.values if materialization.attention is not None else None
         for r, srcs in rec.sources.items():
-            if kernel is not None and kernel[r]:
-                continue  # inside the fused attention kernel: recomputed by it, never a buffer
             stack = stacked.get(r)
+            if kernel is not None and kernel[r]:
+                gone.add(stack)  # inside the fused attention kernel: recomputed by it, never a buffer
+                continue
             if stack is None:  # unrolled: freed after the forward reads, made again for the backward ones
                 forward_only.add(r)
                 late = [u for u in program.users[r] if backward[u]]
                 if late:  # its sources stay until it is made again
                     extra.append((min(late), max(late), r, 1))
+                    if virtual[r]:  # fused: the backward's fusions read its recomputed copy
+                        copies.add(r)
                     for s in srcs:
                         extend[s] = max(extend.get(s, 0), min(late))
                 continue
             virtual[stack] = True
+            gone.add(stack)
             for op in program.ops:
                 if op.link and op.primitive == Link.SCAN_XS and op.operands[0] == stack:
                     sliced = op.results[0]
@@ -88,10 +92,12 @@ class RematView:
                     added.add(s)
                     extra.append((_made(program, s), len(program.ops) - 1, s, trips))  # stacked for it
         _rederived_from_copies(sources, slices)
+        _rederived_in_line(program, virtual, sources, copies, backward)
         extra += _reads_kept(program, relax.reads, virtual, sources)
         mat = dataclasses.replace(materialization, virtual=virtual, sources=sources, live_op=live_op)
         self.liveness = Liveness(program, mat, donated, forward_only=forward_only, extend=extend)
         self.extra = extra
+        self.carried = carried_buffers(materialization, gone, added)
 
     def running(self, dedup: dict) -> list:
         """The `(key, entry)` items of the cost model's reshards (`entry`: op -> ...)
@@ -110,10 +116,24 @@ class RematView:
 
     def buffers(self, value_bytes):
         """(starts, ends, bytes) of the extra temporaries for per-device `value_bytes`."""
-        if not self.extra:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-        starts, ends, values, scales = (np.array(x) for x in zip(*self.extra))
-        return starts.astype(np.int64), ends.astype(np.int64), value_bytes[values] * scales
+        return extra_buffers(self.extra, value_bytes)
+
+
+def carried_buffers(materialization, gone=frozenset(), stacked=frozenset()) -> list:
+    """`(start, end, value, scale)` of the body buffers a scan's forward loop stacks
+    for its fused residuals (`Materialization.carried`) that still need them: not when
+    every such residual is recomputed (its stack is `gone`), nor when a recomputation
+    stacks the buffer itself (it is in `stacked`: one stack serves both)."""
+    return [c[:4] for c in materialization.carried if c[2] not in stacked and not set(c[4]) <= gone]
+
+
+def extra_buffers(entries, value_bytes):
+    """(starts, ends, bytes) of temporaries given as `(start, end, value, scale)`:
+    `scale` times the value's per-device bytes (`value_bytes`)."""
+    if not entries:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    starts, ends, values, scales = (np.array(x) for x in zip(*entries))
+    return starts.astype(np.int64), ends.astype(np.int64), value_bytes[values] * scales
 
 
 def _made(program, v: int) -> int:
@@ -131,6 +151,29 @@ def _rederived_from_copies(sources: dict, slices: set) -> None:
     for v, srcs in sources.items():
         if slices.intersection(srcs):
             sources[v] = tuple(u for u in srcs if u not in slices)
+
+
+def _rederived_in_line(program, virtual, sources, copies: set, backward) -> None:
+    """What the backward pass fuses of a recomputed fused residual of unrolled code
+    (`copies`) is re-derived from its recomputed copy, a temporary of its own, not from
+    what the forward pass made it of: the sources of the backward's fused values are
+    derived again from their operands with the copies left out (else the forward
+    values it was made of stay live until the backward reads it, every layer's)."""
+    if not copies:
+        return
+    changed = set(copies)
+    for op in program.ops:
+        if not backward[op.id] or not any(v in changed for v in op.operands):
+            continue
+        out: dict[int, None] = {}
+        for v in op.operands:
+            if v < 0 or v in copies or not program.values[v].shape:
+                continue
+            out.update(dict.fromkeys(sources.get(v, ()) if virtual[v] else (v,)))
+        for w in op.results:
+            if w >= 0 and virtual[w] and w in sources:
+                sources[w] = tuple(out)
+                changed.add(w)
 
 
 def _is_invar(program, v: int) -> bool:

@@ -6,13 +6,13 @@ from rich.table import Table
 
 
 def _fmt_bytes(n):
-    from ._cost import bytes_str
+    from ._breakdown import bytes_str
 
     return bytes_str(n)
 
 
 def _fmt_time(s):
-    from ._cost import time_str
+    from ._breakdown import time_str
 
     return time_str(s)
 

@@ -68,7 +68,9 @@ def test_headline_figures():
     assert h100.intra_bandwidth == pytest.approx(450e9) and h100.inter_bandwidth == pytest.approx(50e9)
     assert PRESETS["a100"].intra_bandwidth == pytest.approx(300e9)
     assert PRESETS["v100"].intra_bandwidth == pytest.approx(150e9)
-    assert PRESETS["h200"].hbm_bytes == pytest.approx(141e9)
+    # The memory a step may use: the datasheet's GiB, less the runtime's share.
+    assert PRESETS["h200"].hbm_bytes == pytest.approx(141 * 2**30 * 0.9)
+    assert PRESETS["h100"].hbm_bytes == PRESETS["a100"].hbm_bytes == pytest.approx(72 * 2**30)
     assert PRESETS["tpu-v5e"].flops_for(jnp.bfloat16) == pytest.approx(197e12)
     assert PRESETS["tpu-v4"].flops_for(jnp.bfloat16) == pytest.approx(275e12)
 
@@ -143,7 +145,7 @@ def test_json_and_toml_files_round_trip(tmp_path, key):
 def test_toml_with_integer_figures_and_default_reduce_scatter(tmp_path):
     d = PRESETS["a100"].to_dict()
     del d["reduce_scatter"]
-    d["hbm_bytes"] = 80_000_000_000  # TOML integers are accepted and become floats
+    d["hbm_bytes"] = 77_309_411_328  # 72 GiB: TOML integers are accepted and become floats
     (tmp_path / "a.TOML").write_text(_toml(d))
     spec = get_device(tmp_path / "a.TOML")
     assert spec == PRESETS["a100"] and isinstance(spec.hbm_bytes, float) and spec.reduce_scatter

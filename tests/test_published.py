@@ -1,7 +1,9 @@
 """The cost model's time against published training runs (`benchmarks/published.py`):
-the data file's schema, the ±15% band on the `check` rows (never used to fit), and
-the mechanisms that moved them: the fused attention kernel (GPU/TPU presets only) and
-the `cpu` preset left the roofline of XLA:CPU."""
+the data file's schema, the ±15% band on the `check` rows (never used to fit), the
+configurations of one model ranked as measured, the published configurations fitting
+the GPUs they ran on, and the mechanisms
+that moved them: the fused attention kernel and XLA:GPU's fusion of casts (GPU presets
+only), the `cpu` preset left the roofline of XLA:CPU."""
 
 import dataclasses
 import importlib.util
@@ -24,6 +26,18 @@ _spec.loader.exec_module(published)
 
 ROWS = published.load()
 CHECK = [r for r in ROWS if r.split == "check" and r.expressible]
+#: Expressible rows that are configurations of a run with another expressible row.
+_RUNS = [published.run_of(r) for r in ROWS if r.expressible]
+RANKED = [r for r in ROWS if r.expressible and _RUNS.count(published.run_of(r)) > 1]
+GPU_ROWS = [r for r in ROWS if r.expressible and r.device in published.GPUS]
+_MODELED: dict = {}
+
+
+def _modeled(row) -> dict:
+    """The row's published configuration, modeled (no search), once per session."""
+    if row.id not in _MODELED:
+        _MODELED[row.id] = published.model_row(row, episodes=0)
+    return _MODELED[row.id]
 
 
 def test_data_file_has_the_rows_the_benchmark_needs():
@@ -47,8 +61,47 @@ def test_a_bad_row_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("row", CHECK, ids=[r.id for r in CHECK])
 def test_check_row_within_band(row):
-    out = published.model_row(row, episodes=0)
+    out = _modeled(row)
     assert abs(out["error"]) <= published.BAND, (row.id, out["published"]["mfu"], out["published_mfu"])
+
+
+#: The pairs of configurations the model ranks against the measurement (the benchmark
+#: prints every pair): MaxText's Llama 3 70B on 256 H100s (FSDP 256) against 1024 and
+#: 2048 (FSDP 128, data parallel 8 and 16), measured 1.0% and 2.9% slower per token per
+#: device at scale (each the recipe's last step), modeled 0.7% faster: nothing in the
+#: model slows a step as data-parallel groups grow beyond the gradient reductions they
+#: hide, and its ring latency over 256 devices makes FSDP 256 the slower. Not met: kept
+#: here so that a change to the ranking, either way, shows.
+MISRANKED = {("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-1024"),
+             ("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-2048")}
+
+
+def test_configurations_of_one_model_rank_as_measured():
+    # torchtitan's Llama 2 13B with and without checkpointing on 64 A100s, MaxText's
+    # Llama 3 70B on 128 to 2048 H100s, MaxText's 32B on one and four v5e-256 slices:
+    # the model orders them as measured, a tie (a gap within one run's noise) kept a
+    # tie, but for the pairs `MISRANKED` names.
+    assert {published.run_of(r) for r in RANKED} >= {("llama2-13b", "a100"), ("llama3-70b", "h100")}
+    pairs = published.rankings(RANKED, {r.id: _modeled(r) for r in RANKED})
+    assert any(p["tie"] for p in pairs) and not all(p["tie"] for p in pairs)
+    assert {(p["first"], p["second"]) for p in pairs if not p["ok"]} == MISRANKED
+
+
+def test_rankings_compare_throughput_across_batch_sizes():
+    # Llama 2 70B ran at 1 sequence a GPU (355 tokens/s, selective op checkpointing, not
+    # expressible) and at 2 (353): per token, a tie.
+    one, two = (next(r for r in ROWS if r.id == i) for i in ("torchtitan-llama2-70b-a100-64-b1-op",
+                                                              "torchtitan-llama2-70b-a100-64"))
+    fake = {r.id: {"published_step_s": published.published_step(r), "published": {"step_s": published.published_step(r)}}
+            for r in (one, two)}
+    (pair,) = published.rankings([one, two], fake)
+    assert pair["tie"] and abs(pair["measured"]) < published.NOISE and pair["ok"]
+
+
+@pytest.mark.parametrize("row", GPU_ROWS, ids=[r.id for r in GPU_ROWS])
+def test_a_published_gpu_configuration_fits_the_gpu_it_ran_on(row):
+    out = _modeled(row)
+    assert out["published"]["fits"], (row.id, out["published"]["peak_gib"])
 
 
 def _tiny_llama():
@@ -75,9 +128,37 @@ def test_fused_attention_keeps_no_scores_and_prices_the_kernel():
     assert fused.compute_time < plain.compute_time
 
 
+def _norm_casts(prog) -> list[int]:
+    """The forward pass's float32 copies of bfloat16 activations (the norms' inputs)."""
+    out = []
+    for op in prog.ops:
+        if op.primitive == "convert_element_type" and not op.link and not prog.backward[op.id]:
+            src, res = prog.values[op.operands[0]], prog.values[op.results[0]]
+            if src.dtype == jnp.bfloat16 and res.dtype == jnp.float32 and res.shape[-1:] == (256,):
+                out.append(op.results[0])
+    return out
+
+
+def test_gpu_fusion_casts_a_norms_input_in_each_reader():
+    # XLA:GPU's priority fusion fuses the float32 copy of a norm's bfloat16 input into
+    # every reader, the mean of squares among them: it is no buffer, and the scan stacks
+    # the bfloat16 layer input for the backward loop instead. XLA:CPU makes a buffer of
+    # it (a reduction reads it), and the `cpu` preset keeps that.
+    part = _tiny_llama()
+    h100 = search.get_device("h100")
+    assert h100.priority_fusion and not search.get_device("cpu").priority_fusion
+    gpu = search.CostModel(part.copy(), h100)
+    cpu_like = search.CostModel(part.copy(), dataclasses.replace(h100, priority_fusion=False))
+    casts = _norm_casts(part.program)
+    assert casts and all(gpu.materialization.virtual[v] for v in casts)
+    assert not any(cpu_like.materialization.virtual[v] for v in casts)
+    assert gpu.materialization.carried and not cpu_like.materialization.carried
+    assert gpu.cost().memory_peak < cpu_like.cost().memory_peak
+
+
 def test_cpu_preset_keeps_the_roofline_of_xla_cpu():
     cpu = search.get_device("cpu")
-    assert not (cpu.fused_attention or cpu.overlap or cpu.overlap_activations)
+    assert not (cpu.fused_attention or cpu.overlap or cpu.overlap_activations or cpu.priority_fusion)
     assert cpu.matmul_efficiency == cpu.attention_efficiency == cpu.collective_efficiency == 1.0
     assert cpu.matmul_knee == cpu.op_overhead == cpu.overlap_slowdown == 0.0
     cost = search.CostModel(_tiny_llama(), "cpu").cost()

@@ -1,0 +1,107 @@
+"""The memory half of `CostModel` (`search._cost`): the buffers reshards and
+recomputation make beside the program's own (`_memory`, `_remat`, `_moves`), the peak
+they reach and the names of what is live there."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partir import Tiling
+
+from ._comm import gradient_groups
+from ._remat import RematView, carried_buffers, extra_buffers
+
+
+class CostMemory:
+    """What `CostModel` adds up into a step's peak memory (it mixes this class in: the
+    methods read the model's reshards and liveness)."""
+
+    def _reshard_buffers(self):
+        """(starts, ends, bytes, keys) of the buffers reshards make: a value in the layout
+        its readers want, live from the first such reader to the last; the whole result of
+        an op that is reduce-scattered or sliced after it, for that op. Gradient
+        reductions are combined (see `gradient_groups`): a gradient's whole result waits
+        for its group's collective, and a backend without reduce-scatter holds every
+        member's all-reduced result there at once. `MoveBuffers` says how the backend
+        differs."""
+        starts, ends, sizes, keys = [], [], [], []
+        grads = []
+        for key, e in self._moves():
+            first = min(e)
+            v, cols, buf = e[first]
+            if key[0] == "made" and any(c.gradient for c in cols):
+                grads.append((first, key, cols, buf))
+            elif buf > 0:
+                mb = self._move_buffers
+                starts.append(mb.start(key, v, first)), sizes.append(buf * mb.copies(key, v, e))
+                ends.append(mb.end(key, e[first], max(e))), keys.append(key)
+        for group in gradient_groups(sorted(grads, key=lambda g: g[0]), self._op_region):
+            last = group[-1][0]
+            for first, key, cols, buf in group:
+                if buf > 0:
+                    starts.append(first), ends.append(last), sizes.append(buf), keys.append(key)
+            whole = sum(c.bytes for _, _, cols, _ in group for c in cols if c.kind == "all-reduce")
+            if whole > 0:
+                starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
+        return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
+
+    def _view(self):
+        """The rematerialization view of the current recomputed residuals, or None."""
+        rec, reused = self.part.rematerialized, self.part.reused
+        if not rec and not reused:
+            return None
+        view = self._views.get((rec, reused))
+        if view is None:
+            view = self._views[(rec, reused)] = RematView(self.program, self.materialization, self._donated, rec,
+                                                          reused)
+        return view
+
+    def _moves(self) -> list:
+        """(key, entry) of the reshards (entry: op -> (value, collectives, buffer)) of the
+        ops that run (a relaxed checkpoint's skipped ops move nothing)."""
+        view = self._view()
+        return list(self._dedup.items()) if view is None else view.running(self._dedup)
+
+    def _memory(self, value_bytes, *, exact: bool):
+        """(peak, op index, buffer bytes, liveness, keys of the extra buffers): the
+        buffers of reshards and of recomputation beside the program's."""
+        view = self._view()
+        starts, ends, sizes, keys = self._reshard_buffers()
+        carried = view.carried if view is not None else carried_buffers(self.materialization)
+        for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried)):
+            vs, ve, vz = extra_buffers(entries, value_bytes)
+            starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
+            keys = keys + [(kind, v) for _, _, v, _ in entries]
+        liveness = view.liveness if view is not None else self.liveness
+        peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact)
+        return peak, t, buf, liveness, (starts, ends, sizes, keys)
+
+    def exact_peak(self) -> float:
+        """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
+        self._sync()
+        return self._memory(self._nbytes / self._class_div[self._value_class], exact=True)[0]
+
+    def _name_of_buffer(self, b: int, liveness, extra_keys) -> str:
+        if b >= liveness.num_buffers:  # a reshard's or a recomputation's buffer
+            key = extra_keys[b - liveness.num_buffers]
+            if key[0] == "read":
+                return f"{self.program.name(key[1])} as {Tiling(key[2])}"
+            if key[0] == "remat":
+                return f"{self.program.name(key[1])} recomputed"
+            if key[0] == "stacked":
+                return f"{self.program.name(key[1])} stacked"
+            return f"{op_label(self.program, key[1])} as computed"
+        cache = self._buffer_name.setdefault(id(liveness), {})
+        name = cache.get(b)
+        if name is None:
+            members = np.nonzero(liveness.buffer == b)[0]
+            is_input = set(self.program.inputs)
+            inputs = [v for v in members if v in is_input]
+            name = cache[b] = self.program.name(int(inputs[0] if inputs else members[0]))
+        return name
+
+
+def op_label(prog, o: int) -> str:
+    op = prog.ops[o]
+    res = next((v for v in op.results if v >= 0), None)
+    return prog.name(res) if res is not None else op.primitive
