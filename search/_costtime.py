@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from partir import depended_on
+
 from ._timing import batch_free, dot_efficiency, overlappable, step_time
 
 
@@ -140,17 +142,8 @@ def feeds_backward(prog, backward) -> np.ndarray:
     """Per value: does any of the `backward` ops (the backward pass's contractions and
     lookups' transposes, `WEIGHT_GRADIENT_OPS`) depend on it? Activation gradients do; a
     weight gradient feeds only reshapes and the optimizer, so its reduction can overlap
-    the rest of the backward pass. Ops are in
-    execution order except loop-carry links, hence a second sweep."""
-    feeds = np.zeros(len(prog.values), dtype=bool)
-    for _ in range(2):
-        for op in reversed(prog.ops):
-            out = bool(backward[op.id]) or any(feeds[v] for v in op.results if v >= 0)
-            if out:
-                for v in op.operands:
-                    if v >= 0:
-                        feeds[v] = True
-    return feeds
+    the rest of the backward pass."""
+    return depended_on(prog, [v for op in prog.ops if backward[op.id] for v in op.operands])[0]
 
 
 def op_dtype(op, prog):
