@@ -83,3 +83,28 @@ def _makers(program) -> tuple[tuple[int, ...], ...]:
             if v >= 0:
                 out[v].append(op.id)
     return tuple(map(tuple, out))
+
+
+def made_from_scalars(program) -> tuple[bool, ...]:
+    """Per value: is it made from scalars alone, reached by no array the program takes
+    (an iota, a broadcast constant, a causal mask, rotary frequencies)? Such a value has
+    no data to move: it can be made wherever it is read, in the reader's layout. The cost
+    model charges no move for the ones XLA fuses into their readers
+    (`Materialization.from_scalars`); the lowerings make those where they are read. A
+    loop's carry is made from scalars when what enters and what goes round both are.
+    Kept with the program."""
+    return program.analysis(_made_from_scalars)
+
+
+def _made_from_scalars(program) -> tuple[bool, ...]:
+    values = program.values
+    out = [False] * len(values)
+    seen = [False] * len(values)
+    for op in program.ops:  # lift order: a value's makers after its operands' (a carry's loop link last)
+        ok = all(out[u] for u in op.operands if u >= 0 and values[u].shape) and (bool(op.results) and not (
+            op.link and not any(u >= 0 and values[u].shape for u in op.operands)))
+        for r in op.results:
+            if r >= 0:
+                out[r] = ok and (out[r] or not seen[r])
+                seen[r] = True
+    return tuple(out)

@@ -1,6 +1,6 @@
-"""The time half of `CostModel` (`search._cost`): the static arrays of the device's
+"""The time half of `CostModel` (`search.cost._model`): the static arrays of the device's
 time model, each op's seconds, and the step's time with communication overlapped
-(`_timing`) and recomputation (`_remat`) added."""
+(`_achieved`) and recomputation (`_remat`) added."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from partir import depended_on
 
-from ._timing import batch_free, dot_efficiency, overlappable, step_time
+from ._achieved import batch_free, dot_efficiency, overlappable, step_time
 
 
 #: The backward ops that turn an activation's gradient into a weight's: contractions
@@ -69,7 +69,7 @@ class CostTime:
         return times, div, kernel * self._kernel_again
 
     def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:
-        """(step time, exposed communication) of the current state (`_timing`)."""
+        """(step time, exposed communication) of the current state (`_achieved`)."""
         if not self.device.overlap:
             cols = [c for _, e in self._moves() for c in e[min(e)][1]] + [c for _, c, _ in cols_again]
             return step_time(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
@@ -119,7 +119,7 @@ class CostTime:
 
 def bucket_parents(prog, keys: dict) -> dict:
     """Computation id -> the id of the one enclosing it (its region's parent, same pass;
-    None at the top), innermost first (`_timing.step_time`)."""
+    None at the top), innermost first (`_achieved.step_time`)."""
     regions = prog.regions
 
     def depth(r):
