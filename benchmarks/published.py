@@ -19,7 +19,7 @@ the modeled step is the train step of the global batch with one optimizer update
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
-constants (`search._device`) on the `fit` rows only, by least squares on log step time.
+constants (`search.cost._device`) on the `fit` rows only, by least squares on log step time.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ GPUS = ("h100", "h200", "a100")
 
 
 def fit(rows: list[Row]) -> dict:
-    """The time model's fitted constants (`search._device`: GPU and TPU matmul
+    """The time model's fitted constants (`search.cost._device`: GPU and TPU matmul
     efficiency, fused attention efficiency), by least squares on the log of modeled over
     published step time over `rows` (the fit rows: check rows choose nothing)."""
     import numpy as np

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from ._graph import made_from_scalars
 from ._nested import Link
 from ._remat import _communicates, _plain_dot, check_policy, layers_of
 
@@ -103,7 +104,7 @@ def reusable(program, layer, policy: str, part=None) -> tuple[tuple[int, int], .
     ckpts = checkpoints_of(program, layer)
     if not ckpts or policy == "full":
         return ()
-    made_of_scalars = program.analysis(_from_scalars)  # a causal mask: remade for free, never kept
+    made_of_scalars = made_from_scalars(program)  # a causal mask: remade for free, never kept
 
     def dot(v):  # the matmul itself: a view of it is recomputed from it for free
         return program.ops[program.producer[v]].primitive == "dot_general" and _plain_dot(program, v)
@@ -111,20 +112,6 @@ def reusable(program, layer, policy: str, part=None) -> tuple[tuple[int, int], .
     keep = {"none": lambda v: True, "dots": dot,
             "collectives": lambda v: dot(v) or _communicates(part, program.producer[v])}[policy]
     return tuple((w, v) for c in ckpts for w, v in c.reruns if keep(v) and not made_of_scalars[v])
-
-
-def _from_scalars(program) -> list[bool]:
-    """Per value: is it made from literals alone (an iota, a mask made of iotas)?"""
-    const = [False] * len(program.values)
-    for op in program.ops:
-        if op.link:
-            ok = op.operands[0] >= 0 and const[op.operands[0]]
-        else:
-            ok = all(u < 0 or const[u] for u in op.operands)
-        for r in op.results:
-            if r >= 0:
-                const[r] = ok
-    return const
 
 
 def _find_checkpoints(program) -> tuple[UserCheckpoint, ...]:

@@ -18,6 +18,8 @@ Detaching costs propagation speed, so it is done only where a schedule asks for 
 
 from __future__ import annotations
 
+from ._graph import UnionFind
+
 
 class TilingClasses:
     """Classes of a program: `of[v]` is value v's class; `members[c]` its values;
@@ -28,14 +30,7 @@ class TilingClasses:
 
     def __init__(self, program, detached: frozenset = frozenset()):
         n = len(program.values)
-        parent = list(range(n))
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
+        sets = UnionFind(n)
         boundary = detached
         shapes = {}  # rule id -> its slot structure (rules are shared by equal ops)
         op_slots = []
@@ -47,23 +42,16 @@ class TilingClasses:
             op_slots.append(vids)
             for group in sh.groups:
                 present = [vids[k] for k in group if vids[k] >= 0 and vids[k] not in boundary]
-                if len(present) > 1:
-                    r = find(present[0])
-                    for v in present[1:]:
-                        rv = find(v)
-                        if rv != r:
-                            lo = min(r, rv)
-                            parent[max(r, rv)] = lo
-                            r = lo
-        ids: dict[int, int] = {}
-        of = [ids.setdefault(find(v), len(ids)) for v in range(n)]
+                for v in present[1:]:
+                    sets.union(present[0], v)
+        of = sets.labels()
         self.of: tuple[int, ...] = tuple(of)
-        members: list[list[int]] = [[] for _ in ids]
+        members: list[list[int]] = [[] for _ in range(max(of, default=-1) + 1)]
         for v, c in enumerate(of):
             members[c].append(v)
         self.members: tuple[tuple[int, ...], ...] = tuple(map(tuple, members))
         single, multi, trivial = [], [], []
-        ops_of: list[list[int]] = [[] for _ in ids]
+        ops_of: list[list[int]] = [[] for _ in members]
         for op, vids in zip(program.ops, op_slots):
             sh = shapes[id(op.rule)]
             if sh.trivial and len({of[vids[k]] for k in sh.slots if vids[k] >= 0}) <= 1:

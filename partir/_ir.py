@@ -24,7 +24,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import PartitioningError
+from ._graph import made_from_scalars
 from ._rule import FactorRule
+from .rules import get_traits
 
 
 class Value(NamedTuple):
@@ -241,15 +243,15 @@ class Program:
         return g
 
     def rematerializable(self, v: int) -> bool:
-        """Is `v` made from scalars alone (a broadcast constant, an iota)? Such a value can
-        be made in any layout where it is needed instead of being moved (XLA does so)."""
+        """Is `v` made from scalars alone (`partir.made_from_scalars`) by one op that
+        creates values (an iota, a broadcast constant: its traits' `creates`)? That op
+        alone makes it again in any layout where it is needed instead of moving it (XLA
+        does so)."""
         p = self.producer[v]
-        if p < 0:
+        if p < 0 or not made_from_scalars(self)[v]:
             return False
-        op = self.ops[p]
-        if op.primitive in ("iota", "empty", "empty2"):
-            return True
-        return op.primitive == "broadcast_in_dim" and all(u < 0 or not self.values[u].shape for u in op.operands)
+        traits = get_traits(self.ops[p].primitive)
+        return traits is not None and traits.creates
 
     @property
     def backward(self) -> tuple[bool, ...]:

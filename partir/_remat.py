@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from ._errors import PartitioningError
 from ._layers import input_layers
+from ._graph import call_roots
 from ._nested import Link
 
 #: Ops that only reshape or cast what they read (a matmul's output seen through them is
@@ -264,7 +265,7 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
     check_policy(policy)
     if policy == "none":
         return ()
-    root = program.analysis(_call_roots)
+    root = call_roots(program)
     boundary = {root[v] for b in layers_of(program) for v in b.inputs}
     keep = {r for r in layer.residuals if root[r] in boundary}
     if policy in ("dots", "collectives"):
@@ -274,24 +275,6 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
             raise PartitioningError("the 'collectives' policy needs the partitioning (which ops move data)")
         keep |= {r for r in layer.residuals if _communicates(part, program.producer[r])}
     return tuple(r for r in layer.residuals if r not in keep)
-
-
-def _call_roots(program) -> list[int]:
-    """Per value, one value it is the same as across call boundaries (a call's argument
-    and result only rename what they carry)."""
-    root = list(range(len(program.values)))
-
-    def find(x):
-        while root[x] != x:
-            root[x] = root[root[x]]
-            x = root[x]
-        return x
-
-    for op in program.ops:
-        if op.link and op.primitive in (Link.CALL_IN, Link.CALL_OUT) and op.operands[0] >= 0 and op.results[0] >= 0:
-            a, b = find(op.operands[0]), find(op.results[0])
-            root[max(a, b)] = min(a, b)
-    return [find(v) for v in range(len(root))]
 
 
 def _plain_dot(program, v: int) -> bool:
@@ -324,7 +307,7 @@ class Recompute:
 def recompute(program, residuals: frozenset) -> Recompute:
     """The recomputation of `residuals` (each a residual of some layer)."""
     where = {r: b for b in residual_layers(program) for r in b.residuals}
-    root = program.analysis(_call_roots)
+    root = call_roots(program)
     kept = {root[v]: v for b in layers_of(program) for v in sorted(b.inputs)}  # every layer's input is kept
     sources, ops, by_layer = {}, set(), {}
     for r in sorted(residuals):

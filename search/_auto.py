@@ -12,8 +12,7 @@ from tactics import (FSDP, Context, DataParallel, Megatron, Remat, SequenceParal
                      roles)
 
 from ._actions import apply_action, input_groups
-from ._cost import CostModel, bytes_str, time_str
-from ._device import DEFAULT_DEVICE, get_device
+from .cost import DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
 from ._mcts import mcts
 from ._result import SearchResult
 from ._state import SearchState

@@ -40,7 +40,7 @@ from partir import Partitioning, PartitioningError, lift
 from partir._layers import children, is_layers, layer_keys  # noqa: F401
 from tactics import input_groups, roles
 
-from ._cost import CostModel
+from .cost import CostModel
 from ._state import SearchState, doubtful
 
 #: Fewest alike layers for which twins are used.

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from search._device import PRESETS, DeviceError, DeviceSpec, get_device, link_levels
+from search.cost._device import PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 
 
 def _toml(d: dict) -> str:

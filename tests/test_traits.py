@@ -11,7 +11,7 @@ import pytest
 import partir
 from partir import rules
 from partir.rules import Fusion, Traits, Work
-from search._flops import eqn_work
+from search.cost._flops import eqn_work
 
 
 def test_every_registered_primitive_has_every_trait():

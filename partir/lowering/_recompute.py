@@ -10,7 +10,8 @@ import jax
 from .._errors import PartitioningError
 from .._checkpoint import relaxation, scan_body_of
 from .._nested import Link
-from .._remat import _call_roots, layers_of, recompute, residual_layers
+from .._graph import call_roots
+from .._remat import layers_of, recompute, residual_layers
 from ._eval import bind_equation, lowering_params
 
 
@@ -32,7 +33,7 @@ class Recomputation:
         prog = self.prog = part.program
         self.hooks = hooks
         self.rec = recompute(prog, part.rematerialized)
-        self.root = prog.analysis(_call_roots)
+        self.root = call_roots(prog)
         self.block_of = {self.root[r]: b for b, rs in self.rec.by_layer.items() for r in rs}
         self.residual_of = {self.root[r]: r for rs in self.rec.by_layer.values() for r in rs}
         self.ops = {b.index: [o for o in self.rec.ops if o in set(b.ops)] for b in residual_layers(prog)}

@@ -28,6 +28,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from .._errors import PartitioningError
+from .._graph import made_from_scalars
 from .._mesh import lowering_mesh
 from .._partitioning import Partitioning
 from .._tiling import Tiling
@@ -44,7 +45,7 @@ from ._spmd import move
 def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
     """`jax.jit` of a `jax.shard_map` running the plan per device. `free` lists the values
     that may be made in any layout instead of moved (value ids or a boolean mask; by
-    default those `Program.rematerializable` names); pass the cost model's
+    default those `partir.made_from_scalars` names); pass the cost model's
     (`search._fusion.materialization(program).from_scalars`) to lower exactly what it
     charges."""
     prog = part.program
@@ -63,7 +64,7 @@ def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
 def _free_mask(prog, free) -> list[bool]:
     n = len(prog.values)
     if free is None:
-        return [prog.rematerializable(v) for v in range(n)]
+        return list(made_from_scalars(prog))
     arr = np.asarray(list(free))
     if arr.dtype == bool:
         if arr.shape != (n,):

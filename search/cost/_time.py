@@ -1,12 +1,14 @@
-"""The time half of `CostModel` (`search._cost`): the static arrays of the device's
+"""The time half of `CostModel` (`search.cost._model`): the static arrays of the device's
 time model, each op's seconds, and the step's time with communication overlapped
-(`_timing`) and recomputation (`_remat`) added."""
+(`_achieved`) and recomputation (`_remat`) added."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._timing import batch_free, dot_efficiency, overlappable, step_time
+from partir import depended_on
+
+from ._achieved import batch_free, dot_efficiency, overlappable, step_time
 
 
 #: The backward ops that turn an activation's gradient into a weight's: contractions
@@ -67,7 +69,7 @@ class CostTime:
         return times, div, kernel * self._kernel_again
 
     def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:
-        """(step time, exposed communication) of the current state (`_timing`)."""
+        """(step time, exposed communication) of the current state (`_achieved`)."""
         if not self.device.overlap:
             cols = [c for _, e in self._moves() for c in e[min(e)][1]] + [c for _, c, _ in cols_again]
             return step_time(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
@@ -117,7 +119,7 @@ class CostTime:
 
 def bucket_parents(prog, keys: dict) -> dict:
     """Computation id -> the id of the one enclosing it (its region's parent, same pass;
-    None at the top), innermost first (`_timing.step_time`)."""
+    None at the top), innermost first (`_achieved.step_time`)."""
     regions = prog.regions
 
     def depth(r):
@@ -140,17 +142,8 @@ def feeds_backward(prog, backward) -> np.ndarray:
     """Per value: does any of the `backward` ops (the backward pass's contractions and
     lookups' transposes, `WEIGHT_GRADIENT_OPS`) depend on it? Activation gradients do; a
     weight gradient feeds only reshapes and the optimizer, so its reduction can overlap
-    the rest of the backward pass. Ops are in
-    execution order except loop-carry links, hence a second sweep."""
-    feeds = np.zeros(len(prog.values), dtype=bool)
-    for _ in range(2):
-        for op in reversed(prog.ops):
-            out = bool(backward[op.id]) or any(feeds[v] for v in op.results if v >= 0)
-            if out:
-                for v in op.operands:
-                    if v >= 0:
-                        feeds[v] = True
-    return feeds
+    the rest of the backward pass."""
+    return depended_on(prog, [v for op in prog.ops if backward[op.id] for v in op.operands])[0]
 
 
 def op_dtype(op, prog):

@@ -7,7 +7,7 @@ Objective (what the search minimises), per device and per training step:
                                                         bytes_moved / hbm_bandwidth)
                                                     + op_overhead if a matmul)
     comm_time    = sum over collectives of  trips * alpha-beta ring time   (see `_comm`)
-    step_time    = compute_time + exposed communication          (see `_timing`)
+    step_time    = compute_time + exposed communication          (see `_achieved`)
     step_time_overlap = step_time where the device overlaps; else compute_time
                         + comm_time - min(gradient_comm, backward_compute)  (gradient
                         reductions hidden behind the backward pass)
@@ -19,15 +19,15 @@ times; XLA's own analysis counts it once), and a plan is feasible when `memory_p
 fits the memory limit (the device's HBM unless given).
 
 The device's time model (`search._device`) says what the hardware achieves: a matmul's
-`efficiency(op)` (`_timing.dot_efficiency`: below the datasheet, lower for small and
+`efficiency(op)` (`_achieved.dot_efficiency`: below the datasheet, lower for small and
 skinny matmuls), a per-kernel `op_overhead`, which collectives run behind compute
-(`_timing`), and whether attention is the fused kernel (`_attention`): then the
+(`_achieved`), and whether attention is the fused kernel (`_attention`): then the
 kernel's ops take no time of their own and its matmuls run at `attention_efficiency`
 of peak, on the tiles a causal mask leaves, plus `Q K^T` again in the backward kernel.
 On the `cpu` preset all of it is the identity: the model is the roofline XLA:CPU runs.
 
 The model is three modules: this one keeps the per-op prices up to date and adds them
-up (`evaluate`, `cost`); `_costtime` assembles the step's time, `_costmemory` its peak
+up (`evaluate`, `cost`); `_time` assembles the step's time, `_peak` its peak
 memory; `_breakdown` holds the readable `Cost`.
 
 Re-costing is incremental: the model consumes what the partitioning reports changed
@@ -44,15 +44,15 @@ import numpy as np
 
 from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel
-from ._costmemory import CostMemory, op_label
-from ._costtime import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
+from ._peak import CostMemory, op_label
+from ._time import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._flops import op_work
 from ._fusion import materialization
 from ._manual import body_collectives
 from ._memory import Liveness
-from ._moves import MoveBuffers
-from ._timing import dot_efficiency, shard_shape
+from ._move_buffers import MoveBuffers
+from ._achieved import dot_efficiency, shard_shape
 
 __all__ = ["Cost", "CostModel", "bytes_str", "time_str"]
 
@@ -217,7 +217,7 @@ class CostModel(CostTime, CostMemory):
         return div, moved, tuple(out), self._shard_efficiency(o, layout[0])
 
     def _shard_efficiency(self, o: int, slots) -> float:
-        """A matmul's efficiency on the shards the op computes (`_timing`)."""
+        """A matmul's efficiency on the shards the op computes (`_achieved`)."""
         op = self.program.ops[o]
         if op.primitive != "dot_general" or op.link:
             return 1.0

@@ -1,5 +1,5 @@
-"""The memory half of `CostModel` (`search._cost`): the buffers reshards and
-recomputation make beside the program's own (`_memory`, `_remat`, `_moves`), the peak
+"""The memory half of `CostModel` (`search.cost._model`): the buffers reshards and
+recomputation make beside the program's own (`_memory`, `_remat`, `_move_buffers`), the peak
 they reach and the names of what is live there."""
 
 from __future__ import annotations

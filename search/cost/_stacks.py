@@ -5,7 +5,11 @@ made of, as XLA does in unrolled code, so that one computation has one cost."""
 from __future__ import annotations
 
 import partir
-from partir import Link
+from partir import Link, call_roots
+
+#: Links through which XLA sees one computation: it inlines calls, so a value fuses
+#: across a call's boundary as if the call were not there.
+CALL_LINKS = frozenset((Link.CALL_IN, Link.CALL_OUT))
 
 #: The links of a scan's stacked inputs and outputs. A residual of a scan body (a value
 #: its forward loop stacks for the backward loop to slice) is seen through them, as if
@@ -17,10 +21,6 @@ STACKS = frozenset((Link.SCAN_YS, Link.SCAN_XS))
 #: A body value this many times smaller than a residual it helps re-derive is taken along
 #: as it is (a norm's per-token statistics beside the normalized activations).
 SMALL = 16
-
-#: Links through which XLA sees one computation: it inlines calls, so a value fuses
-#: across a call's boundary as if the call were not there.
-CALL_LINKS = frozenset((Link.CALL_IN, Link.CALL_OUT))
 
 
 class Stacks:
@@ -37,11 +37,7 @@ class Stacks:
         self.sliced: dict[tuple[int, int], int] = {}  # (stacked value, body) -> the slice
         self.readers: dict[int, list[int]] = {}  # stacked value -> bodies slicing it
         self.stacks: set[int] = set()  # the stacked outputs
-        self.alias = list(range(len(program.values)))  # union-find over call boundaries
-        for op in program.ops:
-            if op.link and op.primitive in CALL_LINKS and op.operands[0] >= 0 and op.results[0] >= 0:
-                a, b = self._root(op.operands[0]), self._root(op.results[0])
-                self.alias[max(a, b)] = min(a, b)
+        self.root = call_roots(program)  # one value across call boundaries
         for op in program.ops:
             if not op.link or op.operands[0] < 0 or op.results[0] < 0:
                 continue
@@ -53,7 +49,7 @@ class Stacks:
                 body = program.values[b].region
                 self.sliced[(a, body)] = b
                 self.readers.setdefault(a, []).append(body)
-        self.stacked_alias = {self._root(a): a for a in self.stacked}
+        self.stacked_alias = {self.root[a]: a for a in self.stacked}
 
     def fused(self, op, virtual, scalar_made, sources):
         """(made from scalars, sources) if the stack or slice is fused, else None."""
@@ -75,13 +71,7 @@ class Stacks:
     def _through_calls(self, u: int) -> int:
         """The stacked value among `u`'s aliases through call boundaries (a call's
         argument and result only rename a value), else `u`."""
-        return self.stacked_alias.get(self._root(u), u)
-
-    def _root(self, u: int) -> int:
-        while self.alias[u] != u:
-            self.alias[u] = self.alias[self.alias[u]]
-            u = self.alias[u]
-        return u
+        return self.stacked_alias.get(self.root[u], u)
 
     def _express(self, v, virtual, seen, nbytes, carried) -> tuple[int, ...] | None:
         """What a fused body value of `nbytes` can be re-derived from in the backward loop:

@@ -15,7 +15,7 @@ Choices shared by the presets:
 - Latencies are estimates (orders of magnitude), not published figures.
 
 **Time model.** What a device really achieves is below its datasheet: the optional
-fields after the flags say how far (`search._cost`'s docstring has the formulas, and
+fields after the flags say how far (`search.cost._model`'s docstring has the formulas, and
 `benchmarks/published/` the runs they were checked against). Their defaults are the
 ideal machine, which is what the `cpu` preset and a user's file without them get:
 - `matmul_efficiency`: the fraction of peak a large matmul reaches; `matmul_knee`: the

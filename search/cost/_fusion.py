@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir import Link, layers_of
+from partir import Link, depended_on, layers_of, makers_of
 
 from ._attention import AttentionRegion, attention_region
 from ._stacks import CALL_LINKS, STACKS, Stacks
@@ -116,7 +116,7 @@ def materialization(program, fused_attention: bool = False, priority_fusion: boo
     `priority_fusion`, cheap ops fuse as XLA:GPU's priority fusion fuses them."""
     live = _live_ops(program)
     n = len(program.values)
-    produced = _producers(program)
+    produced = makers_of(program)
     virtual = np.zeros(n, dtype=bool)
     scalar_made = np.zeros(n, dtype=bool)
     sources: dict[int, tuple[int, ...]] = {}
@@ -346,34 +346,13 @@ def _single_producer(producers, oid, live) -> bool:
     return all(p == oid or not live[p] for p in producers)
 
 
-def _producers(program) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in program.values]
-    for op in program.ops:
-        for v in op.results:
-            if v >= 0:
-                out[v].append(op.id)
-    return out
-
-
 def _live_ops(program) -> np.ndarray:
     """Ops some program output (or a side effect) depends on, through loops and calls."""
-    produced = _producers(program)
-    live = np.zeros(len(program.ops), dtype=bool)
-    needed = np.zeros(len(program.values), dtype=bool)
-    stack = [v for v in program.outputs if v >= 0]
-    for op in program.ops:
+    effects = [v for op in program.ops if not op.link and getattr(op.eqn, "effects", None) for v in op.operands]
+    _, live = depended_on(program, [*program.outputs, *effects])
+    for op in program.ops:  # an op with an effect runs even if nothing reads it
         if not op.link and getattr(op.eqn, "effects", None):
             live[op.id] = True
-            stack += [v for v in op.operands if v >= 0]
-    while stack:
-        v = stack.pop()
-        if needed[v]:
-            continue
-        needed[v] = True
-        for o in produced[v]:
-            if not live[o]:
-                live[o] = True
-                stack += [u for u in program.ops[o].operands if u >= 0]
     return live
 
 

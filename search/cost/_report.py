@@ -4,17 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-
-def _fmt_bytes(n):
-    from ._breakdown import bytes_str
-
-    return bytes_str(n)
-
-
-def _fmt_time(s):
-    from ._breakdown import time_str
-
-    return time_str(s)
+from ._units import bytes_str, time_str
 
 
 def collectives_table(cost, title: str) -> Table:
@@ -29,7 +19,7 @@ def collectives_table(cost, title: str) -> Table:
         e[1] += c.bytes * c.count
         e[2] += c.time * c.count
     for (axes, kind), (n, b, t) in sorted(rows.items()):
-        comm.add_row(", ".join(axes), kind, f"{n:g}", _fmt_bytes(b), _fmt_time(t))
+        comm.add_row(", ".join(axes), kind, f"{n:g}", bytes_str(b), time_str(t))
     return comm
 
 
@@ -39,28 +29,28 @@ def cost_tables(cost):
     head.add_column("what")
     head.add_column("value", justify="right")
     head.add_row("step time" + (" (overlapped as the device does)" if cost.overlap else ", no overlap"),
-                 _fmt_time(cost.step_time))
-    head.add_row("step time, gradient reductions overlapped", _fmt_time(cost.step_time_overlap))
-    head.add_row("compute", _fmt_time(cost.compute_time))
-    head.add_row("communication (exposed)", f"{_fmt_time(cost.comm_time)} ({_fmt_time(cost.exposed_comm_time)})")
+                 time_str(cost.step_time))
+    head.add_row("step time, gradient reductions overlapped", time_str(cost.step_time_overlap))
+    head.add_row("compute", time_str(cost.compute_time))
+    head.add_row("communication (exposed)", f"{time_str(cost.comm_time)} ({time_str(cost.exposed_comm_time)})")
     head.add_row("flops", f"{cost.flops:.4g}")
-    head.add_row("peak memory", f"{_fmt_bytes(cost.memory_peak)} of {_fmt_bytes(cost.memory_limit)}"
+    head.add_row("peak memory", f"{bytes_str(cost.memory_peak)} of {bytes_str(cost.memory_limit)}"
                  + ("" if cost.fits else "  [red]does not fit[/]"))
-    head.add_row("arguments", _fmt_bytes(cost.argument_bytes))
+    head.add_row("arguments", bytes_str(cost.argument_bytes))
     yield head
 
     ops = Table(title="top ops by time")
     ops.add_column("op", no_wrap=True)
     ops.add_column("time", justify="right")
     for name, t in cost.top_ops:
-        ops.add_row(name, _fmt_time(t))
+        ops.add_row(name, time_str(t))
     yield ops
 
     yield collectives_table(cost, "collectives by mesh axis (per step)")
 
-    mem = Table(title=f"live at the memory peak ({_fmt_bytes(cost.memory_peak)})")
+    mem = Table(title=f"live at the memory peak ({bytes_str(cost.memory_peak)})")
     mem.add_column("buffer", no_wrap=True)
     mem.add_column("bytes", justify="right")
     for name, b in cost.memory_at_peak:
-        mem.add_row(name, _fmt_bytes(b))
+        mem.add_row(name, bytes_str(b))
     yield mem

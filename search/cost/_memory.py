@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from partir import Link
+from partir import Link, UnionFind
 
 from ._arena import arena
 
@@ -78,23 +78,13 @@ class Liveness:
         mat = materialization
         self.virtual = mat.virtual
         n = len(program.values)
-        parent = list(range(n))
-
-        def find(x):
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
+        sets = UnionFind(n)
         pairs = [(op.operands[0], op.results[0]) for op in program.ops
                  if op.link and op.primitive not in COPYING_LINKS]
         for a, b in pairs + view_pairs(program, mat.virtual) + _donations(program, set(donated_args)):
-            a, b = find(a), find(b)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
-        roots: dict[int, int] = {}
-        self.buffer = np.array([roots.setdefault(find(v), len(roots)) for v in range(n)], dtype=np.int64)
-        self.num_buffers = len(roots)
+            sets.union(a, b)
+        self.buffer = np.array(sets.labels(), dtype=np.int64)
+        self.num_buffers = int(self.buffer.max(initial=-1)) + 1
         self.length = len(program.ops) + 1
         self.start, self.end = self._intervals(program, mat, forward_only)
         for v, until in (extend or {}).items():  # kept to recompute from

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import partir
 
-from ._cost import CostModel
+from ._model import CostModel
 
 
 @dataclass(frozen=True)

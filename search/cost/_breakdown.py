@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._comm import CollectiveCost
+from ._report import cost_tables
+from ._units import bytes_str, time_str  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Cost:
     @property
     def step_time(self) -> float:
         """Compute plus the communication it does not hide (seconds): all of it where
-        the device does not overlap (`DeviceSpec.overlap`), see `_timing`."""
+        the device does not overlap (`DeviceSpec.overlap`), see `_achieved`."""
         return self.compute_time + self.exposed_comm_time
 
     @property
@@ -69,8 +71,6 @@ class Cost:
         return {k: tuple(v) for k, v in sorted(out.items())}
 
     def __rich_console__(self, console, options):
-        from ._report import cost_tables
-
         yield from cost_tables(self)
 
     def __str__(self) -> str:
@@ -81,16 +81,3 @@ class Cost:
         console = Console(width=120, file=io.StringIO())
         console.print(self)
         return console.file.getvalue()
-
-
-def bytes_str(n: float) -> str:
-    """Human-readable bytes (KiB/MiB/GiB)."""
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def time_str(s: float) -> str:
-    """Human-readable seconds."""
-    return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.2f} us"

@@ -1,5 +1,5 @@
 """What sets a real step's time beyond the roofline: achieved matmul throughput, and
-communication overlapped with compute. `search._cost` uses both; the figures are the
+communication overlapped with compute. `search.cost._model` uses both; the figures are the
 device's time model (`DeviceSpec`, `search._device`), the ideal machine by default.
 
 **Achieved matmul throughput.** A matmul of per-device sizes m x k by k x n (batch dims
