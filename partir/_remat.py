@@ -36,7 +36,7 @@ from ._nested import Link
 #: Ops that only reshape or cast what they read (a matmul's output seen through them is
 #: still a matmul's output). `jax.checkpoint` marks each value its policy saves with a
 #: `reduce_precision` to the value's own precision.
-VIEWS = ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
+SEEN_THROUGH = ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
          "reduce_precision")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
@@ -281,7 +281,7 @@ def _plain_dot(program, v: int) -> bool:
     """Is `v` made by a matmul with no batch dims (a projection, an MLP matmul), maybe
     reshaped or cast after it?"""
     p = program.producer[v]
-    while p >= 0 and program.ops[p].primitive in VIEWS and program.ops[p].operands[0] >= 0:
+    while p >= 0 and program.ops[p].primitive in SEEN_THROUGH and program.ops[p].operands[0] >= 0:
         p = program.producer[program.ops[p].operands[0]]
     if p < 0 or program.ops[p].primitive != "dot_general":
         return False

@@ -99,4 +99,4 @@ def bitcast_convert_type(in_shapes, out_shapes, params):
 
 register(*UNARY, *NARY, traits=TRAITS)(elementwise)
 register(*IDENTITY_N, traits=OPAQUE)(identity_n)
-register("bitcast_convert_type", traits=Traits(Work.MOVE, Fusion.CHEAP, view=True))(bitcast_convert_type)
+register("bitcast_convert_type", traits=OPAQUE)(bitcast_convert_type)

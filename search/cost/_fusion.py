@@ -48,41 +48,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir import Link, depended_on, layers_of, makers_of
+from partir.rules import Fusion, Traits, Work, get_traits
 
 from ._attention import AttentionRegion, attention_region
 from ._stacks import CALL_LINKS, STACKS, Stacks
 
-#: Elementwise (and data-movement) primitives XLA computes inside the fusions of their
-#: consumers, duplicating them into each (its `IsExpensive` says they are cheap).
-CHEAP = frozenset("""add add_any sub mul neg max min abs sign select_n eq ne lt le gt ge and or not xor
-convert_element_type copy copy_p square integer_pow shift_left shift_right_logical shift_right_arithmetic
-floor ceil round clamp stop_gradient sin cos is_finite reduce_precision real imag conj
-reshape squeeze expand_dims transpose slice pad concatenate rev""".split())
+#: How XLA fuses each primitive is its traits' (`partir.rules`, `Traits.fusion`): cheap ops
+#: are computed inside the fusions of their consumers, duplicated into each; expensive
+#: ones fused into a consumer only when that is their one reader (XLA does not duplicate
+#: expensive work: with several readers they are materialized); reductions and
+#: broadcasts take their elementwise producers in; a view is its operand's buffer; an op
+#: that creates values makes them from shapes or scalars. A link (no traits) fuses
+#: nothing of its own.
+_NO_TRAITS = Traits(Work.MOVE)
 
-#: Elementwise primitives XLA fuses into a consumer only when that is their one reader
-#: (it does not duplicate expensive work): with several readers they are materialized.
-EXPENSIVE = frozenset("""exp exp2 expm1 log log1p tanh logistic sqrt rsqrt cbrt pow div rem atan2 erf erfc
-erf_inv tan asin acos atan sinh cosh asinh acosh atanh lgamma digamma""".split())
 
-#: Reductions, which fuse their elementwise producers in (XLA's input fusions).
-REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+def op_traits(op) -> Traits:
+    return (None if op.link else get_traits(op.primitive)) or _NO_TRAITS
 
-#: Consumers that fuse their elementwise producers in: elementwise ops themselves,
-#: broadcasts and reductions (XLA's loop and input fusions).
-FUSING = CHEAP | EXPENSIVE | REDUCTIONS | frozenset(("broadcast_in_dim",))
-
-#: Primitives that only make values from their shapes (or from scalars).
-CREATION = frozenset(("iota", "empty", "empty2", "broadcast_in_dim"))
 
 #: Links into a loop body: a `while` loop's operands are buffers, so a value made from
 #: scalars that a scan takes as a constant (JAX hoists loop-invariant residuals out of
 #: the body) is materialized once before the loop.
 LOOP_ENTRIES = frozenset((Link.SCAN_CONST, Link.SCAN_CARRY_IN, Link.WHILE_CONST, Link.WHILE_CARRY_IN))
-
-#: Ops whose result is a view of their operand's buffer: reshapes are bitcasts in XLA's
-#: row-major layouts.
-VIEWS = frozenset(("reshape", "squeeze", "expand_dims"))
-
 
 @dataclass(frozen=True, eq=False)
 class Materialization:
@@ -179,17 +167,18 @@ def _fused(program, op, virtual, scalar_made, sources, reading, backward, priori
         v = arrays[0]
         return bool(scalar_made[v]), sources.get(v, ())
     made = all(virtual[v] and scalar_made[v] for v in arrays)
-    if made and (op.primitive in CREATION or op.primitive in CHEAP):
+    traits = op_traits(op)
+    if made and (traits.creates or traits.fusion is Fusion.CHEAP):
         pass  # made from scalars: made wherever it is read, in any layout
     elif op.primitive == "broadcast_in_dim":
         pass  # re-derived where it is read
-    elif op.primitive in CHEAP and priority:
+    elif traits.fusion is Fusion.CHEAP and priority:
         if not _priority_fuses(program, op, reading[0], virtual, sources):
             return None
-    elif op.primitive in CHEAP:
+    elif traits.fusion is Fusion.CHEAP:
         if not _fuses(op, *reading, backward, many=True):
             return None
-    elif op.primitive in EXPENSIVE:
+    elif traits.fusion is Fusion.EXPENSIVE:
         if not _fuses(op, *reading, backward, many=False):
             return None
     else:
@@ -258,8 +247,8 @@ def _readers(program, live, backward):
         if is_call:
             inner = [out[r] for r in results]
             entry = None if any(i is None for i in inner) else [k for i in inner for k in i]
-        elif op.primitive in FUSING and not op.link:
-            reduces = op.primitive in REDUCTIONS or any(
+        elif op_traits(op).fusion.fuses_producers:
+            reduces = op_traits(op).fusion is Fusion.INPUT or any(
                 out[r] is not None and len(out[r]) == 1 and out[r][0][1] for r in results)
             entry = [(op.primitive, reduces)]
         else:
@@ -357,10 +346,11 @@ def _live_ops(program) -> np.ndarray:
 
 
 def view_pairs(program, virtual) -> list[tuple[int, int]]:
-    """(operand, result) of each live view op between buffers (see `VIEWS`)."""
+    """(operand, result) of each live view op between buffers (its traits' `view`:
+    reshapes are bitcasts in XLA's row-major layouts)."""
     out = []
     for op in program.ops:
-        if op.primitive in VIEWS and not op.link and op.operands and op.operands[0] >= 0:
+        if op_traits(op).view and op.operands and op.operands[0] >= 0:
             a, b = op.operands[0], op.results[0]
             if b >= 0 and not virtual[a] and not virtual[b]:
                 out.append((a, b))

@@ -43,6 +43,7 @@ import numpy as np
 from partir import Link, UnionFind
 
 from ._arena import arena
+from ._fusion import op_traits, view_pairs
 
 #: Buffer kinds: a temporary (in the arena), an argument, an output's allocation.
 TEMPORARY, ARGUMENT, OUTPUT = 0, 1, 2
@@ -73,8 +74,6 @@ class Liveness:
     (the end index `len(ops)` is "after the last op")."""
 
     def __init__(self, program, materialization, donated_args=(), *, forward_only=frozenset(), extend=None):
-        from ._fusion import view_pairs
-
         mat = materialization
         self.virtual = mat.virtual
         n = len(program.values)
@@ -243,12 +242,10 @@ def fused_reads_end(program, mat) -> np.ndarray:
     that makes a value whole and slices it (XLA:CPU's all-reduce and dynamic slice for a
     reduce-scatter) fuses the slice into such readers, which then read the whole
     buffer: it lives until this op."""
-    from ._fusion import FUSING
-
     last = last_reads(program, mat)
     out = np.full(len(program.values), -1, dtype=np.int64)
     for op in program.ops:
-        if op.link or op.primitive not in FUSING or not mat.live_op[op.id]:
+        if op.link or not op_traits(op).fusion.fuses_producers or not mat.live_op[op.id]:
             continue
         results = [r for r in op.results if r >= 0]
         when = max(last[r] for r in results) if results and all(mat.virtual[r] for r in results) else op.id
