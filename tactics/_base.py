@@ -72,6 +72,11 @@ class Context:
                 per_axis.setdefault(a, []).extend(found)
         self.search.extend(searches)
 
+    def copy(self) -> "Context":
+        """An independent copy (for a partitioning copied at the same point)."""
+        return Context({a: list(b) for a, b in self.blocks.items()}, {a: list(b) for a, b in self.left_out.items()},
+                       list(self.search))
+
     def child(self) -> "Context":
         """An empty context for tactics applied to another program derived from this
         one's (a shallow twin): what this one holds names this program's values."""
