@@ -1,8 +1,11 @@
 """Search quality and speed on the GPT train step (d_model 1024, seq 1024, batch 8, H100).
 
 For each depth and mesh: the modeled step time of the searched plan divided by the
-expert's (the best fitting of hand-written data parallel + Megatron, FSDP over the whole
-mesh, and pure data parallel over the whole mesh), the wall time the search took to
+expert's (the best of every schedule a practitioner would write for the model and mesh,
+`examples.experts`: data parallel, ZeRO-1/2, FSDP, tensor parallelism with and without
+sequence parallelism and with each of those, each with remat off, `dots` and `full`;
+ranked on the model's scanned form, which costs the same, and the best few costed again
+on the row's program; `--experts` lists them all), the wall time the search took to
 first reach the expert's cost, and, on the small cases (6 layers), the searched plan
 divided by the exact optimum among plans of at most `--exact-depth` actions (the same
 action space and cost model, enumerated). Targets: <= 1.00 against the expert, within
@@ -11,12 +14,13 @@ From 8 layers on, the search runs on 2- and 3-layer twins of the model and extra
 their costs (`search._twins`), so its time does not grow with depth; "search s" also
 counts applying the plan to the deep program and checking it against the twins.
 
-Run: `make bench` or `python benchmarks/search.py [--layers 6 24] [--meshes 2x4] [--budget 30]`.
+Run: `make bench` or `python benchmarks/search.py [--layers 6 24] [--meshes 2x4] [--budget 30] [--experts]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -33,41 +37,35 @@ from rich.table import Table  # noqa: E402
 import partir  # noqa: E402
 import search  # noqa: E402
 import tactics  # noqa: E402
-from examples import gpt  # noqa: E402
-from examples.plans import STRATEGIES, data_parallel  # noqa: E402
+from examples import experts, gpt  # noqa: E402
+
+#: The cost model's device.
+DEVICE = "h100"
 
 
-def expert(prog, mesh):
-    """(name, step time) of the best fitting hand-written plan."""
-    best = None
-    data, model = mesh.names
-    for name in ("dp+megatron", "fsdp", "dp-all"):
-        part = partir.Partitioning(prog, mesh)
-        if name == "dp-all":
-            for axis in mesh.names:
-                data_parallel(part, axis)
-        else:
-            STRATEGIES[name](part, "gpt", data, model)
-        c = search.CostModel(part, "h100").cost()
-        if c.fits and (best is None or c.step_time < best[1]):
-            best = (name, c.step_time)
-    return best
+def _program(cfg):
+    step, args = gpt.make_train_step(cfg, abstract=True)
+    return partir.lift(step, *args)
 
 
-def run(layers: int, mesh_text: str, budget: float, seed: int, exact_depth: int) -> dict:
+def run(layers: int, mesh_text: str, budget: float, seed: int, exact_depth: int, listing: bool) -> dict:
     d, m = map(int, mesh_text.split("x"))
     mesh = partir.MeshSpec.of(data=d, model=m)
     cfg = gpt.GPTConfig(n_layers=layers, d_model=1024, n_heads=16, d_ff=4096, vocab=32768, seq_len=1024, batch=8)
-    step, args = gpt.make_train_step(cfg, abstract=True)
-    prog = partir.lift(step, *args)
-    ename, etime = expert(prog, mesh)
+    prog = _program(cfg)
+    scanned = _program(dataclasses.replace(cfg, scan_layers=True))
+    best, costed = experts.expert(prog, mesh, device=DEVICE, ranking=scanned)
+    if listing:
+        print(f"{layers} layers, {mesh_text}: {len(costed)} expert candidates (on the scanned form); best {best.name}")
+        print("\n".join(experts.listing(costed)))
+    ename, etime = best.name, best.step_s
     t0 = time.perf_counter()
     auto = search.AutomaticPartition(budget_s=budget, seed=seed)
     res = tactics.apply_schedule(prog, mesh, [auto])
     wall = time.perf_counter() - t0
     (result,) = res.context.search
     stats = result.stats
-    found = search.CostModel(res.partitioning.copy(), "h100").cost().step_time
+    found = search.CostModel(res.partitioning.copy(), DEVICE).cost().step_time
     reach = next((t for t, _, st in stats.trace if st <= etime * (1 + 1e-9)), None)
     row = {"layers": layers, "mesh": mesh_text, "expert": ename, "ratio": found / etime, "reach": reach,
            "wall": wall, "episodes": stats.episodes, "states": stats.states, "exact": None}
@@ -87,6 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exact-depth", type=int, default=3)
+    parser.add_argument("--experts", action="store_true", help="list every expert candidate of every row")
     args = parser.parse_args(argv)
     table = Table(title="search vs expert plans (GPT d_model 1024, seq 1024, batch 8, H100, modeled)")
     for col in ("layers", "mesh", "expert plan", "searched/expert", "searched/exact", "s to reach expert",
@@ -95,7 +94,7 @@ def main(argv=None) -> None:
     reach = {}
     for layers in args.layers:
         for mesh in args.meshes:
-            r = run(layers, mesh, args.budget, args.seed, args.exact_depth)
+            r = run(layers, mesh, args.budget, args.seed, args.exact_depth, args.experts)
             reach[layers, mesh] = r["reach"]
             table.add_row(str(r["layers"]), r["mesh"], r["expert"], f"{r['ratio']:.3f}",
                           "-" if r["exact"] is None else f"{r['exact']:.3f} ({r['exact_states']} states)",

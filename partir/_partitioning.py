@@ -14,7 +14,8 @@ computes with, `reshards()` reports a reshard point (and, for split reduction fa
 a reduction point), which the cost model charges and the lowering realises.
 
 Undo is a log of old entries (`mark`/`rollback`), so search can explore and back out
-cheaply; `key()` is an incrementally maintained hash of the whole state.
+cheaply; `key()` is an incrementally maintained hash of the whole state; `delta` and
+`replay` (`partir._replay`) take a change again without working it out again.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
 from ._propagate import _BND, _FAC, _PIN, _REM, _REU, _VAL, Propagation, _fhash, _vhash
+from ._replay import Replay
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
 
 
-class Partitioning(Propagation):
+class Partitioning(Propagation, Replay):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
@@ -61,6 +63,7 @@ class Partitioning(Propagation):
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
+        self._marks: list[tuple[int, int]] = []  # (log length, key there) of live marks, ascending
         self._decisions: list[Decision] = []
         self._hash = 0
         # Classes and ops changed since the last `take_touched`, by actions and rollbacks
@@ -376,10 +379,17 @@ class Partitioning(Propagation):
 
     def mark(self) -> int:
         """A point to `rollback` to."""
-        return len(self._log)
+        n, marks = len(self._log), self._marks
+        if not marks or marks[-1][0] < n:
+            marks.append((n, self._hash))  # the key there, so that rollback need not rehash
+        return n
 
     def rollback(self, mark: int) -> None:
         """Undo every change made since `mark`."""
+        marks = self._marks
+        while marks and marks[-1][0] > mark:
+            marks.pop()
+        known = marks[-1][1] if marks and marks[-1][0] == mark else None
         log, D, Fs = self._log, self._d, self._f
         h = self._hash
         while len(log) > mark:
@@ -387,12 +397,14 @@ class Partitioning(Propagation):
             kind = entry[0]
             if kind == _VAL:
                 _, v, old = entry
-                h ^= _vhash(v, D[v]) ^ _vhash(v, old)
+                if known is None:
+                    h ^= _vhash(v, D[v]) ^ _vhash(v, old)
                 D[v] = old
                 self._touched_classes.add(v)
             elif kind == _FAC:
                 _, o, old = entry
-                h ^= _fhash(o, Fs[o]) ^ _fhash(o, old)
+                if known is None:
+                    h ^= _fhash(o, Fs[o]) ^ _fhash(o, old)
                 Fs[o] = old
                 self._touched_ops.add(o)
             elif kind == _BND:
@@ -410,7 +422,7 @@ class Partitioning(Propagation):
                 h ^= hash((_REU, entry[1]))
             else:
                 self._decisions.pop()
-        self._hash = h
+        self._hash = h if known is None else known
 
     def take_touched(self) -> tuple[set[int], set[int]]:
         """(classes, ops) changed since the previous call, forward or by rollback; clears
@@ -458,7 +470,7 @@ class Partitioning(Propagation):
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
         c._remat, c._reuse = set(self._remat), set(self._reuse)
-        c._log, c._decisions = [], list(self._decisions)
+        c._log, c._marks, c._decisions = [], [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c
 

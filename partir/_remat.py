@@ -305,24 +305,33 @@ class Recompute:
 
 
 def recompute(program, residuals: frozenset) -> Recompute:
-    """The recomputation of `residuals` (each a residual of some layer)."""
+    """The recomputation of `residuals` (each a residual of some layer), kept with the
+    program per set of residuals (`Program.analysis`): a search, the cost model and the
+    lowering ask again and again for the few sets the remat policies make."""
+    return program.analysis(_recompute, frozenset(residuals))
+
+
+def _recompute(program, residuals: frozenset) -> Recompute:
     where = {r: b for b in residual_layers(program) for r in b.residuals}
     root = call_roots(program)
     kept = {root[v]: v for b in layers_of(program) for v in sorted(b.inputs)}  # every layer's input is kept
-    sources, ops, by_layer = {}, set(), {}
+    sources, ops, by_layer, in_layer = {}, set(), {}, {}
     for r in sorted(residuals):
         b = where.get(r)
         if b is None:
             raise PartitioningError(f"{program.name(r)} is not a residual of any layer: nothing to recompute")
         by_layer.setdefault(b.index, []).append(r)
-        sources[r] = tuple(sorted(_walk(program, b, r, residuals, ops, kept, root)))
+        if b.index not in in_layer:  # a layer's op set, once for all its residuals
+            in_layer[b.index] = frozenset(b.ops)
+        sources[r] = tuple(sorted(_walk(program, b, in_layer[b.index], r, residuals, ops, kept, root)))
     return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_layer.items()})
 
 
-def _walk(program, layer: Layer, r: int, gone: frozenset, ops: set, kept: dict, root) -> set[int]:
+def _walk(program, layer: Layer, in_layer: frozenset, r: int, gone: frozenset, ops: set, kept: dict,
+          root) -> set[int]:
     """The kept values `r` is recomputed from (made outside the layer, another layer's
-    input, or a residual kept), adding the ops that remake it to `ops`."""
-    in_block = set(layer.ops)
+    input, or a residual kept), adding the ops that remake it (`in_layer`: the layer's
+    ops) to `ops`."""
     found, stack, seen = set(), [r], set()
     while stack:
         v = stack.pop()
@@ -333,7 +342,7 @@ def _walk(program, layer: Layer, r: int, gone: frozenset, ops: set, kept: dict, 
         if v != r and root[v] in kept and v not in layer.residuals:
             found.add(kept[root[v]] if kept[root[v]] in layer.inputs else v)  # the input, not a call's copy
             continue
-        if p < 0 or p not in in_block or (v != r and v in layer.residuals and v not in gone):
+        if p < 0 or p not in in_layer or (v != r and v in layer.residuals and v not in gone):
             found.add(v)
             continue
         ops.add(p)

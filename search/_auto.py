@@ -21,6 +21,8 @@ from ._twins import twin_state
 
 #: The rematerialization policies the search may apply to every layer (`Remat`).
 REMAT_MACROS = ("dots", "full")
+#: How many of the buffers live at the memory peak an error names.
+PEAK_BUFFERS = 5
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,9 @@ class AutomaticPartition(Tactic):
             why = f"the twins' plan splits {differs} differently in the program"
             state, start = self._program_state(part, groups, axes, ctx), None
         result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
-        result, said = self._fitting(part, groups, result, ctx, said, (mark, ctx_mark))
-        self._check_fits(part, result)
+        costs: dict = {}  # exact costs by state key: each plan on the program is costed once
+        result, said = self._fitting(part, groups, result, ctx, said, (mark, ctx_mark), costs)
+        self._check_fits(part, result, costs)
         ctx.search.append(result)
         st = result.stats
         notes = [state.describe() + (f" ({why})" if why else ""),
@@ -114,7 +117,7 @@ class AutomaticPartition(Tactic):
                  f"{st.cache_hits} cache hits in {st.elapsed:.1f} s ({st.stopped})",
                  f"modeled step {result.step_time * 1e3:.3f} ms vs {result.root_step_time * 1e3:.3f} ms before"
                  + ("" if result.fits else " (does not fit the memory limit)")]
-        unsplit = self._why_replicated(part, groups, result)
+        unsplit = self._why_replicated(part, groups, result, costs)
         return part, notes + ([unsplit] if unsplit else []) + said
 
     def search_space(self, part, ctx: Context):
@@ -152,24 +155,24 @@ class AutomaticPartition(Tactic):
                 macros += tuple(Remat(p) for p in REMAT_MACROS)
         return axes, groups, macros
 
-    def _fitting(self, part, groups, result, ctx, said, marks):
+    def _fitting(self, part, groups, result, ctx, said, marks, costs):
         """`(result, notes)` of a plan that fits the program exactly: the searched one,
         else the first runner-up that does (the search's peaks are estimates, extrapolated
         on twins), else the searched one again; `fits` is the exact verdict."""
-        if self.memory_limit is None or self._exact(part).fits:
+        if self.memory_limit is None or self._exact(part, costs).fits:
             return dataclasses.replace(result, fits=True), said
         for actions, step, peak in result.alternatives:
             part.rollback(marks[0])
             ctx.rollback(marks[1])
             alt_said = self._apply_plan(part, groups, actions, ctx)
-            if self._exact(part).fits:
+            if self._exact(part, costs).fits:
                 return dataclasses.replace(result, actions=actions, step_time=step, memory_peak=peak, fits=True), \
                     alt_said
         part.rollback(marks[0])
         ctx.rollback(marks[1])
         return dataclasses.replace(result, fits=False), self._apply_plan(part, groups, result.actions, ctx)
 
-    def _why_replicated(self, part, groups, result) -> str | None:
+    def _why_replicated(self, part, groups, result, costs) -> str | None:
         """Why a search that splits nothing kept everything replicated, from the best
         split it found (the first runner-up): its modeled step against the replicated
         one, the compute it saves and the communication it adds (or the memory)."""
@@ -178,7 +181,8 @@ class AutomaticPartition(Tactic):
         actions, _, _ = result.alternatives[0]
         trial = part.copy()
         self._apply_plan(trial, groups, actions, Context())
-        split, whole = CostModel(trial, self.device, memory_limit=self.memory_limit).cost(top=0), self._exact(part)
+        split = CostModel(trial, self.device, memory_limit=self.memory_limit).cost(top=0)
+        whole = self._exact(part, costs)
         what = ", ".join(a.describe(groups) for a in actions)
         head = (f"kept everything replicated: the best split found ({what}) models {time_str(split.step_time)} "
                 f"against {time_str(whole.step_time)} replicated")
@@ -192,17 +196,22 @@ class AutomaticPartition(Tactic):
                 f"collectives add {time_str(added)}, so at this size splitting does not pay (a larger model or "
                 "batch does)")
 
-    def _exact(self, part, top: int = 0):
-        return CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=top)
+    def _exact(self, part, costs: dict):
+        """The exact cost of `part` (with the buffers live at its peak, for an error),
+        kept in `costs` by its key: a deep program's takes seconds."""
+        key = part.key()
+        if key not in costs:
+            costs[key] = CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=PEAK_BUFFERS)
+        return costs[key]
 
-    def _check_fits(self, part, result) -> None:
+    def _check_fits(self, part, result, costs) -> None:
         """A plan over the memory limit is an error, unless the caller asked for the best
         effort. The search scores memory fast (`CostModel.evaluate`); the verdict is the
         exact one (`CostModel.cost`, XLA's buffer assignment emulated)."""
-        cost = self._exact(part, top=5)
+        cost = self._exact(part, costs)
         if cost.fits or self.best_effort:
             return
-        live = ", ".join(f"{n} ({bytes_str(b)})" for n, b in cost.memory_at_peak[:5])
+        live = ", ".join(f"{n} ({bytes_str(b)})" for n, b in cost.memory_at_peak[:PEAK_BUFFERS])
         raise TacticError(
             f"no plan found fits {bytes_str(cost.memory_limit)} per device: the best one peaks at "
             f"{bytes_str(cost.memory_peak)} (live there: {live}); the smallest peak any plan reached was "

@@ -9,6 +9,9 @@ from ._actions import Action, apply_action, valid_actions
 #: examples: XLA's packing leaves up to ~15% gaps); above the limit by less, a plan is
 #: checked exactly.
 DOUBT = 1.3
+#: Entries of recorded deltas (`partir.Partitioning.delta`) a search state keeps before it
+#: forgets them all and records afresh: about 100 bytes each, so a few hundred MB at most.
+MEMO_ENTRIES = 3_000_000
 
 
 def doubtful(peak: float, limit: float) -> bool:
@@ -22,7 +25,12 @@ class SearchState:
     they may use. Decisions are recorded under `source`; macro actions apply with `ctx`
     (the schedule's `tactics.Context`, or a twin's own), which backs out with the
     partitioning. `mcts` and `exhaustive` only talk to this interface, so `TwinState`
-    (shallow twins of a deep program) can stand in for it."""
+    (shallow twins of a deep program) can stand in for it.
+
+    What an action did is remembered by the state it was taken in (the partitioning's
+    and the context's keys): taken there again, its recorded change is replayed
+    (`Partitioning.replay`) instead of running the tactic and propagation again. The
+    tree search retraces its paths every episode, so most actions are replays."""
 
     #: The layer counts of the twins searched on (a `TwinState`'s); None: the program itself.
     depths: tuple[int, int] | None = None
@@ -30,6 +38,8 @@ class SearchState:
     def __init__(self, part, model, groups, axes, source: str, ctx):
         self.part, self.model, self.groups, self.axes, self.source = part, model, groups, tuple(axes), source
         self.ctx = ctx
+        self._memo: dict = {}
+        self._memo_entries = 0
 
     @property
     def mesh(self):
@@ -60,7 +70,26 @@ class SearchState:
 
     def apply(self, action: Action) -> bool:
         """Apply `action`; False, and nothing changed, if it cannot apply."""
-        return apply_action(self.part, self.groups, action, self.source, self.ctx)
+        part, ctx = self.part, self.ctx
+        before = part.key()
+        key = (before, ctx.key(), action)
+        done = self._memo.get(key)
+        if done is not None:
+            if done:
+                part.replay(done[0])
+                ctx.extend(done[1])
+            return bool(done)
+        mark, ctx_mark = part.mark(), ctx.mark()
+        if not apply_action(part, self.groups, action, self.source, ctx):
+            self._memo[key] = ()
+            return False
+        delta = part.delta(mark, before)
+        if self._memo_entries + delta.size > MEMO_ENTRIES:
+            self._memo.clear()
+            self._memo_entries = 0
+        self._memo[key] = (delta, ctx.added_since(ctx_mark))
+        self._memo_entries += delta.size
+        return True
 
     def evaluate(self) -> tuple[float, float]:
         """Modeled `(step time, peak memory)` of the current state. The fast peak is

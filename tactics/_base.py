@@ -48,6 +48,35 @@ class Context:
         _truncate(self.left_out, left_out)
         del self.search[searches:]
 
+    def key(self) -> int:
+        """A hash of what tactics read from the context (the blocks and the parameters
+        left whole, per axis): a search that memoizes what an action does keys it by the
+        partitioning's key and this."""
+        return hash(tuple((a, tuple(found)) for per_axis in (self.blocks, self.left_out)
+                          for a, found in per_axis.items() if found))
+
+    def added_since(self, mark: tuple) -> tuple:
+        """What was added since `mark`, for `extend` on a context at the same point."""
+        (blocks, left_out, searches), out = mark, []
+        for per_axis, lengths in ((self.blocks, blocks), (self.left_out, left_out)):
+            kept = dict(lengths)
+            out.append(tuple((a, tuple(found[kept.get(a, 0):])) for a, found in per_axis.items()
+                             if len(found) > kept.get(a, 0)))
+        return tuple(out) + (tuple(self.search[searches:]),)
+
+    def extend(self, added: tuple) -> None:
+        """Add what `added_since` found, again."""
+        blocks, left_out, searches = added
+        for per_axis, items in ((self.blocks, blocks), (self.left_out, left_out)):
+            for a, found in items:
+                per_axis.setdefault(a, []).extend(found)
+        self.search.extend(searches)
+
+    def copy(self) -> "Context":
+        """An independent copy (for a partitioning copied at the same point)."""
+        return Context({a: list(b) for a, b in self.blocks.items()}, {a: list(b) for a, b in self.left_out.items()},
+                       list(self.search))
+
     def child(self) -> "Context":
         """An empty context for tactics applied to another program derived from this
         one's (a shallow twin): what this one holds names this program's values."""

@@ -174,7 +174,6 @@ class _BlockFinder:
         self.blocks: list[Block] = []
         self.trials: list[LeftOut] = []
         self.tried: set = set()
-        self._reached: dict = {}
 
     def visit(self, use: Use) -> None:
         """Try the free dims of one weight use in order; keep the first block found. A
@@ -266,18 +265,7 @@ class _BlockFinder:
 
     def reaches(self, v: int, sources) -> bool:
         """Is `v` computed from some of `sources` (input values)?"""
-        key = tuple(sources)
-        flags = self._reached.get(key)
-        if flags is None:
-            flags = self._reached[key] = bytearray(len(self.prog.values))
-            for p in sources:
-                flags[p] = 1
-            for op in self.prog.ops:
-                if any(u >= 0 and flags[u] for u in op.operands):
-                    for r in op.results:
-                        if r >= 0:
-                            flags[r] = 1
-        return v >= 0 and bool(flags[v])
+        return v >= 0 and bool(self.prog.analysis(_reached, tuple(sources))[v])
 
     def left_out(self) -> list[LeftOut]:
         """Every parameter the axis does not split, with the reasons of its trials."""
@@ -320,6 +308,20 @@ class _BlockFinder:
             notes.append(f"{len(unread)} parameter(s) stay whole over {self.axis!r}, read by no matmul, convolution "
                          f"or gather (norm scales, biases of whole activations): {', '.join(unread[:6])}{more}")
         return notes
+
+
+def _reached(prog, sources: tuple) -> bytearray:
+    """Per value, whether it is computed from some of `sources` (input values): the
+    program's alone, kept with it (every Megatron asks, on every axis)."""
+    flags = bytearray(len(prog.values))
+    for p in sources:
+        flags[p] = 1
+    for op in prog.ops:
+        if any(u >= 0 and flags[u] for u in op.operands):
+            for r in op.results:
+                if r >= 0:
+                    flags[r] = 1
+    return flags
 
 
 def _closes(finder: _BlockFinder, mark, act: int):

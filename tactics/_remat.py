@@ -53,14 +53,14 @@ class Remat(Tactic):
         if not chosen:
             raise TacticError(f"pattern {self.pattern!r} matches the parameters of no layer; layers read e.g. "
                               f"{sorted(prog.name(v) for v in layers[0].inputs if v in prog.input_set)[:3]}")
-        count, users = 0, {}
+        count, users, source = 0, {}, str(self)
         for layer in chosen:
             recomputed = partir.recomputed(prog, layer, self.policy, part)
             reused = partir.reusable(prog, layer, self.policy, part)
             for r in recomputed:
-                part.remat(r, source=str(self))
+                part.remat(r, source=source)
             for w, _ in reused:
-                part.reuse(w, source=str(self))
+                part.reuse(w, source=source)
             count += len(recomputed)
             ckpts = partir.checkpoints_of(prog, layer)
             if ckpts:

@@ -37,18 +37,27 @@ def _pick_dim(part, v: int, axis: str, avoid=frozenset()) -> int | None:
     return None if best is None else best[1]
 
 
-def _blocked_dims(part, v: int) -> set[int]:
+def _blocked_dims(part, v: int) -> frozenset[int]:
     """Dims of input `v` that an op reading its tiling class blocks (`FactorRule.blocked`)."""
-    prog = part.program
-    cls = part.classes
-    out = set()
-    for u in cls.members[cls.of[v]]:
-        for o in prog.value_ops[u]:
-            op = prog.ops[o]
-            specs = list(op.rule.operands) + list(op.rule.results)
-            for k, w in enumerate(op.operands + op.results):
-                if w == u:
-                    out.update(d for d, fs in enumerate(specs[k]) if any(f in op.rule.blocked for f in fs))
+    return part.program.analysis(_blocked_inputs, part.detached).get(v, frozenset())
+
+
+def _blocked_inputs(prog, detached: frozenset) -> dict[int, frozenset[int]]:
+    """`_blocked_dims` of every input, for the tiling classes of `detached`: they depend on
+    the program alone, and ZeRO asks for every parameter every time it applies."""
+    cls = prog.classes_for(detached)
+    out = {}
+    for v in prog.inputs:
+        dims = set()
+        for u in cls.members[cls.of[v]]:
+            for o in prog.value_ops[u]:
+                op = prog.ops[o]
+                specs = list(op.rule.operands) + list(op.rule.results)
+                for k, w in enumerate(op.operands + op.results):
+                    if w == u:
+                        dims.update(d for d, fs in enumerate(specs[k]) if any(f in op.rule.blocked for f in fs))
+        if dims:
+            out[v] = frozenset(dims)
     return out
 
 

@@ -172,3 +172,65 @@ def test_tiling_one_layer_touches_only_that_layer():
                      "opt_state[0].nu['layers'][2]['mlp']['w1']", "opt_state[0].nu['layers'][2]['mlp']['b1']",
                      "opt_state[0].nu['layers'][2]['mlp']['w2']"}
     assert len(ops) < len(prog.ops) / 8
+
+
+def _gpt_part():
+    step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=2), abstract=True)
+    return partir.Partitioning(partir.lift(step, *args), MESH)
+
+
+def _state(part):
+    return part.key(), partir.dump(part), part.decisions, part.rematerialized, [part.is_pinned(v)
+                                                                                for v in part.program.inputs]
+
+
+def test_a_replayed_delta_reaches_the_state_the_actions_did_and_rolls_back():
+    import tactics
+
+    part = _gpt_part()
+    part.tile("batch['tokens']", 0, "data")
+    before, start = _state(part), part.key()
+    mark = part.mark()
+    # Every kind of change: tiles and factor tilings, a pin, a boundary, remat.
+    part.replicate("params['ln_f']['bias']")
+    part.constrain("params['ln_f']['scale']", Tiling(((),)))
+    for t in (tactics.Megatron("model"), tactics.FSDP("data"), tactics.Remat("dots")):
+        part, _ = t.apply(part, tactics.Context())
+    after = _state(part)
+    delta = part.delta(mark, start)
+    part.rollback(mark)
+    assert _state(part) == before
+    part.replay(delta)
+    assert _state(part) == after
+    part.rollback(mark)
+    assert _state(part) == before
+
+
+def test_a_delta_replays_only_on_the_state_it_was_recorded_from():
+    part = _gpt_part()
+    mark, start = part.mark(), part.key()
+    part.tile("batch['tokens']", 0, "data")
+    delta = part.delta(mark, start)
+    with pytest.raises(PartitioningError, match="replays only on the state it was recorded from"):
+        part.replay(delta)
+
+
+def test_rollback_after_rollbacks_to_other_marks_restores_the_key():
+    # Marks taken, undone and taken again at the same log length: each rollback must
+    # restore the key of the state its own mark saw.
+    part = _gpt_part()
+    outer = part.mark()
+    part.tile("batch['tokens']", 0, "data")
+    inner = part.mark()
+    part.tile("params['layers'][0]['mlp']['w1']", 1, "model")
+    part.rollback(outer)
+    part.tile("params['layers'][0]['mlp']['w1']", 0, "data")
+    again = part.mark()
+    state = _state(part)
+    part.tile("params['head']['w']", 1, "model")
+    part.rollback(again)
+    assert _state(part) == state
+    fresh = partir.Partitioning(part.program, MESH)
+    for d in part.decisions:
+        fresh.redo(d)
+    assert (part.key(), partir.dump(part)) == (fresh.key(), partir.dump(fresh)) and inner >= again

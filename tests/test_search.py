@@ -240,3 +240,30 @@ def test_a_search_that_splits_nothing_says_why():
     out = Console(file=io.StringIO(), width=200)
     plan.explain(out)
     assert "kept everything replicated" in out.file.getvalue()
+
+
+def test_an_action_taken_again_is_replayed_with_what_it_left_in_the_context():
+    # The search state remembers what an action did where it was taken: taken there
+    # again, the partitioning and the context (a Megatron's blocks, which a later
+    # SequenceParallel reads) end as the first time, and a different context is a
+    # different place.
+    step, args = gpt.make_train_step(gpt.GPTConfig(batch=2, **GPT_SMALL), abstract=True)
+    auto = search.AutomaticPartition(device="cpu")
+    part = partir.Partitioning(partir.lift(step, *args), MeshSpec.of(model=8))
+    state, _ = auto.search_space(part, T.Context())
+    meg, seq = (search.Action.macro(t) for t in (T.Megatron("model"), T.SequenceParallel("model")))
+    ends = []
+    for _ in range(2):
+        root = state.mark()
+        assert state.apply(meg) and state.apply(seq)
+        ends.append((state.key(), partir.dump(state.part), state.part.decisions, dict(state.ctx.blocks)))
+        state.rollback(root)
+    assert ends[0] == ends[1] and ends[0][3]["model"]
+    # Megatron's tilings with a context that holds no blocks: another place, where
+    # SequenceParallel cannot apply.
+    root, start = state.mark(), state.key()
+    assert state.apply(meg)
+    delta = state.part.delta(root[0], start)
+    state.rollback(root)
+    state.part.replay(delta)
+    assert not state.ctx.blocks and not state.apply(seq)
