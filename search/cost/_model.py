@@ -262,15 +262,19 @@ class CostModel(CostTime, CostMemory):
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:
-        """(step time without overlap, fast estimate of the peak memory): the search's
-        fast path."""
+        """(step time, fast estimate of the peak memory): the search's fast path."""
+        parts, peak = self.evaluate_parts()
+        return parts.step(self.device)[0], peak
+
+    def evaluate_parts(self):
+        """(the step's `TimeParts`, fast estimate of the peak memory): `evaluate` before
+        overlap is applied, for shallow twins to extrapolate term by term."""
         self._sync()
         times, _, extra = self._op_times()
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
-        step, _ = self._step(times, self._again_ops(extra), compute, again_cols)
-        peak = self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
-        return step, peak
+        parts = self._parts(times, self._again_ops(extra), compute, again_cols)
+        return parts, self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""
