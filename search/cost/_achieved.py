@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partir import Kind
+
 
 def dot_efficiency(op, lhs_shape, rhs_shape, device) -> float:
     """The shape part of the fraction of peak a `dot_general` with these (per-device)
@@ -95,7 +97,7 @@ def batch_free(program, batch_inputs) -> np.ndarray:
 
 def overlappable(col, value: int, weights, device) -> bool:
     """Whether a collective may run behind compute (module docstring)."""
-    return (bool(col.gradient) or (col.kind == "all-gather" and bool(weights[value]))
+    return (bool(col.gradient) or (col.kind == Kind.ALL_GATHER and bool(weights[value]))
             or device.overlap_activations)
 
 

@@ -42,6 +42,8 @@ import math
 
 import numpy as np
 
+from partir import Kind
+
 from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel
 from ._peak import CostMemory, op_label
@@ -234,7 +236,7 @@ class CostModel(CostTime, CostMemory):
             return ()
         v = next((u for u in op.results + op.operands if u >= 0), -1)
         # `LinkModel.time` takes a reduce-scatter's operand; the HLO shows its result.
-        operand = {"reduce-scatter": self.part.mesh.devices_along}
+        operand = {Kind.REDUCE_SCATTER: self.part.mesh.devices_along}
         return tuple(CollectiveCost(kind, axes, nbytes,
                                     self.links.time(kind, axes, nbytes * operand.get(kind, lambda a: 1)(axes)), o, v,
                                     float(self._mult[o]) * trips)
@@ -246,7 +248,7 @@ class CostModel(CostTime, CostMemory):
         item = full / max(1, math.prod(val.shape))
         grad = bool(r.src.partial) and self._backward[o] and not self._feeds_backward[r.value]
         return [CollectiveCost(kind, axes, nbytes, t, o, r.value, float(self._mult[o]), bool(grad),
-                               nbytes / item if kind == "all-reduce" else 0.0)
+                               nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
                 for kind, axes, nbytes, t in self.links.reshard(r.src, r.dst, full, self.part.mesh)]
 
     def _sync(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from partir import Tiling
+from partir import Kind, Tiling
 
 from ._comm import gradient_groups
 from ._remat import RematView, carried_buffers, extra_buffers
@@ -40,7 +40,7 @@ class CostMemory:
             for first, key, cols, buf in group:
                 if buf > 0:
                     starts.append(first), ends.append(last), sizes.append(buf), keys.append(key)
-            whole = sum(c.bytes for _, _, cols, _ in group for c in cols if c.kind == "all-reduce")
+            whole = sum(c.bytes for _, _, cols, _ in group for c in cols if c.kind == Kind.ALL_REDUCE)
             if whole > 0:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys
