@@ -38,6 +38,9 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
     """`jax.jit` with in/out shardings and sharding constraints on the plan's values."""
     if constrain not in CONSTRAIN_MODES:
         raise PartitioningError(f"constrain={constrain!r} is not one of {CONSTRAIN_MODES}")
+    if part.pipelines:
+        raise PartitioningError("the jit lowering does not run pipeline stages yet (docs/pipeline.md): lower a plan "
+                                "with a Pipeline with backend='shard_map'")
     prog = part.program
     user_mesh, mesh = mesh, lowering_mesh(mesh)
     shardings: dict[int, NamedSharding] = {}

@@ -1,0 +1,107 @@
+"""Pipeline parallelism: the layers of a layer scan as stages over a mesh axis, the
+batch in microbatches. A pipelined plan computes what plain `jax.jit` computes (loss,
+updated parameters and Adam moments, i.e. the gradients), composed with data
+parallelism on the other axis; plans the pipeline cannot run are refused with the
+reason before anything is lowered."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import partir
+import search
+import tactics as T
+from examples import gpt
+from partir import MeshSpec, PartitioningError
+
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+#: A GPT small enough to compile quickly, deep enough for 4 stages.
+TINY = gpt.GPTConfig(n_layers=4, d_model=16, n_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16, scan_layers=True,
+                     adam_eps=EPS)
+
+
+@functools.cache
+def _gpt(config=TINY):
+    step, args = gpt.make_train_step(config)
+    return step, args, partir.lift(step, *args)
+
+
+def _mesh(stages: int) -> MeshSpec:
+    return MeshSpec.of(data=8 // stages, stage=stages)
+
+
+def _plan(stages: int, microbatches: int, config=TINY):
+    _, _, prog = _gpt(config)
+    schedule = [T.DataParallel("data"), T.Pipeline("stage", microbatches=microbatches)]
+    return T.apply_schedule(prog, _mesh(stages), schedule).partitioning
+
+
+def _same_step(part, config=TINY):
+    """One step of the shard_map lowering of `part` and of `jax.jit(step)` agree on every
+    output (parameters, optimizer state, loss)."""
+    step, args, prog = _gpt(config)
+    ours = partir.lower(part, backend="shard_map")(*args)
+    theirs = jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 4)])
+def test_pipelined_gpt_computes_what_jit_computes(stages, microbatches):
+    _same_step(_plan(stages, microbatches))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 2), (4, 8), (4, 1)])
+def test_pipelined_gpt_computes_what_jit_computes_more(stages, microbatches):
+    _same_step(_plan(stages, microbatches))
+
+
+def test_each_stage_holds_its_layers_parameters_and_optimizer_state():
+    part = _plan(4, 2)
+    prog = part.program
+    for v in prog.inputs + prog.outputs:
+        name = prog.name(v)
+        if "['layers']" in name:
+            assert part.tiling(v).dims[0] == ("stage",), name
+
+
+def test_a_stage_count_that_does_not_divide_the_layers_is_refused():
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="does not divide the 4 layers"):
+        T.apply_schedule(prog, MeshSpec.of(data=1, stage=8), [T.Pipeline("stage", microbatches=1)])
+
+
+def test_microbatches_that_do_not_divide_a_devices_batch_are_refused():
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="microbatches"):
+        T.apply_schedule(prog, _mesh(2), [T.DataParallel("data"), T.Pipeline("stage", microbatches=8)])
+
+
+def test_an_unknown_schedule_is_refused_listing_the_known_ones():
+    with pytest.raises(T.TacticError, match="gpipe"):
+        T.Pipeline("stage", microbatches=2, schedule="zigzag")
+
+
+def test_a_program_without_a_layer_scan_is_refused():
+    config = dataclasses.replace(TINY, scan_layers=False)
+    _, _, prog = _gpt(config)
+    with pytest.raises(T.TacticError, match="no layer scan"):
+        T.apply_schedule(prog, _mesh(2), [T.Pipeline("stage", microbatches=2)])
+
+
+def test_a_plan_splitting_the_layers_work_over_the_stage_axis_is_refused():
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="cannot pipeline the layer scan"):
+        T.apply_schedule(prog, _mesh(2), [T.DataParallel("stage"), T.Pipeline("stage", microbatches=2)])
+
+
+def test_the_jit_lowering_and_the_cost_model_refuse_a_pipeline_they_do_not_run():
+    part = _plan(2, 2)
+    with pytest.raises(PartitioningError, match="backend='shard_map'"):
+        partir.lower(part)
+    with pytest.raises(PartitioningError, match="pipeline stages"):
+        search.CostModel(part, "cpu")
