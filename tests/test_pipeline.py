@@ -14,7 +14,7 @@ import pytest
 import partir
 import search
 import tactics as T
-from examples import gpt
+from examples import gpt, llama
 from partir import MeshSpec, PartitioningError
 
 EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
@@ -23,9 +23,14 @@ TINY = gpt.GPTConfig(n_layers=4, d_model=16, n_heads=2, d_ff=32, vocab=32, seq_l
                      adam_eps=EPS)
 
 
+#: The Llama example as small, in scan form.
+TINY_LLAMA = llama.LlamaConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8,
+                               batch=16, scan_layers=True, adam_eps=EPS)
+
+
 @functools.cache
 def _gpt(config=TINY):
-    step, args = gpt.make_train_step(config)
+    step, args = (llama if isinstance(config, llama.LlamaConfig) else gpt).make_train_step(config)
     return step, args, partir.lift(step, *args)
 
 
@@ -33,10 +38,12 @@ def _mesh(stages: int) -> MeshSpec:
     return MeshSpec.of(data=8 // stages, stage=stages)
 
 
-def _plan(stages: int, microbatches: int, config=TINY):
+def _plan(stages: int, microbatches: int, config=TINY, others=None, mesh=None):
+    """`others` (default: DataParallel over 'data'), then a Pipeline over 'stage'."""
     _, _, prog = _gpt(config)
-    schedule = [T.DataParallel("data"), T.Pipeline("stage", microbatches=microbatches)]
-    return T.apply_schedule(prog, _mesh(stages), schedule).partitioning
+    others = [T.DataParallel("data")] if others is None else others
+    schedule = others + [T.Pipeline("stage", microbatches=microbatches)]
+    return T.apply_schedule(prog, mesh or _mesh(stages), schedule).partitioning
 
 
 def _same_step(part, config=TINY):
@@ -58,6 +65,22 @@ def test_pipelined_gpt_computes_what_jit_computes(stages, microbatches):
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 2), (4, 8), (4, 1)])
 def test_pipelined_gpt_computes_what_jit_computes_more(stages, microbatches):
     _same_step(_plan(stages, microbatches))
+
+
+#: Pipelines composed with other tactics on the other axes: (config, tactics, mesh).
+COMPOSED = {
+    "llama-dp-megatron": (TINY_LLAMA, [T.DataParallel("data"), T.Megatron("model")], MeshSpec.of(data=2, model=2, stage=2)),
+    "llama-megatron": (TINY_LLAMA, [T.Megatron("data")], _mesh(4)),
+    "gpt-fsdp": (TINY, [T.FSDP("data")], _mesh(4)),
+    "gpt-user-remat": (dataclasses.replace(TINY, remat=True), None, _mesh(4)),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "llama-dp-megatron" else pytest.mark.slow)
+                                  for c in COMPOSED])
+def test_pipelines_compose_with_other_tactics(case):
+    config, others, mesh = COMPOSED[case]
+    _same_step(_plan(mesh.size("stage"), 2, config, others, mesh), config)
 
 
 def test_each_stage_holds_its_layers_parameters_and_optimizer_state():
@@ -105,3 +128,9 @@ def test_the_jit_lowering_and_the_cost_model_refuse_a_pipeline_they_do_not_run()
         partir.lower(part)
     with pytest.raises(PartitioningError, match="pipeline stages"):
         search.CostModel(part, "cpu")
+
+
+def test_the_remat_tactic_with_a_pipeline_is_refused_before_lowering():
+    part = _plan(2, 2, others=[T.DataParallel("data"), T.Remat("full")])
+    with pytest.raises(PartitioningError, match="leave Remat out"):
+        partir.lower(part, backend="shard_map")
