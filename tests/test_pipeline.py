@@ -4,6 +4,7 @@ updated parameters and Adam moments, i.e. the gradients), composed with data
 parallelism on the other axis; plans the pipeline cannot run are refused with the
 reason before anything is lowered."""
 
+import collections
 import dataclasses
 import functools
 
@@ -134,3 +135,28 @@ def test_the_remat_tactic_with_a_pipeline_is_refused_before_lowering():
     part = _plan(2, 2, others=[T.DataParallel("data"), T.Remat("full")])
     with pytest.raises(PartitioningError, match="leave Remat out"):
         partir.lower(part, backend="shard_map")
+
+
+# -- the cost model ------------------------------------------------------------------------
+@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 4)])
+def test_modeled_stage_collectives_are_the_compiled_ones(stages, microbatches):
+    """Collectives over the stage axis in the compiled program, per (kind, axes, bytes)
+    and counted once per loop body as HLO holds them, equal the modeled ones."""
+    part = _plan(stages, microbatches)
+    _, args, prog = _gpt()
+    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
+    assert modeled == collections.Counter({k: n for k, n in compiled.items() if k[1] == ("stage",)})
+    assert cost.bubble == (stages - 1) / (microbatches + stages - 1)
+    batch, seq, width = TINY.batch // (8 // stages) // microbatches, TINY.seq_len, TINY.d_model
+    assert cost.p2p_bytes == (batch * seq * width * 4,) * 2  # one f32 activation (cotangent) per boundary
+
+
+def test_each_stage_stores_its_share_of_the_layer_stack():
+    """Per device, the stage keeps 1/S of the layers' parameters and Adam moments."""
+    part = _plan(4, 2)
+    prog = part.program
+    layers = sum(prog.values[v].nbytes for v in prog.inputs if "['layers']" in prog.name(v))
+    assert search.pipeline_cost(part, part.pipelines[0], "cpu").stage_bytes == layers / 4
