@@ -160,3 +160,15 @@ def test_each_stage_stores_its_share_of_the_layer_stack():
     prog = part.program
     layers = sum(prog.values[v].nbytes for v in prog.inputs if "['layers']" in prog.name(v))
     assert search.pipeline_cost(part, part.pipelines[0], "cpu").stage_bytes == layers / 4
+
+
+def test_the_compiled_stage_holds_the_modeled_share_of_the_layer_stack():
+    """XLA's per-device arguments: the modeled stage bytes of the layer stack plus the
+    blocks of every other input."""
+    part = _plan(4, 2)
+    _, args, prog = _gpt()
+    compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    rest = sum(float(np.prod(part.tiling(v).shard_shape(prog.values[v].shape, part.mesh))) * prog.values[v].nbytes
+               / max(1, int(np.prod(prog.values[v].shape))) for v in prog.inputs if "['layers']" not in prog.name(v))
+    assert compiled.memory_analysis().argument_size_in_bytes == cost.stage_bytes + rest
