@@ -86,6 +86,12 @@ class ScanLayout:
     in_dims: tuple
     out_kinds: tuple[str, ...]
     out_dims: tuple
+    deferred: tuple = ()  # (value id, mesh axes): sums left partial until accumulated
+
+    def left_partial(self, v: int) -> tuple[str, ...]:
+        """The mesh axes value `v` is left partial over (completed once the microbatches
+        are summed, not once per microbatch)."""
+        return dict(self.deferred).get(v, ())
 
 
 def microbatched(part, pipe: Pipelining):
@@ -126,9 +132,9 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
     body = prog.regions[call.body]
     in_dims = tuple(_micro_dim(ext.tiling(v), f"scan input {prog.name(v)}") for v in body.invars)
     kinds = {v: SPLIT if d is not None else SAME for v, d in zip(body.invars, in_dims)}
-    for op in prog.ops:
-        if op.region in inside:
-            _kind_results(prog, ext, op, kinds)
+    ops = [op for op in prog.ops if op.region in inside]
+    for op in ops:
+        _kind_results(prog, ext, op, kinds)
     out_kinds = tuple(kinds.get(v, SAME) if v >= 0 else SAME for v in body.outvars)
     out_dims = tuple(_micro_dim(ext.tiling(v), f"scan output {prog.name(v)}") if v >= 0 else None
                      for v in body.outvars)
@@ -137,7 +143,41 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
         if k == SUM:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
-    return ScanLayout(call, in_dims, out_kinds, out_dims)
+    return ScanLayout(call, in_dims, out_kinds, out_dims, _deferred(ext, ops, kinds))
+
+
+def _deferred(ext, ops, kinds: dict) -> tuple:
+    """Sums over microbatches left partial over the mesh axes their reduction sums over,
+    so that one reduction completes the accumulated sum instead of one per microbatch
+    (weight gradients all-reduced once per step, as without a pipeline). Only where it
+    is plainly right: the reduction is an all-reduce to the value's layout at rest, and
+    every op after it is linear in it with no value split over those axes and adds only
+    sums left partial alike; otherwise none is deferred."""
+    left: dict[int, frozenset] = {}
+    for op in ops:
+        for v in op.results:
+            if v < 0 or kinds.get(v) != SUM:
+                continue
+            ins = [left.get(u, frozenset()) for u in op.operands if u >= 0 and kinds.get(u) == SUM]
+            made = ext.produced(v)
+            if op.link:
+                axes = ins[0] if ins else frozenset()
+            elif MICROBATCH in made.partial:
+                axes = frozenset(made.partial) - {MICROBATCH}
+                if _strip(made).dims != _strip(ext.tiling(v)).dims:
+                    return ()
+            else:
+                if len(set(ins)) > 1:
+                    return ()
+                axes = ins[0]
+                slots = ext.op_layout(op.id)[0]
+                if any(axes & {a for d in dims for a in d} for _, _, _, dims in slots):
+                    return ()
+            if axes & set(ext.tiling(v).axes()):
+                return ()
+            if axes:
+                left[v] = axes
+    return tuple((v, tuple(a for a in ext.mesh.names if a in axes)) for v, axes in left.items())
 
 
 def _kind_results(prog, ext, op, kinds: dict) -> None:

@@ -154,6 +154,17 @@ def test_modeled_stage_collectives_are_the_compiled_ones(stages, microbatches):
     assert cost.p2p_bytes == (batch * seq * width * 4,) * 2  # one f32 activation (cotangent) per boundary
 
 
+def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():
+    """The microbatches' weight gradients are summed on each device first, then
+    all-reduced over the data axis once, outside the tick loops (not once per
+    microbatch, layer and tick)."""
+    part = _plan(4, 4)
+    _, args, _ = _gpt()
+    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
+    data = [c for c in partir.collectives(text, part.mesh.jax_mesh()) if c.axes == ("data",)]
+    assert data and not [c for c in data if c.in_loop]
+
+
 def test_each_stage_stores_its_share_of_the_layer_stack():
     """Per device, the stage keeps 1/S of the layers' parameters and Adam moments."""
     part = _plan(4, 2)

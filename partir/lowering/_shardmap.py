@@ -74,7 +74,9 @@ def _pipelined(interp) -> dict:
     for pipe in part.pipelines:
         ext, layouts = microbatched(part, pipe)
         inner = Interpreter(ext, [False] * len(part.program.values), MeshSpec(part.mesh.axes + ((MICROBATCH, 1),)))
-        out.update((lay.call.body, (pipe, lay, inner)) for lay in layouts)
+        for lay in layouts:
+            inner.left_partial.update(lay.deferred)
+            out[lay.call.body] = (pipe, lay, inner)
     return out
 
 
@@ -100,6 +102,8 @@ class Interpreter:
         # pipeline microbatches, whose sums accumulate instead of being all-reduced).
         self.part, self.prog, self.mesh = part, part.program, part.mesh
         self.move_mesh = part.mesh if move_mesh is None else move_mesh
+        # Values a pipeline leaves partial over some axes when made (`ScanLayout.deferred`).
+        self.left_partial: dict[int, tuple[str, ...]] = {}
         self.free = free
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
@@ -160,7 +164,9 @@ class Interpreter:
             outs = bind_local(local, operands)
         for k, v in enumerate(op.results):
             if v >= 0:
-                frame.put(v, move(outs[k], Tiling(made[k], partial, kind), part.tiling(v), self.move_mesh))
+                left = self.left_partial.get(v, ())
+                made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
+                frame.put(v, move(outs[k], made_k, part.tiling(v), self.move_mesh))
         if backward and outs:
             frame.last = outs[0]
 

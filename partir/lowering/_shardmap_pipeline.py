@@ -110,6 +110,6 @@ def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whol
     (_, kept, ys_kept), _ = jax.lax.scan(tick, (recv, kept, ys_kept), jnp.arange(M + S - 1))
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:nk])]
-    stacked = [move(y, Tiling(((pipe.axis,),) + interp.rest(v).dims), interp.rest(r), interp.move_mesh)
-               if r >= 0 else y for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:])]
+    stacked = [move(y, Tiling(((pipe.axis,),) + interp.rest(v).dims, layout.left_partial(v), "sum"), interp.rest(r),
+                    interp.move_mesh) if r >= 0 else y for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:])]
     return finals + stacked
