@@ -123,12 +123,9 @@ def test_a_plan_splitting_the_layers_work_over_the_stage_axis_is_refused():
         T.apply_schedule(prog, _mesh(2), [T.DataParallel("stage"), T.Pipeline("stage", microbatches=2)])
 
 
-def test_the_jit_lowering_and_the_cost_model_refuse_a_pipeline_they_do_not_run():
-    part = _plan(2, 2)
+def test_the_jit_lowering_refuses_a_pipeline_it_does_not_run():
     with pytest.raises(PartitioningError, match="backend='shard_map'"):
-        partir.lower(part)
-    with pytest.raises(PartitioningError, match="pipeline stages"):
-        search.CostModel(part, "cpu")
+        partir.lower(_plan(2, 2))
 
 
 def test_the_remat_tactic_with_a_pipeline_is_refused_before_lowering():
@@ -152,6 +149,22 @@ def test_modeled_stage_collectives_are_the_compiled_ones(stages, microbatches):
     assert cost.bubble == (stages - 1) / (microbatches + stages - 1)
     batch, seq, width = TINY.batch // (8 // stages) // microbatches, TINY.seq_len, TINY.d_model
     assert cost.p2p_bytes == (batch * seq * width * 4,) * 2  # one f32 activation (cotangent) per boundary
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ("dp", "llama-dp-megatron") else pytest.mark.slow)
+                                  for c in ["dp", *COMPOSED]])
+def test_compiled_collectives_are_exactly_the_modeled_ones(case):
+    """Every collective of the compiled pipelined program, per (kind, axes, bytes),
+    counted once per loop body as HLO holds them, is one the cost model lists: the
+    stage permutes, the layers' moves on microbatches, the deferred reductions."""
+    config, others, mesh = COMPOSED.get(case, (TINY, None, _mesh(4)))
+    part = _plan(mesh.size("stage"), 4 if case == "dp" else 2, config, others, mesh)
+    _, args, prog = _gpt(config)
+    free = search.materialization(prog).from_scalars
+    text = partir.lower(part, backend="shard_map", free=free).lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert compiled and compiled == modeled
 
 
 def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():

@@ -74,7 +74,9 @@ def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whol
                                     f"inputs are split along their layer dim over {pipe.axis!r} alone")
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)]
-    slices = [(Tiling(interp.rest(u).dims[1:]), interp.rest(v)) for u, v in zip(g.xs, w.xs)]
+    # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
+    xs = [move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v in zip(x.xs, g.xs, w.xs)]
     nk, M = len(carry), pipe.microbatches
     S, forward = interp.mesh.size(pipe.axis), not call.reverse
     stage = jax.lax.axis_index(pipe.axis)
@@ -85,8 +87,7 @@ def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whol
     kinds, dims = layout.out_kinds, layout.out_dims
 
     def layer(c, xl, consts_m):
-        xl = [move(a, src, dst, interp.move_mesh) for a, (src, dst) in zip(xl, slices)]
-        outs = inner.region(call.body, list(consts_m) + list(c) + xl)
+        outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))
         return tuple(outs[:nk]), tuple(outs[nk:])
 
     def tick(state, t):
@@ -96,7 +97,7 @@ def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whol
         mc = jnp.clip(m, 0, M - 1)
         c_in = tuple(jnp.where(first, _micro(a, k, mc, M), r) for a, k, r in zip(carry, d.carry, recv))
         consts_m = [_micro(a, k, mc, M) for a, k in zip(consts, d.consts)]
-        xs_m = tuple(_micro(a, None if k is None else k + 1, mc, M) for a, k in zip(x.xs, d.xs))
+        xs_m = tuple(_micro(a, None if k is None else k + 1, mc, M) for a, k in zip(xs, d.xs))
         c_out, ys = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m), c_in, xs_m, reverse=not forward)
         kept = tuple(_keep(b, c, kinds[i], dims[i], mc, valid & last) for i, (b, c) in enumerate(zip(kept, c_out)))
         ys_kept = tuple(_keep(b, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid)

@@ -42,11 +42,10 @@ import math
 
 import numpy as np
 
-from partir import PartitioningError
-
 from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel
 from ._peak import CostMemory, op_label
+from ._pipeline import PipelinePricing
 from ._time import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._flops import op_work
@@ -74,9 +73,6 @@ class CostModel(CostTime, CostMemory):
 
     def __init__(self, part, device=DEFAULT_DEVICE, *, memory_limit: float | None = None, donate_argnums=(),
                  links: dict[str, str] | None = None, while_trips: int = 1):
-        if part.pipelines:  # it would charge gathers of the stacked values the stages never run
-            raise PartitioningError("the cost model does not model pipeline stages yet (docs/pipeline.md): "
-                                    "cost a plan without a Pipeline")
         prog = part.program
         self.part, self.program = part, prog
         self.device = get_device(device)
@@ -88,12 +84,19 @@ class CostModel(CostTime, CostMemory):
         n_ops = len(prog.ops)
         mult = [prog.multiplicity(r.id, while_trips) for r in prog.regions]
         self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
+        # Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often (`_pipeline`).
+        self._pipeline = PipelinePricing(part, self.links, self.device) if part.pipelines else None
+        piped = np.zeros(n_ops, dtype=bool)
+        for o, scale in (self._pipeline.scale.items() if self._pipeline else ()):
+            self._mult[o] *= scale
+            piped[o] = True
+        self._piped = piped
         work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(op_dtype(op, prog)) for op in prog.ops])
         self._backward = np.array(prog.backward, dtype=bool)
         self._op_region = [op.region for op in prog.ops]
-        self._trivial = np.array(cls.trivial, dtype=bool)
+        self._trivial = np.array(cls.trivial, dtype=bool) & ~piped
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
@@ -128,7 +131,7 @@ class CostModel(CostTime, CostMemory):
         self._memo: dict = {}
         # Static signature of each op for the memo: its rule, its values' sizes and roles
         # (rematerialisable, part of an input's class), its loop trips and pass.
-        self._slot_values = [tuple(v for _, _, v, _ in part.op_layout(o)[0]) if not cls.trivial[o] else ()
+        self._slot_values = [tuple(v for _, _, v, _ in part.op_layout(o)[0]) if not self._trivial[o] else ()
                              for o in range(n_ops)]
         sigs: dict = {}
         self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
@@ -139,7 +142,8 @@ class CostModel(CostTime, CostMemory):
         self._dedup: dict = {}
         part.take_touched()
         self._refresh_classes(range(len(cls)))
-        self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o] and mat.live_op[o]])
+        self._refresh_ops([o for o in range(n_ops) if not self._trivial[o] and mat.live_op[o]])
+        self._add_pipeline_collectives()
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -162,7 +166,7 @@ class CostModel(CostTime, CostMemory):
             key = (self._sig[o], part.factor_tiling(o), tuple(D[of[v]] for v in slot_values))
             entry = memo.get(key)
             if entry is None:
-                entry = memo[key] = self._price(o)
+                entry = memo[key] = self._pipeline.price(self, o) if self._piped[o] else self._price(o)
             div, moved, reshards, eff = entry
             self._op_div[o] = div
             self._eff[o] = eff
@@ -259,11 +263,22 @@ class CostModel(CostTime, CostMemory):
         if not classes and not ops:
             return
         self._refresh_classes(classes)
-        todo = {o for o in ops if not self._cls.trivial[o]}
+        todo = {o for o in ops if not self._trivial[o]}
         for c in classes:
             todo.update(self._cls.ops[c])
+        if self._pipeline is not None:  # the microbatched plan follows the whole plan
+            self._pipeline = PipelinePricing(self.part, self.links, self.device)
+            todo.update(self._pipeline.ops)
         live = self.materialization.live_op
         self._refresh_ops([o for o in todo if live[o]])
+        self._add_pipeline_collectives()
+
+    def _add_pipeline_collectives(self) -> None:
+        """The pipelines' own collectives, as moves of the ops they are charged at."""
+        for key in [k for k in self._dedup if k[0] == "pipeline"]:
+            del self._dedup[key]
+        for n, (o, v, cols) in enumerate(self._pipeline.collectives(self) if self._pipeline else ()):
+            self._dedup[("pipeline", n)] = {o: (v, cols, 0.0)}
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:

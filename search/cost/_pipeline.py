@@ -87,3 +87,101 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
                         stage, kept)
+
+
+def _without(t: Tiling, axes) -> Tiling:
+    """`t` with mesh `axes` taken off its dims and partial axes."""
+    return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims),
+                  tuple(a for a in t.partial if a not in axes), t.reduce_kind)
+
+
+class PipelinePricing:
+    """How `CostModel` prices the ops of pipelined layers (`part.pipelines`): on the
+    microbatched partitioning (`partir.microbatched`), as the shard_map lowering runs
+    them. An op's work is divided over the microbatch axis too (a microbatch's share),
+    and it runs (L/S)·(M+S-1) times a step instead of L (`scale`: its stage's layers in
+    every tick, bubble included); its moves are the plan's on a microbatch's blocks, the
+    microbatch axis left out (a sum over it is the accumulation), less the reductions
+    left for after the loop; the stacked values are read where their stage holds them
+    (no gather along the layer dim). The pipeline's own collectives are `pipeline_cost`'s
+    plus, per deferred sum, one reduction after the loop."""
+
+    def __init__(self, part, links: LinkModel, device):
+        self.part, self.links = part, links
+        self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
+        prog = part.program
+        for pipe in part.pipelines:
+            ext, layouts = partir.microbatched(part, pipe)
+            stages, m = part.mesh.size(pipe.axis), pipe.microbatches
+            for lay in layouts:
+                inside = set(partir.body_regions(prog, lay.call.body))
+                for op in prog.ops:
+                    if op.region in inside:
+                        self.scale[op.id] = (m + stages - 1) / stages
+                        self.layouts[op.id] = (ext, lay, pipe)
+            self.stacked.update((v, pipe.axis) for v in pipe.stacked())
+            for v in pipe.stacked():  # the links reading and making the stacked values, once a step
+                for o in prog.value_ops[v]:
+                    if prog.ops[o].link:
+                        self.scale[o] = 1.0
+                        self.layouts[o] = (part, None, pipe)
+            self.costs.append((pipe, ext, layouts, pipeline_cost(part, pipe, device)))
+
+    @property
+    def ops(self) -> frozenset:
+        """The ops inside pipelined layers."""
+        return frozenset(self.scale)
+
+    def price(self, model, o: int):
+        """`CostModel._price` of op `o` inside pipelined layers (see the class docstring)."""
+        ext, lay, pipe = self.layouts[o]
+        prog, mesh, real = self.part.program, ext.mesh, self.part.mesh
+        # A stacked value's link moves the stage's block, whole along the layers it holds.
+        micro = (partir.MICROBATCH,) if lay is not None else (pipe.axis,)
+        layout = ext.op_layout(o)
+        div = mesh.devices_along(a for axes in ext.factor_tiling(o) for a in axes)
+        moved = sum(float(model._nbytes[v]) / mesh.devices_along(a for d in dims for a in d)
+                    for _, _, v, dims in layout[0] if not model._virtual[v])
+        slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
+        out = []
+        for r in ext.layout_reshards(o, layout):
+            if r.value in model._free and not r.src.partial:
+                continue
+            off = micro + ((self.stacked[r.value],) if r.value in self.stacked else ())
+            off += lay.left_partial(r.value) if r.side == "result" and lay is not None else ()
+            src, dst = _without(r.src, off), _without(r.dst, off)
+            if src == dst:
+                continue
+            val = prog.values[r.value]
+            full = float(model._nbytes[r.value]) / mesh.devices_along(
+                a for d in ext.tiling(r.value).dims for a in d if a in micro)
+            item = float(model._nbytes[r.value]) / max(1, math.prod(val.shape))
+            grad = bool(src.partial) and model._backward[o] and not model._feeds_backward[r.value]
+            cols = tuple(CollectiveCost(kind, axes, nbytes, t, o, r.value, float(model._mult[o]), bool(grad),
+                                        nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
+                         for kind, axes, nbytes, t in self.links.reshard(src, dst, full, real))
+            shards = real.devices_along
+            buf = full / shards(a for d in dst.dims for a in d) if r.side == "operand" else max(
+                0.0, full / shards(a for d in src.dims for a in d) - full / shards(a for d in dst.dims for a in d))
+            out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
+                        cols, buf))
+        return div, moved, tuple(out), 1.0
+
+    def collectives(self, model) -> list:
+        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
+        sums' reductions after the loop."""
+        prog, out = self.part.program, []
+        for pipe, ext, layouts, cost in self.costs:
+            out += [(c.op, c.value, (c,)) for c in cost.collectives]
+            for lay in layouts:
+                body = prog.regions[lay.call.body]
+                for v in body.outvars[len(lay.call.carry):]:
+                    axes = lay.left_partial(v) if v >= 0 else ()
+                    if not axes:
+                        continue
+                    t = Tiling(((pipe.axis,),) + self.part.tiling(v).dims)
+                    nbytes = _block_bytes(prog, v, t, self.part.mesh, (lay.call.length,) + tuple(prog.values[v].shape))
+                    out.append((prog.producer[v], v, (CollectiveCost(
+                        Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
+                        prog.producer[v], v, 1.0, True),)))
+        return out
