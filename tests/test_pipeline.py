@@ -5,6 +5,7 @@ parallelism on the other axis; plans the pipeline cannot run are refused with th
 reason before anything is lowered."""
 
 import collections
+import io
 import dataclasses
 import functools
 
@@ -12,11 +13,13 @@ import jax
 import numpy as np
 import pytest
 
+import automap
 import partir
 import search
 import tactics as T
 from examples import gpt, llama
 from partir import MeshSpec, PartitioningError
+from rich.console import Console
 
 EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
 #: A GPT small enough to compile quickly, deep enough for 4 stages.
@@ -196,3 +199,14 @@ def test_the_compiled_stage_holds_the_modeled_share_of_the_layer_stack():
     rest = sum(float(np.prod(part.tiling(v).shard_shape(prog.values[v].shape, part.mesh))) * prog.values[v].nbytes
                / max(1, int(np.prod(prog.values[v].shape))) for v in prog.inputs if "['layers']" not in prog.name(v))
     assert compiled.memory_analysis().argument_size_in_bytes == cost.stage_bytes + rest
+
+
+def test_the_plan_explains_its_stages_schedule_and_bubble():
+    step, args, _ = _gpt()
+    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+    out = Console(file=io.StringIO(), width=250)
+    plan.explain(out)
+    text = out.file.getvalue()
+    assert "schedule gpipe, 4 microbatches, modeled bubble 43%;" in text
+    assert "│     3 │ 3..3   │ 3, 7" in text  # the last stage: layer 3 on the devices at stage index 3
