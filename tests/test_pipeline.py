@@ -210,3 +210,26 @@ def test_the_plan_explains_its_stages_schedule_and_bubble():
     text = out.file.getvalue()
     assert "schedule gpipe, 4 microbatches, modeled bubble 43%;" in text
     assert "│     3 │ 3..3   │ 3, 7" in text  # the last stage: layer 3 on the devices at stage index 3
+
+
+def test_a_pipeline_is_undone_and_replayed_with_the_actions_around_it():
+    """What the search relies on: rollback takes the pipeline back, a delta replays it."""
+    _, _, prog = _gpt()
+    part = T.apply_schedule(prog, _mesh(2), [T.DataParallel("data")]).partitioning
+    before, mark = part.key(), part.mark()
+    T.Pipeline("stage", microbatches=2).apply(part, T.Context())
+    delta, after = part.delta(mark, before), part.key()
+    part.rollback(mark)
+    assert not part.pipelines and part.key() == before
+    part.replay(delta)
+    assert len(part.pipelines) == 1 and part.key() == after
+
+
+def test_a_cost_model_follows_a_pipeline_added_after_it_was_made():
+    _, _, prog = _gpt()
+    part = T.apply_schedule(prog, _mesh(4), [T.DataParallel("data")]).partitioning
+    model = search.CostModel(part, "cpu")
+    model.cost()
+    T.Pipeline("stage", microbatches=4).apply(part, T.Context())
+    fresh = search.CostModel(part.copy(), "cpu").cost()
+    assert model.cost().collectives == fresh.collectives and model.cost().step_time == fresh.step_time

@@ -85,6 +85,7 @@ class CostModel(CostTime, CostMemory):
         mult = [prog.multiplicity(r.id, while_trips) for r in prog.regions]
         self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
         # Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often (`_pipeline`).
+        self._pipelines, self._links_given, self._while_trips = part.pipelines, links, while_trips
         self._pipeline = PipelinePricing(part, self.links, self.device) if part.pipelines else None
         piped = np.zeros(n_ops, dtype=bool)
         for o, scale in (self._pipeline.scale.items() if self._pipeline else ()):
@@ -259,6 +260,10 @@ class CostModel(CostTime, CostMemory):
                 for kind, axes, nbytes, t in self.links.reshard(r.src, r.dst, full, self.part.mesh)]
 
     def _sync(self) -> None:
+        if self.part.pipelines != self._pipelines:  # what every op's price rests on changed
+            self.__init__(self.part, self.device, memory_limit=self.memory_limit, donate_argnums=self._donated,
+                          links=self._links_given, while_trips=self._while_trips)
+            return
         classes, ops = self.part.take_touched()
         if not classes and not ops:
             return
