@@ -71,6 +71,12 @@ def test_pipelined_gpt_computes_what_jit_computes_more(stages, microbatches):
     _same_step(_plan(stages, microbatches))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8)])
+def test_pipelined_llama_computes_what_jit_computes(stages, microbatches):
+    _same_step(_plan(stages, microbatches, TINY_LLAMA), TINY_LLAMA)
+
+
 #: Pipelines composed with other tactics on the other axes: (config, tactics, mesh).
 COMPOSED = {
     "llama-dp-megatron": (TINY_LLAMA, [T.DataParallel("data"), T.Megatron("model")], MeshSpec.of(data=2, model=2, stage=2)),
@@ -233,3 +239,16 @@ def test_a_cost_model_follows_a_pipeline_added_after_it_was_made():
     T.Pipeline("stage", microbatches=4).apply(part, T.Context())
     fresh = search.CostModel(part.copy(), "cpu").cost()
     assert model.cost().collectives == fresh.collectives and model.cost().step_time == fresh.step_time
+
+
+def test_a_forward_pass_alone_is_pipelined():
+    """A program without a backward pass (evaluation): only the forward scan runs as
+    stages."""
+    params, batch = gpt.init(TINY, jax.random.PRNGKey(0))
+    fn = functools.partial(gpt.loss_fn, config=TINY)
+    prog = partir.lift(fn, params, batch)
+    schedule = [T.DataParallel("data", batch_argnums=1), T.Pipeline("stage", microbatches=2, batch_argnums=1)]
+    part = T.apply_schedule(prog, _mesh(4), schedule).partitioning
+    assert part.pipelines[0].scans.backward is None
+    np.testing.assert_allclose(np.asarray(partir.lower(part, backend="shard_map")(params, batch)),
+                               np.asarray(jax.jit(fn)(params, batch)), rtol=2e-5)
