@@ -32,6 +32,7 @@ from .._graph import made_from_scalars
 from .._mesh import MeshSpec, lowering_mesh
 from .._partitioning import Partitioning
 from .._pipeline import MICROBATCH, microbatched
+from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import BOUNDARIES, call
 from ._common import LAYOUT_ONLY, jit_with_layouts
@@ -107,7 +108,6 @@ class Interpreter:
         self.free = free
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
-        self._ids: dict = {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
         self.pipelined = _pipelined(self) if part.pipelines else {}
 
@@ -207,16 +207,7 @@ class Interpreter:
 
     def _var_ids(self, rid: int) -> dict:
         """Region `rid`'s jaxpr variables -> their value ids (made once per region)."""
-        ids = self._ids.get(rid)
-        if ids is None:
-            region = self.prog.regions[rid]
-            jaxpr = region.jaxpr
-            ids = dict(zip(jaxpr.constvars, region.constvars))
-            ids.update(zip(jaxpr.invars, region.invars))
-            for eqn, vids in zip(jaxpr.eqns, region.eqn_results):
-                ids.update((var, v) for var, v in zip(eqn.outvars, vids) if v >= 0)
-            self._ids[rid] = ids
-        return ids
+        return var_ids(self.prog, rid)
 
     def _nested(self, frame: Frame, rid: int, i: int, eqn) -> None:
         region = self.prog.regions[rid]
