@@ -112,6 +112,8 @@ class CostModel(CostTime, CostMemory):
                                                                                  for v in op.results))
                                               for op in prog.ops], dtype=bool)
         self._nbytes = np.array([v.nbytes for v in vals], dtype=float)
+        # A pipelined layer's values hold one microbatch (`PipelinePricing.value_div`).
+        self._value_div = self._pipeline.value_div(len(vals)) if self._pipeline else np.ones(len(vals))
         self._value_class = np.array(cls.of, dtype=np.int64)
         self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results
                                             if v >= 0 and not mat.virtual[v]) for op in prog.ops], dtype=float)
@@ -294,7 +296,7 @@ class CostModel(CostTime, CostMemory):
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
         step, _ = self._step(times, self._again_ops(extra), compute, again_cols)
-        peak = self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
+        peak = self._memory(self._nbytes / self._class_div[self._value_class] / self._value_div, exact=False)[0]
         return step, peak
 
     def cost(self, *, top: int = 10) -> Cost:
@@ -308,7 +310,7 @@ class CostModel(CostTime, CostMemory):
         firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))
         cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(
             c for _, c, _ in again_cols)
-        value_bytes = self._nbytes / self._class_div[self._value_class]
+        value_bytes = self._nbytes / self._class_div[self._value_class] / self._value_div
         peak, t, buf, liveness, extra = self._memory(value_bytes, exact=True)
         live = liveness.live_at(t, extra[:3])
         live = live[np.argsort(-buf[live], kind="stable")][:top]

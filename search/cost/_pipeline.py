@@ -127,6 +127,18 @@ class PipelinePricing:
                         self.layouts[o] = (part, None, pipe)
             self.costs.append((pipe, ext, layouts, pipeline_cost(part, pipe, device)))
 
+    def value_div(self, n: int):
+        """Per value of the program, how many microbatches its block is cut into at once:
+        M for a value of a pipelined layer split along the microbatch axis, else 1."""
+        out = np.ones(n)
+        prog = self.part.program
+        for pipe, ext, layouts, _ in self.costs:
+            inside = {r for lay in layouts for r in partir.body_regions(prog, lay.call.body)}
+            for v, val in enumerate(prog.values):
+                if val.region in inside and partir.MICROBATCH in ext.tiling(v).axes():
+                    out[v] = pipe.microbatches
+        return out
+
     @property
     def ops(self) -> frozenset:
         """The ops inside pipelined layers."""
