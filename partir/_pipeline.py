@@ -110,6 +110,14 @@ def microbatched(part, pipe: Pipelining):
     return ext, tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
 
 
+def check_pipelines(part) -> None:
+    """Raise the `PartitioningError` of the first of `part`'s pipelines its plan no
+    longer lets run (e.g. the batch split further since, so that the microbatches are no
+    longer whole): what a tactic or search action after a `Pipeline` must not do."""
+    for pipe in part.pipelines:
+        microbatched(part, pipe)
+
+
 def _strip(t: Tiling) -> Tiling:
     return Tiling(tuple(tuple(a for a in d if a != MICROBATCH) for d in t.dims),
                   tuple(a for a in t.partial if a != MICROBATCH), t.reduce_kind)

@@ -41,6 +41,9 @@ class Pipeline(Tactic):
     def apply(self, part, ctx: Context):
         prog = part.program
         stages = part.mesh.size(self.axis)
+        if part.rematerialized or part.reused:
+            raise TacticError("the layers are rematerialized (Remat): a pipeline cannot run them yet; "
+                              "leave one of the two out")
         scans = partir.layer_scans(prog)
         if not scans:
             raise TacticError("found no layer scan to pipeline (a jax.lax.scan over stacked layers' parameters): "

@@ -137,10 +137,40 @@ def test_the_jit_lowering_refuses_a_pipeline_it_does_not_run():
         partir.lower(_plan(2, 2))
 
 
-def test_the_remat_tactic_with_a_pipeline_is_refused_before_lowering():
-    part = _plan(2, 2, others=[T.DataParallel("data"), T.Remat("full")])
-    with pytest.raises(PartitioningError, match="leave Remat out"):
-        partir.lower(part, backend="shard_map")
+@pytest.mark.parametrize("first,then", [("remat", "pipeline"), ("pipeline", "remat")])
+def test_remat_and_a_pipeline_are_refused_together(first, then):
+    """The stages do not rematerialize yet: whichever comes second is refused."""
+    made = {"remat": T.Remat("full"), "pipeline": T.Pipeline("stage", microbatches=2)}
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="leave one of the two out"):
+        T.apply_schedule(prog, _mesh(2), [T.DataParallel("data"), made[first], made[then]])
+
+
+def test_a_tactic_leaving_a_pipeline_no_whole_microbatches_is_refused():
+    _, _, prog = _gpt()
+    schedule = [T.DataParallel("data"), T.Pipeline("stage", microbatches=4), T.DataParallel("stage")]
+    with pytest.raises(T.TacticError, match="DataParallel\\('stage'\\).*microbatch"):
+        T.apply_schedule(prog, _mesh(4), schedule)
+
+
+# -- the search ------------------------------------------------------------------------
+#: Deep and wide for its batch, its stage axis across nodes (the mesh's major axis on
+#: H100s): data parallelism over it all-reduces every gradient over the slow links.
+DEEP = gpt.GPTConfig(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, vocab=1024, seq_len=512, batch=64,
+                     scan_layers=True)
+
+
+@pytest.mark.parametrize("memory_limit,pipelined", [(16e9, True), (80e9, False)])
+def test_the_search_pipelines_where_the_model_says_it_wins(memory_limit, pipelined):
+    """With 16 GB, data parallelism over the stage axis does not fit (19.5 GB) and FSDP
+    or Megatron over the slow links cost 4x the pipeline's step: the search pipelines.
+    With 80 GB, data parallelism is faster than the pipeline's bubble: it does not."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    prog = partir.lift(step, *args)
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(8,), memory_limit=memory_limit, max_episodes=30,
+                                     device="h100")
+    part = T.apply_schedule(prog, MeshSpec.of(stage=4, data=8), [T.DataParallel("data"), auto]).partitioning
+    assert bool(part.pipelines) == pipelined
 
 
 # -- the cost model ------------------------------------------------------------------------
