@@ -164,6 +164,9 @@ def explain_saved(data: dict, console=None) -> None:
         console.print(f"  {i + 1}. {s}", markup=False, highlight=False)
     for a in (data.get("search") or {}).get("actions", []):
         console.print(f"       search: {a}", markup=False, highlight=False)
+    for p in data.get("pipelines", []):
+        console.print(f"  pipeline: the layer scan reading {p['layers']} in stages over {p['axis']!r}, "
+                      f"{p['microbatches']} microbatches, schedule {p['schedule']}", markup=False, highlight=False)
     params = Table(title="inputs and their layouts")
     params.add_column("input", no_wrap=True)
     params.add_column("shape", justify="right")

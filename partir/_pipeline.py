@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ._errors import PartitioningError
 from ._mesh import MeshSpec
-from ._scans import LayerScans, ScanCall, body_regions
+from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._tiling import Tiling
 
 #: The sequential axis microbatches are cut along in `microbatched`: it is no device
@@ -65,6 +65,23 @@ class Pipelining:
             raise PartitioningError(f"pipeline schedule {self.schedule!r} is not known; allowed: {list(SCHEDULES)}")
         if self.microbatches < 1:
             raise PartitioningError(f"pipeline microbatches={self.microbatches}: give a positive count")
+
+    def to_json(self, program) -> dict:
+        """The plan file's entry: the settings, the layer scan named by its first stacked
+        input, the batch inputs by name."""
+        first = next(v for v in self.scans.forward.xs if v >= 0)
+        return {"axis": self.axis, "microbatches": self.microbatches, "schedule": self.schedule,
+                "layers": program.name(first), "batch": [program.name(v) for v in self.batch]}
+
+    @staticmethod
+    def from_json(data: dict, program) -> "Pipelining":
+        """The `Pipelining` a plan file's entry names in `program` (`to_json`)."""
+        scans = [s for s in layer_scans(program)
+                 if any(v >= 0 and program.name(v) == data["layers"] for v in s.forward.xs)]
+        if not scans:
+            raise PartitioningError(f"no layer scan of this program reads {data['layers']!r}")
+        batch = tuple(program.resolve(name) for name in data["batch"])
+        return Pipelining(data["axis"], int(data["microbatches"]), scans[0], batch, data["schedule"])
 
     @property
     def bodies(self) -> tuple[int, ...]:

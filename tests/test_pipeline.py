@@ -6,6 +6,7 @@ reason before anything is lowered."""
 
 import collections
 import io
+import json
 import dataclasses
 import functools
 
@@ -19,6 +20,7 @@ import search
 import tactics as T
 from examples import gpt, llama
 from partir import MeshSpec, PartitioningError
+from automap._explain import explain_saved
 from rich.console import Console
 
 EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
@@ -297,3 +299,28 @@ def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
         peaks.append((search.CostModel(part, "cpu").cost().memory_peak, xla))
     (model_1, xla_1), (model_4, xla_4) = peaks
     assert xla_4 < xla_1 and model_4 < model_1  # (the model's drop is half XLA's: tick-loop buffers aside)
+
+
+def test_a_saved_pipelined_plan_loads_and_runs_as_it_was_made(tmp_path):
+    step, args, prog = _gpt()
+    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+    plan.save(tmp_path / "plan.json")
+    loaded = automap.load_plan(tmp_path / "plan.json").bind(step, *args)
+    assert loaded.partitioning.pipelines == plan.partitioning.pipelines
+    assert loaded.partitioning.key() == plan.partitioning.key()
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
+    ours, theirs = loaded.jit()(*args), jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_a_saved_plan_file_shows_its_pipeline(tmp_path):
+    step, args, _ = _gpt()
+    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+    plan.save(tmp_path / "plan.json")
+    out = Console(file=io.StringIO(), width=250)
+    explain_saved(json.loads((tmp_path / "plan.json").read_text()), out)
+    assert "in stages over 'stage', 4 microbatches, schedule gpipe" in out.file.getvalue()
