@@ -134,9 +134,22 @@ def test_a_plan_splitting_the_layers_work_over_the_stage_axis_is_refused():
         T.apply_schedule(prog, _mesh(2), [T.DataParallel("stage"), T.Pipeline("stage", microbatches=2)])
 
 
-def test_the_jit_lowering_refuses_a_pipeline_it_does_not_run():
-    with pytest.raises(PartitioningError, match="backend='shard_map'"):
-        partir.lower(_plan(2, 2))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ("dp", "llama-dp-megatron") else pytest.mark.slow)
+                                  for c in ["dp", *COMPOSED]])
+def test_the_jit_lowering_computes_what_jit_computes_with_the_modeled_collectives(case):
+    """Under the jit lowering the pipelined scans run as shard_map regions: the step
+    equals plain jax.jit's and XLA's collectives are exactly the modeled ones."""
+    config, others, mesh = COMPOSED.get(case, (TINY, None, _mesh(4)))
+    part = _plan(mesh.size("stage"), 4 if case == "dp" else 2, config, others, mesh)
+    step, args, prog = _gpt(config)
+    lowered = partir.lower(part)
+    ours, theirs = lowered(*args), jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+    text = lowered.lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert compiled == modeled
 
 
 @pytest.mark.parametrize("first,then", [("remat", "pipeline"), ("pipeline", "remat")])
