@@ -10,10 +10,6 @@ from . import _checks as check
 from ._base import Context, Tactic, TacticError
 from ._data import batch_inputs
 
-#: Schedules `Pipeline` accepts (the lowering's, `partir._pipeline.SCHEDULES`).
-SCHEDULES = ("gpipe",)
-
-
 @dataclass(frozen=True)
 class Pipeline(Tactic):
     """Run the layers of a layer scan (`jax.lax.scan` over stacked layers) as contiguous
@@ -36,7 +32,7 @@ class Pipeline(Tactic):
         check.text("Pipeline axis", self.axis, example="axis='stage'", error=TacticError)
         check.number("Pipeline microbatches", self.microbatches, integer=True, example="microbatches=4",
                      error=TacticError)
-        check.one_of("Pipeline schedule", self.schedule, SCHEDULES, error=TacticError)
+        check.one_of("Pipeline schedule", self.schedule, partir.PIPELINE_SCHEDULES, error=TacticError)
 
     def apply(self, part, ctx: Context):
         prog = part.program
