@@ -73,6 +73,38 @@ def alternatives(plan):
     return out
 
 
+def pipeline_tables(plan) -> list:
+    """Per pipeline of the plan, a table of which layers each stage's devices run and a
+    line with the schedule, microbatches, modeled bubble, point-to-point bytes and
+    per-device layer state and residuals."""
+    import search
+
+    part, out = plan.partitioning, []
+    for pipe in part.pipelines:
+        c = search.pipeline_cost(part, pipe, plan.device)
+        per = pipe.scans.forward.length // c.stages
+        table = Table(title=f"pipeline stages over {pipe.axis!r}")
+        for col in ("stage", "layers", "devices"):
+            table.add_column(col, justify="right" if col == "stage" else "left")
+        names, sizes = part.mesh.names, part.mesh.shape
+        for s in range(c.stages):
+            devices = [d for d in range(part.mesh.num_devices) if _coord(d, names, sizes, pipe.axis) == s]
+            table.add_row(str(s), f"{s * per}..{(s + 1) * per - 1}", ", ".join(map(str, devices)))
+        out += [table, f"schedule {pipe.schedule}, {c.microbatches} microbatches, modeled bubble {c.bubble:.0%}; "
+                       f"{bytes_str(c.p2p_bytes[0])} per microbatch per stage boundary; per device "
+                       f"{bytes_str(c.stage_bytes)} of layer state, {bytes_str(c.in_flight_bytes)} of residuals"]
+    return out
+
+
+def _coord(device: int, names, sizes, axis: str) -> int:
+    """Device `device`'s (its position in the mesh, row-major) index along `axis`."""
+    for name, size in reversed(list(zip(names, sizes))):
+        if name == axis:
+            return device % size
+        device //= size
+    raise ValueError(f"no axis {axis!r}")
+
+
 def explain(plan, console=None) -> None:
     """Print the plan's explanation."""
     console = table_console(console)
@@ -94,6 +126,8 @@ def explain(plan, console=None) -> None:
     console.print(params)
 
     console.print(collectives_table(cost, "collectives per step, by mesh axis (modeled)"))
+    for table in pipeline_tables(plan):
+        console.print(table, highlight=False)
 
     mem = Table(title=f"memory: peak {bytes_str(cost.memory_peak)} of {bytes_str(cost.memory_limit)} per device"
                       + ("" if cost.fits else " (does not fit)"))
@@ -130,6 +164,9 @@ def explain_saved(data: dict, console=None) -> None:
         console.print(f"  {i + 1}. {s}", markup=False, highlight=False)
     for a in (data.get("search") or {}).get("actions", []):
         console.print(f"       search: {a}", markup=False, highlight=False)
+    for p in data.get("pipelines", []):
+        console.print(f"  pipeline: the layer scan reading {p['layers']} in stages over {p['axis']!r}, "
+                      f"{p['microbatches']} microbatches, schedule {p['schedule']}", markup=False, highlight=False)
     params = Table(title="inputs and their layouts")
     params.add_column("input", no_wrap=True)
     params.add_column("shape", justify="right")

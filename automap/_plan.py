@@ -185,6 +185,8 @@ class Plan:
             "decisions": [d.to_json(prog) for d in part.decisions],
             "cost": _cost_json(self.cost),
         }
+        if part.pipelines:
+            out["pipelines"] = [p.to_json(prog) for p in part.pipelines]
         if self.search is not None:
             result, groups = self.search, self.search.groups
             timed = result.stats.stopped == "time budget"

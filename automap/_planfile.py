@@ -59,10 +59,20 @@ class SavedPlan:
                             part.tile(v, dim, a, source=f"plan {self.path}")
                         except PartitioningError as e:
                             raise PlanError(f"plan {self.path}, input {item['name']}: {e}") from None
+        self._pipelines(part)
         return Plan(part, device=_device(self.data), memory_limit=self.data.get("memory_limit"),
                     donate_argnums=self.data.get("donate_argnums", ()), schedule_text=self.data.get("schedule", ()),
                     jax_mesh=jax_mesh, key=self.data.get("key", ""), made_for=self.data.get("made_for"),
                     lowering=self.data.get("lowering", "jit"))
+
+    def _pipelines(self, part) -> None:
+        """The layer scans the plan runs as pipeline stages."""
+        for i, entry in enumerate(self.data.get("pipelines", ())):
+            try:
+                part.pipeline(partir.Pipelining.from_json(entry, part.program))
+                partir.check_pipelines(part)
+            except (PartitioningError, KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"plan {self.path}, pipelines[{i}]: {e}; fix the entry or delete the file") from None
 
     def _replay(self, part, decisions) -> None:
         prog = part.program

@@ -25,7 +25,7 @@ import gc
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
-from ._propagate import _BND, _FAC, _PIN, _REM, _REU, _VAL, Propagation, _fhash, _vhash
+from ._propagate import _BND, _FAC, _PIN, _PIP, _REM, _REU, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
@@ -60,6 +60,8 @@ class Partitioning(Propagation, Replay):
         # Values a user's `jax.checkpoint` recomputes that the backward reads from the
         # forward pass instead (`reuse`).
         self._reuse: set[int] = set()
+        # Layer scans run as pipeline stages (`pipeline`), in the order they were added.
+        self._pipelines: tuple = ()
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -290,6 +292,20 @@ class Partitioning(Propagation, Replay):
         """The residuals recomputed in the backward pass instead of kept."""
         return frozenset(self._remat)
 
+    def pipeline(self, pipelining) -> None:
+        """Run a layer scan's layers as pipeline stages (a `partir.Pipelining`; its
+        stacked values are split over its stage axis by the caller's `tile`s)."""
+        if any(set(p.bodies) & set(pipelining.bodies) for p in self._pipelines):
+            raise PartitioningError("these layer scans are pipelined already: give one Pipeline per layer stack")
+        self._pipelines += (pipelining,)
+        self._log.append((_PIP, pipelining))
+        self._hash ^= hash((_PIP, pipelining))
+
+    @property
+    def pipelines(self) -> tuple:
+        """The layer scans run as pipeline stages (`partir.Pipelining`s)."""
+        return self._pipelines
+
     def reuse(self, value, *, source: str = "user") -> None:
         """Relax the user's `jax.checkpoint`: its backward region reads, instead of
         recomputing `value`, the forward value it is a rerun of (`partir._checkpoint`),
@@ -419,6 +435,9 @@ class Partitioning(Propagation, Replay):
             elif kind == _REU:
                 self._reuse.discard(entry[1])
                 h ^= hash((_REU, entry[1]))
+            elif kind == _PIP:
+                self._pipelines = self._pipelines[:-1]
+                h ^= hash((_PIP, entry[1]))
             else:
                 self._decisions.pop()
         self._hash = h if known is None else known

@@ -1,6 +1,6 @@
 """Taking a change to a partitioning again without working it out again: `delta(mark)`
 records what every action since `mark` changed (final tilings, factor tilings, pins,
-boundaries, rematerialized and reused values, decisions), and `replay(delta)` sets a
+boundaries, rematerialized and reused values, decisions, pipelines), and `replay(delta)` sets a
 partitioning in the state the delta started from to the state it ended in, logged as
 one step per entry so that `rollback` undoes it as it would the actions. A search that
 applies the same action to the same state again and again (episodes retracing a tree
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
-from ._propagate import _BND, _DEC, _FAC, _PIN, _REM, _REU, _VAL
+from ._propagate import _BND, _DEC, _FAC, _PIN, _PIP, _REM, _REU, _VAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +20,8 @@ class Delta:
     """What the actions since a mark changed: `(class, dims)` of each tiling class,
     `(op, factor tiling)` of each op and `(class, forbidden axes)` of each pin as they
     ended, the classes made boundaries, the values rematerialized and reused, the
-    decisions taken; and the state's key before and after them (`Partitioning.key`)."""
+    decisions taken; the state's key before and after them (`Partitioning.key`); and
+    the pipelines added (`Partitioning.pipeline`)."""
 
     classes: tuple
     ops: tuple
@@ -31,6 +32,7 @@ class Delta:
     decisions: tuple
     before: int
     after: int
+    pipelines: tuple = ()  # the `Pipelining`s added
 
     @property
     def size(self) -> int:
@@ -45,16 +47,19 @@ class Replay:
         """What changed since `mark` (a `mark()` taken when the state's key was `before`)."""
         first: dict = {}
         decisions = 0
+        pipelines = []
         for entry in self._log[mark:]:
             if entry[0] == _DEC:
                 decisions += 1
+            elif entry[0] == _PIP:
+                pipelines.append(entry[1])
             else:
                 first.setdefault((entry[0], entry[1]), None)
         of = {kind: [i for k, i in first if k == kind] for kind in (_VAL, _FAC, _PIN, _BND, _REM, _REU)}
         return Delta(tuple((c, self._d[c]) for c in of[_VAL]), tuple((o, self._f[o]) for o in of[_FAC]),
                      tuple((c, self._forbid[c]) for c in of[_PIN]), tuple(of[_BND]), tuple(of[_REM]),
                      tuple(of[_REU]), tuple(self._decisions[len(self._decisions) - decisions:]), before,
-                     self._hash)
+                     self._hash, tuple(pipelines))
 
     def replay(self, delta: Delta) -> None:
         """Take `delta` again, from the state it started in (the same `key()`)."""
@@ -80,4 +85,6 @@ class Replay:
             log.extend((kind, i) for i in items)
         self._decisions.extend(delta.decisions)
         log.extend((_DEC,) for _ in delta.decisions)
+        self._pipelines += delta.pipelines
+        log.extend((_PIP, p) for p in delta.pipelines)
         self._hash = delta.after

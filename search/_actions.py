@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partir import PartitioningError
+from partir import PartitioningError, check_pipelines
 from tactics import Group, input_groups  # noqa: F401  (re-exported for the search API)
 
 
@@ -115,6 +115,7 @@ def apply_action(part, groups, action: Action, source: str, ctx, notes: list | N
             if part.mark() == mark:
                 ctx.rollback(ctx_mark)
                 return False
+            check_pipelines(part)  # a later action may leave a pipeline no whole microbatches
             if notes is not None:
                 notes.extend(said)
             return True
@@ -128,6 +129,7 @@ def apply_action(part, groups, action: Action, source: str, ctx, notes: list | N
             except PartitioningError:
                 if not done:
                     raise
+        check_pipelines(part)
         return done
     except PartitioningError:
         part.rollback(mark)

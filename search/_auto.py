@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import partir
-from tactics import (FSDP, Context, DataParallel, Megatron, Remat, SequenceParallel, Tactic, TacticError, check,
+from tactics import (FSDP, Context, DataParallel, Megatron, Pipeline, Remat, SequenceParallel, Tactic, TacticError, check,
                      roles)
 
 from ._actions import apply_action, input_groups
@@ -46,6 +46,10 @@ class AutomaticPartition(Tactic):
     context (`Context.search`), with how the search ran (`twins`, `why`). Macro actions
     apply with the schedule's context: a Megatron the search chose leaves its blocks
     for a later `SequenceParallel`, and its notes follow the action's in the history.
+    `pipelines` lists microbatch counts the search may also pipeline a layer scan with
+    (`Pipeline(axis, m)` as a macro on each searched axis; none by default): it then
+    weighs stages, their bubble and their point-to-point sends against the other
+    tactics on the same cost model.
 
     A model with a list of 8 or more alike layers in its arguments is searched on two
     shallow twins with costs extrapolated to its depth (`search._twins`), so
@@ -62,6 +66,7 @@ class AutomaticPartition(Tactic):
     macros: bool = True
     max_episodes: int | None = None
     best_effort: bool = False
+    pipelines: tuple[int, ...] = ()
     progress: Callable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -81,6 +86,12 @@ class AutomaticPartition(Tactic):
                                                           optional=True, example="max_episodes=200",
                                                           error=TacticError))):
             object.__setattr__(self, name, value)
+        if not isinstance(self.pipelines, (tuple, list)):
+            raise TacticError(f"AutomaticPartition pipelines={self.pipelines!r}: give microbatch counts as a tuple, "
+                              "e.g. pipelines=(4, 8), or () for none")
+        object.__setattr__(self, "pipelines", tuple(
+            check.number(where + "pipelines", m, integer=True, example="pipelines=(4, 8)", error=TacticError)
+            for m in self.pipelines))
         get_device(self.device)  # an unknown device fails now, not after the search
         if self.progress is not None and not callable(self.progress):
             raise TacticError(f"AutomaticPartition progress={self.progress!r} is not callable: pass "
@@ -153,6 +164,8 @@ class AutomaticPartition(Tactic):
                            for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
             if partir.remat_layers(part.program):
                 macros += tuple(Remat(p) for p in REMAT_MACROS)
+            if partir.layer_scans(part.program):
+                macros += tuple(Pipeline(a, m) for a in axes if part.mesh.size(a) > 1 for m in self.pipelines)
         return axes, groups, macros
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):

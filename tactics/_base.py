@@ -250,6 +250,7 @@ def apply_schedule(program: Program, mesh: MeshSpec, schedule, *, best_effort: b
         mark, ctx_mark = part.mark(), ctx.mark()
         try:
             new, notes = tactic.apply(part, ctx)
+            partir.check_pipelines(new)  # a tactic after a Pipeline may leave it no whole microbatches
         except PartitioningError as e:
             part.rollback(mark)
             ctx.rollback(ctx_mark)

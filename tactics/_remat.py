@@ -42,6 +42,9 @@ class Remat(Tactic):
 
     def apply(self, part, ctx: Context):
         prog = part.program
+        if part.pipelines:
+            raise TacticError("the layers run as pipeline stages (Pipeline), which do not rematerialize yet; "
+                              "leave one of the two out")
         if self.pattern is not None:
             check.warn_alike_paths("Remat pattern", self.pattern, prog, prog.match_inputs(self.pattern))
         layers = partir.remat_layers(prog)

@@ -47,7 +47,7 @@ def cross(interp, x, src: int, dst: int, *, to_made: bool = False):
     layer dim first, never split)."""
     if src < 0 or dst < 0 or _placeholder(interp, x, src):
         return x
-    part, rank, mesh = interp.part, jnp.ndim(x), interp.mesh
+    part, rank, mesh = interp.part, jnp.ndim(x), interp.move_mesh
     o = interp.link(src, dst)
     if o is None:
         return x if to_made else move(x, fit(part.tiling(src), rank), fit(part.tiling(dst), rank), mesh)
@@ -100,7 +100,7 @@ def scan(interp, eqn, children, ins, results, operands, whole) -> list:
         outs = interp.remat.scans.evaluate(eqn, children, split_operands(eqn, entering), run, interp.values)
     if outs is None:
         outs = evaluate_nested(eqn, children, entering, run)
-    final = [move(y, interp.rest(v), interp.rest(r), interp.mesh) if r >= 0 else y
+    final = [move(y, interp.rest(v), interp.rest(r), interp.move_mesh) if r >= 0 else y
              for y, v, r in zip(outs[:nk], w.carry, results[:nk])]
     return final + [_stacked_to_rest(interp, y, u, r) for y, u, r in zip(outs[nk:], body.outvars[nk:], results[nk:])]
 
@@ -115,7 +115,7 @@ def _stacked_to_rest(interp, y, inner: int, outer: int):
         slots, partial, kind = interp.part.op_layout(o)
         (dims,) = [d for side, _, _, d in slots if side == "result"]
         made = Tiling(dims, partial, kind)
-    return move(y, made, interp.rest(outer), interp.mesh)
+    return move(y, made, interp.rest(outer), interp.move_mesh)
 
 
 def while_loop(interp, eqn, children, ins, results, operands, whole) -> list:
@@ -134,14 +134,14 @@ def while_loop(interp, eqn, children, ins, results, operands, whole) -> list:
 
     def run(c, args):
         if c == cid:
-            carry = [move(a, interp.rest(u), interp.rest(v), interp.mesh) for a, u, v in
+            carry = [move(a, interp.rest(u), interp.rest(v), interp.move_mesh) for a, u, v in
                      zip(args[cn:], carry_w, cond.invars[cn:])]
             return interp.region(c, list(args[:cn]) + carry, given[cid])
         outs = interp.region(c, args, given[bid])
         return [cross(interp, y, u, v) for y, u, v in zip(outs, body.outvars, carry_w)]
 
     outs = evaluate_nested(eqn, children, entering, run)
-    return [move(y, interp.rest(v), interp.rest(r), interp.mesh) if r >= 0 else y
+    return [move(y, interp.rest(v), interp.rest(r), interp.move_mesh) if r >= 0 else y
             for y, v, r in zip(outs, carry_w, results)]
 
 

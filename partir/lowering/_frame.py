@@ -45,7 +45,7 @@ class Frame:
         if v in self.whole:
             key = (v, need.dims, "whole")
             if key not in self.moved:
-                self.moved[key] = move(self.whole[v], Tiling.replicated(need.rank), need, interp.mesh)
+                self.moved[key] = move(self.whole[v], Tiling.replicated(need.rank), need, interp.move_mesh)
             return self.moved[key]
         if need.dims == rest.dims:
             return self.env[v]
@@ -54,7 +54,7 @@ class Frame:
             x = self.env[v]
             if after is not None:
                 x, _ = jax.lax.optimization_barrier((x, after))
-            self.moved[key] = move(x, rest, need, interp.mesh, again=again)
+            self.moved[key] = move(x, rest, need, interp.move_mesh, again=again)
         return self.moved[key]
 
     def replace(self, v: int, x) -> None:
@@ -76,5 +76,5 @@ class _Blocks(dict):
         if v not in interp.wholes:
             raise KeyError(v)
         t = interp.part.tiling(v)
-        x = self[v] = move(interp.wholes[v], Tiling.replicated(t.rank), t, interp.mesh)
+        x = self[v] = move(interp.wholes[v], Tiling.replicated(t.rank), t, interp.move_mesh)
         return x

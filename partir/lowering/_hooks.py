@@ -44,6 +44,8 @@ class JitHooks:
         self.reads = Reads(part, mesh, self.remake)
         self.remat = Recomputation(part, self) if part.rematerialized or part.reused else None
         self.values: dict = {}
+        # Pipelined layer scans run as shard_map regions (`_jit_pipeline.JitPipelines`).
+        self.pipelines = ()
 
     def start(self) -> None:
         """Forget a previous trace."""

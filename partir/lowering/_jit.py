@@ -22,6 +22,7 @@ from .._reshard import gathered_first
 from ._common import LAYOUT_ONLY, jit_with_layouts
 from ._eval import bind_equation, lowering_params
 from ._hooks import JitHooks
+from ._jit_pipeline import JitPipelines
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
 #: and outputs ('boundary', leaving the interior to XLA's propagation).
@@ -59,6 +60,7 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         return jax.lax.with_sharding_constraint(x, sharding(v))
 
     hooks = JitHooks(part, mesh, constrain_value)
+    hooks.pipelines = JitPipelines(part, mesh) if part.pipelines else ()
 
     def run(*args):
         hooks.start()
@@ -87,14 +89,20 @@ def _eval_region(prog, rid: int, args, hooks):
         return x.val if isinstance(x, Literal) else env[x]
 
     for i, eqn in enumerate(jaxpr.eqns):
-        invals = hooks.operands(rid, i, eqn, [-1 if isinstance(x, Literal) else ids.get(x, -1) for x in eqn.invars],
-                                [read(x) for x in eqn.invars])
         children = region.children.get(i)
+        piped = children is not None and children[0] in hooks.pipelines
+        # A pipelined scan reads its stacked operands where their stages hold them.
+        invals = [read(x) for x in eqn.invars] if piped else hooks.operands(
+            rid, i, eqn, [-1 if isinstance(x, Literal) else ids.get(x, -1) for x in eqn.invars],
+            [read(x) for x in eqn.invars])
         oid = region.eqn_ops[i]
         # Keep the equation's name stack (`transpose(jvp(...))` marks the backward pass)
         # in the HLO metadata, so compiled collectives can be traced back to their pass.
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
-            if children is not None:
+            if piped:
+                ins = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
+                outs = hooks.pipelines.run(eqn, children[0], ins, region.eqn_results[i], invals)
+            elif children is not None:
                 def run(c, a):
                     return _eval_region(prog, c, a, hooks)
 
@@ -107,8 +115,8 @@ def _eval_region(prog, rid: int, args, hooks):
                 outs = bind_equation(eqn, invals, **lowering_params(eqn, hooks.mesh))
                 hooks.produced(oid, outs)
         for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
-            if v >= 0:
-                env[var], ids[var] = hooks.constrain(o, v), v
+            if v >= 0:  # (a pipelined scan's results come out of its region at rest)
+                env[var], ids[var] = (o if piped else hooks.constrain(o, v)), v
                 hooks.record(v, env[var])
     return [read(x) for x in jaxpr.outvars]
 

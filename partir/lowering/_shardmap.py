@@ -29,8 +29,10 @@ from jax.extend.core import Literal
 
 from .._errors import PartitioningError
 from .._graph import made_from_scalars
-from .._mesh import lowering_mesh
+from .._mesh import MeshSpec, lowering_mesh
 from .._partitioning import Partitioning
+from .._pipeline import MICROBATCH, microbatched
+from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import BOUNDARIES, call
 from ._common import LAYOUT_ONLY, jit_with_layouts
@@ -38,6 +40,7 @@ from ._eval import bind_equation
 from ._frame import Frame, _Blocks
 from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
+from ._shardmap_pipeline import run_pipelined
 from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
 
@@ -61,6 +64,23 @@ def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
     return jit_with_layouts(run, part, mesh, donate_argnums)
 
 
+def _pipelined(interp) -> dict:
+    """Body region -> (pipelining, scan layout, interpreter of the microbatched plan) of
+    each pipelined layer scan."""
+    part = interp.part
+    if interp.remat is not None:
+        raise PartitioningError("the shard_map lowering does not rematerialize inside pipelined layers yet: "
+                                "leave Remat out of a plan with a Pipeline, or lower it with backend='jit'")
+    out = {}
+    for pipe in part.pipelines:
+        ext, layouts = microbatched(part, pipe)
+        inner = Interpreter(ext, [False] * len(part.program.values), MeshSpec(part.mesh.axes + ((MICROBATCH, 1),)))
+        for lay in layouts:
+            inner.left_partial.update(lay.deferred)
+            out[lay.call.body] = (pipe, lay, inner)
+    return out
+
+
 def _free_mask(prog, free) -> list[bool]:
     n = len(prog.values)
     if free is None:
@@ -77,13 +97,19 @@ def _free_mask(prog, free) -> list[bool]:
 class Interpreter:
     """Runs the program's regions on one device's blocks (see the module docstring)."""
 
-    def __init__(self, part: Partitioning, free: list[bool]):
+    def __init__(self, part: Partitioning, free: list[bool], move_mesh=None):
+        # `mesh` gives blocks their shapes; `move_mesh` the axes values move along (the
+        # mesh less a sequential axis whose blocks one device runs one after the other:
+        # pipeline microbatches, whose sums accumulate instead of being all-reduced).
         self.part, self.prog, self.mesh = part, part.program, part.mesh
+        self.move_mesh = part.mesh if move_mesh is None else move_mesh
+        # Values a pipeline leaves partial over some axes when made (`ScanLayout.deferred`).
+        self.left_partial: dict[int, tuple[str, ...]] = {}
         self.free = free
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
-        self._ids: dict = {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
+        self.pipelined = _pipelined(self) if part.pipelines else {}
 
     def top(self, args) -> list:
         self.values, self.wholes = _Blocks(self), {}
@@ -138,7 +164,9 @@ class Interpreter:
             outs = bind_local(local, operands)
         for k, v in enumerate(op.results):
             if v >= 0:
-                frame.put(v, move(outs[k], Tiling(made[k], partial, kind), part.tiling(v), self.mesh))
+                left = self.left_partial.get(v, ())
+                made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
+                frame.put(v, move(outs[k], made_k, part.tiling(v), self.move_mesh))
         if backward and outs:
             frame.last = outs[0]
 
@@ -179,16 +207,7 @@ class Interpreter:
 
     def _var_ids(self, rid: int) -> dict:
         """Region `rid`'s jaxpr variables -> their value ids (made once per region)."""
-        ids = self._ids.get(rid)
-        if ids is None:
-            region = self.prog.regions[rid]
-            jaxpr = region.jaxpr
-            ids = dict(zip(jaxpr.constvars, region.constvars))
-            ids.update(zip(jaxpr.invars, region.invars))
-            for eqn, vids in zip(jaxpr.eqns, region.eqn_results):
-                ids.update((var, v) for var, v in zip(eqn.outvars, vids) if v >= 0)
-            self._ids[rid] = ids
-        return ids
+        return var_ids(self.prog, rid)
 
     def _nested(self, frame: Frame, rid: int, i: int, eqn) -> None:
         region = self.prog.regions[rid]
@@ -197,7 +216,10 @@ class Interpreter:
         ins = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
         operands = [x.val if v < 0 else frame.read(v) for x, v in zip(eqn.invars, ins)]
         whole = {k: frame.whole[v] for k, v in enumerate(ins) if v >= 0 and v in frame.whole}
-        outs = BOUNDARIES.get(eqn.primitive.name, call)(self, eqn, children, ins, results, operands, whole)
+        if children and children[0] in self.pipelined:
+            outs = run_pipelined(self, *self.pipelined[children[0]], eqn, ins, results, operands, whole)
+        else:
+            outs = BOUNDARIES.get(eqn.primitive.name, call)(self, eqn, children, ins, results, operands, whole)
         for v, o in zip(results, outs):
             if v >= 0:
                 frame.put(v, o)

@@ -47,6 +47,7 @@ from partir import Kind
 from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel
 from ._peak import CostMemory, op_label
+from ._pipeline import PipelinePricing
 from ._time import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._flops import op_work
@@ -85,12 +86,20 @@ class CostModel(CostTime, CostMemory):
         n_ops = len(prog.ops)
         mult = [prog.multiplicity(r.id, while_trips) for r in prog.regions]
         self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
+        # Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often (`_pipeline`).
+        self._pipelines, self._links_given, self._while_trips = part.pipelines, links, while_trips
+        self._pipeline = PipelinePricing(part, self.links, self.device) if part.pipelines else None
+        piped = np.zeros(n_ops, dtype=bool)
+        for o, scale in (self._pipeline.scale.items() if self._pipeline else ()):
+            self._mult[o] *= scale
+            piped[o] = True
+        self._piped = piped
         work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(op_dtype(op, prog)) for op in prog.ops])
         self._backward = np.array(prog.backward, dtype=bool)
         self._op_region = [op.region for op in prog.ops]
-        self._trivial = np.array(cls.trivial, dtype=bool)
+        self._trivial = np.array(cls.trivial, dtype=bool) & ~piped
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
         vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
@@ -105,6 +114,8 @@ class CostModel(CostTime, CostMemory):
                                                                                  for v in op.results))
                                               for op in prog.ops], dtype=bool)
         self._nbytes = np.array([v.nbytes for v in vals], dtype=float)
+        # A pipelined layer's values hold one microbatch (`PipelinePricing.value_div`).
+        self._value_div = self._pipeline.value_div(len(vals)) if self._pipeline else np.ones(len(vals))
         self._value_class = np.array(cls.of, dtype=np.int64)
         self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results
                                             if v >= 0 and not mat.virtual[v]) for op in prog.ops], dtype=float)
@@ -125,7 +136,7 @@ class CostModel(CostTime, CostMemory):
         self._memo: dict = {}
         # Static signature of each op for the memo: its rule, its values' sizes and roles
         # (rematerialisable, part of an input's class), its loop trips and pass.
-        self._slot_values = [tuple(v for _, _, v, _ in part.op_layout(o)[0]) if not cls.trivial[o] else ()
+        self._slot_values = [tuple(v for _, _, v, _ in part.op_layout(o)[0]) if not self._trivial[o] else ()
                              for o in range(n_ops)]
         sigs: dict = {}
         self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
@@ -136,7 +147,8 @@ class CostModel(CostTime, CostMemory):
         self._dedup: dict = {}
         part.take_touched()
         self._refresh_classes(range(len(cls)))
-        self._refresh_ops([o for o in range(n_ops) if not cls.trivial[o] and mat.live_op[o]])
+        self._refresh_ops([o for o in range(n_ops) if not self._trivial[o] and mat.live_op[o]])
+        self._add_pipeline_collectives()
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -159,7 +171,7 @@ class CostModel(CostTime, CostMemory):
             key = (self._sig[o], part.factor_tiling(o), tuple(D[of[v]] for v in slot_values))
             entry = memo.get(key)
             if entry is None:
-                entry = memo[key] = self._price(o)
+                entry = memo[key] = self._pipeline.price(self, o) if self._piped[o] else self._price(o)
             div, moved, reshards, eff = entry
             self._op_div[o] = div
             self._eff[o] = eff
@@ -252,15 +264,30 @@ class CostModel(CostTime, CostMemory):
                 for kind, axes, nbytes, t in self.links.reshard(r.src, r.dst, full, self.part.mesh)]
 
     def _sync(self) -> None:
+        if self.part.pipelines != self._pipelines:  # what every op's price rests on changed
+            self.__init__(self.part, self.device, memory_limit=self.memory_limit, donate_argnums=self._donated,
+                          links=self._links_given, while_trips=self._while_trips)
+            return
         classes, ops = self.part.take_touched()
         if not classes and not ops:
             return
         self._refresh_classes(classes)
-        todo = {o for o in ops if not self._cls.trivial[o]}
+        todo = {o for o in ops if not self._trivial[o]}
         for c in classes:
             todo.update(self._cls.ops[c])
+        if self._pipeline is not None:  # the microbatched plan follows the whole plan
+            self._pipeline = PipelinePricing(self.part, self.links, self.device)
+            todo.update(self._pipeline.ops)
         live = self.materialization.live_op
         self._refresh_ops([o for o in todo if live[o]])
+        self._add_pipeline_collectives()
+
+    def _add_pipeline_collectives(self) -> None:
+        """The pipelines' own collectives, as moves of the ops they are charged at."""
+        for key in [k for k in self._dedup if k[0] == "pipeline"]:
+            del self._dedup[key]
+        for n, (o, v, cols) in enumerate(self._pipeline.collectives(self) if self._pipeline else ()):
+            self._dedup[("pipeline", n)] = {o: (v, cols, 0.0)}
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:
@@ -276,7 +303,8 @@ class CostModel(CostTime, CostMemory):
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
         parts = self._parts(times, self._again_ops(extra), compute, again_cols)
-        return parts, self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
+        peak = self._memory(self._nbytes / self._class_div[self._value_class] / self._value_div, exact=False)[0]
+        return parts, peak
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""
@@ -289,7 +317,7 @@ class CostModel(CostTime, CostMemory):
         firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))
         cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(
             c for _, c, _ in again_cols)
-        value_bytes = self._nbytes / self._class_div[self._value_class]
+        value_bytes = self._nbytes / self._class_div[self._value_class] / self._value_div
         peak, t, buf, liveness, extra = self._memory(value_bytes, exact=True)
         live = liveness.live_at(t, extra[:3])
         live = live[np.argsort(-buf[live], kind="stable")][:top]

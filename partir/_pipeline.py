@@ -1,0 +1,263 @@
+"""Pipeline parallelism in the IR: the layers of a layer scan cut into contiguous stages
+over a mesh axis, the batch cut into microbatches that stream through the stages.
+
+A `Pipelining` names a program's forward layer scan and the backward scan reading its
+residuals (`partir._scans`), the stage axis, the number of microbatches and the batch
+inputs they are cut from. The partitioning holds it beside the tilings
+(`Partitioning.pipeline`); every stacked value of the two scans (parameters, residuals,
+gradients) is split along its layer dim over the stage axis, so that each device holds
+its stage's layers.
+
+*Microbatches are a split of the batch factor over a sequential axis.* `microbatched`
+builds a second partitioning of the same program on the mesh plus a `MICROBATCH` axis
+of M: the plan's decisions again, then the batch inputs' leading dim split over it.
+Propagation then says, for every value of the scan bodies, which dim holds the
+microbatch (split), whether it is the same for every microbatch (no micro factor) or a
+sum over them (a reduction over the batch: a weight gradient), exactly as it says
+where a data-parallel value is split or partial. `ScanLayout` records that per body
+input and output; a lowering runs the body once per microbatch on blocks of that
+partitioning, and accumulates per-layer outputs as their kind says. Anything the
+analysis cannot prove (a microbatch dim moved inside the body, a sum passed through a
+non-linear op, an accumulated carry) is a `PartitioningError` before lowering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._errors import PartitioningError
+from ._mesh import MeshSpec
+from ._scans import LayerScans, ScanCall, body_regions, layer_scans
+from ._tiling import Tiling
+
+#: The sequential axis microbatches are cut along in `microbatched`: it is no device
+#: axis, so a plan's mesh may not name it.
+MICROBATCH = "microbatch"
+#: Schedules the lowering runs, by name.
+SCHEDULES = ("gpipe",)
+#: How an op passes on a sum over microbatches (a result of a reduction over the batch),
+#: by primitive: `unary` ops are linear in their one operand; `additive` ones add
+#: operands that must all be such sums; `multilinear` ones are linear in each operand,
+#: so exactly one may be a sum and the others the same for every microbatch.
+LINEARITY = {
+    **dict.fromkeys(("convert_element_type", "reshape", "transpose", "neg", "broadcast_in_dim", "reduce_sum",
+                     "squeeze", "expand_dims", "copy", "copy_p", "reduce_precision"), "unary"),
+    **dict.fromkeys(("add", "add_any", "sub"), "additive"),
+    **dict.fromkeys(("mul", "dot_general"), "multilinear"),
+}
+#: Kinds of a body value across microbatches (`ScanLayout`).
+SPLIT, SAME, SUM = "split", "same", "sum"
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """Stages of `scans` over mesh `axis`, `microbatches` cut from the leading dim of the
+    `batch` inputs (value ids), run by `schedule` (one of `SCHEDULES`)."""
+
+    axis: str
+    microbatches: int
+    scans: LayerScans
+    batch: tuple[int, ...]
+    schedule: str = "gpipe"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise PartitioningError(f"pipeline schedule {self.schedule!r} is not known; allowed: {list(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise PartitioningError(f"pipeline microbatches={self.microbatches}: give a positive count")
+
+    def to_json(self, program) -> dict:
+        """The plan file's entry: the settings, the layer scan named by its first stacked
+        input, the batch inputs by name."""
+        first = next(v for v in self.scans.forward.xs if v >= 0)
+        return {"axis": self.axis, "microbatches": self.microbatches, "schedule": self.schedule,
+                "layers": program.name(first), "batch": [program.name(v) for v in self.batch]}
+
+    @staticmethod
+    def from_json(data: dict, program) -> "Pipelining":
+        """The `Pipelining` a plan file's entry names in `program` (`to_json`)."""
+        scans = [s for s in layer_scans(program)
+                 if any(v >= 0 and program.name(v) == data["layers"] for v in s.forward.xs)]
+        if not scans:
+            raise PartitioningError(f"no layer scan of this program reads {data['layers']!r}")
+        batch = tuple(program.resolve(name) for name in data["batch"])
+        return Pipelining(data["axis"], int(data["microbatches"]), scans[0], batch, data["schedule"])
+
+    @property
+    def bodies(self) -> tuple[int, ...]:
+        """The body regions of the pipelined scans, forward first."""
+        return tuple(c.body for c in self.scans.calls)
+
+    def stacked(self) -> tuple[int, ...]:
+        """Every stacked value of the pipelined scans (split over the stage axis)."""
+        return tuple(dict.fromkeys(v for c in self.scans.calls for v in c.stacked))
+
+
+@dataclass(frozen=True)
+class ScanLayout:
+    """How one pipelined scan's body sees microbatches: per body input the dim holding
+    the microbatch (None: the same for all), per body output its kind (`SPLIT`, `SAME`,
+    `SUM`) and split dim (None unless `SPLIT`)."""
+
+    call: ScanCall
+    in_dims: tuple
+    out_kinds: tuple[str, ...]
+    out_dims: tuple
+    deferred: tuple = ()  # (value id, mesh axes): sums left partial until accumulated
+
+    def left_partial(self, v: int) -> tuple[str, ...]:
+        """The mesh axes value `v` is left partial over (completed once the microbatches
+        are summed, not once per microbatch)."""
+        return dict(self.deferred).get(v, ())
+
+
+def microbatched(part, pipe: Pipelining):
+    """`part`'s plan on its mesh plus the `MICROBATCH` axis, the batch cut along it, and
+    the `ScanLayout` of each pipelined scan (checked: see the module docstring)."""
+    from ._partitioning import Partitioning
+
+    if MICROBATCH in part.mesh.names:
+        raise PartitioningError(f"mesh axis {MICROBATCH!r} is reserved for pipeline microbatches: rename it")
+    mesh = MeshSpec(part.mesh.axes + ((MICROBATCH, pipe.microbatches),))
+    ext = Partitioning(part.program, mesh, detached=part.detached)
+    for d in part.decisions:
+        ext.redo(d)
+    for v in pipe.batch:
+        ext.tile(v, 0, MICROBATCH, source="pipeline")
+    return ext, tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
+
+
+def check_pipelines(part) -> None:
+    """Raise the `PartitioningError` of the first of `part`'s pipelines its plan no
+    longer lets run (e.g. the batch split further since, so that the microbatches are no
+    longer whole): what a tactic or search action after a `Pipeline` must not do."""
+    for pipe in part.pipelines:
+        microbatched(part, pipe)
+
+
+def _strip(t: Tiling) -> Tiling:
+    return Tiling(tuple(tuple(a for a in d if a != MICROBATCH) for d in t.dims),
+                  tuple(a for a in t.partial if a != MICROBATCH), t.reduce_kind)
+
+
+def _micro_dim(t: Tiling, what: str):
+    dims = [d for d, axes in enumerate(t.dims) if MICROBATCH in axes]
+    if not dims:
+        return None
+    if len(dims) > 1 or t.dims[dims[0]][-1] != MICROBATCH:
+        raise PartitioningError(f"{what}: microbatches are not contiguous blocks of one dim in layout {t}; "
+                                "pipeline a program whose batch stays the leading split of one dim")
+    return dims[0]
+
+
+def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
+    prog = part.program
+    inside = set(body_regions(prog, call.body))
+    _check_body(part, ext, pipe, inside)
+    body = prog.regions[call.body]
+    in_dims = tuple(_micro_dim(ext.tiling(v), f"scan input {prog.name(v)}") for v in body.invars)
+    kinds = {v: SPLIT if d is not None else SAME for v, d in zip(body.invars, in_dims)}
+    ops = [op for op in prog.ops if op.region in inside]
+    for op in ops:
+        _kind_results(prog, ext, op, kinds)
+    out_kinds = tuple(kinds.get(v, SAME) if v >= 0 else SAME for v in body.outvars)
+    out_dims = tuple(_micro_dim(ext.tiling(v), f"scan output {prog.name(v)}") if v >= 0 else None
+                     for v in body.outvars)
+    nk = len(call.carry)
+    for v, k in zip(body.outvars[:nk], out_kinds[:nk]):
+        if k == SUM:
+            raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
+                                    "passes each microbatch's carry on, so this scan cannot be pipelined")
+    return ScanLayout(call, in_dims, out_kinds, out_dims, _deferred(ext, ops, kinds))
+
+
+def _deferred(ext, ops, kinds: dict) -> tuple:
+    """Sums over microbatches left partial over the mesh axes their reduction sums over,
+    so that one reduction completes the accumulated sum instead of one per microbatch
+    (weight gradients all-reduced once per step, as without a pipeline). Only where it
+    is plainly right: the reduction is an all-reduce to the value's layout at rest, and
+    every op after it is linear in it with no value split over those axes and adds only
+    sums left partial alike; otherwise none is deferred."""
+    left: dict[int, frozenset] = {}
+    for op in ops:
+        for v in op.results:
+            if v < 0 or kinds.get(v) != SUM:
+                continue
+            ins = [left.get(u, frozenset()) for u in op.operands if u >= 0 and kinds.get(u) == SUM]
+            made = ext.produced(v)
+            if op.link:
+                axes = ins[0] if ins else frozenset()
+            elif MICROBATCH in made.partial:
+                axes = frozenset(made.partial) - {MICROBATCH}
+                if _strip(made).dims != _strip(ext.tiling(v)).dims:
+                    return ()
+            else:
+                if len(set(ins)) > 1:
+                    return ()
+                axes = ins[0]
+                slots = ext.op_layout(op.id)[0]
+                if any(axes & {a for d in dims for a in d} for _, _, _, dims in slots):
+                    return ()
+            if axes & set(ext.tiling(v).axes()):
+                return ()
+            if axes:
+                left[v] = axes
+    return tuple((v, tuple(a for a in ext.mesh.names if a in axes)) for v, axes in left.items())
+
+
+def _kind_results(prog, ext, op, kinds: dict) -> None:
+    """The kind of each result of `op` (ops in program order, operands known first)."""
+    outs = [v for v in op.results if v >= 0]
+    ins = [kinds.get(v, SAME) for v in op.operands if v >= 0]
+    if op.link:
+        for v in outs:
+            kinds.setdefault(v, ins[0] if ins else SAME)
+        return
+    for v in outs:
+        if _micro_dim(ext.tiling(v), f"value {prog.name(v)}") is not None:
+            kinds[v] = SPLIT
+        elif MICROBATCH in ext.produced(v).partial:
+            if ext.produced(v).reduce_kind != "sum":
+                raise PartitioningError(f"{prog.name(v)} is a {ext.produced(v).reduce_kind} over the batch: "
+                                        "only sums accumulate over microbatches")
+            kinds[v] = SUM
+        elif all(k == SAME for k in ins):
+            kinds[v] = SAME
+        elif _linear_sum(op.primitive, ins):
+            kinds[v] = SUM
+        else:
+            raise PartitioningError(f"{prog.name(v)} ({op.primitive}) mixes values of different microbatches "
+                                    f"({', '.join(ins)}) in a way a pipeline cannot accumulate")
+
+
+def _linear_sum(primitive: str, ins: list[str]) -> bool:
+    """Is a `primitive` of operands of kinds `ins` a sum over microbatches?"""
+    how = LINEARITY.get(primitive)
+    if SPLIT in ins or how is None:
+        return False
+    if how == "unary":
+        return len(ins) == 1
+    if how == "additive":
+        return all(k == SUM for k in ins)
+    return ins.count(SUM) == 1
+
+
+def _check_body(part, ext, pipe: Pipelining, inside: set) -> None:
+    """Inside the pipelined body the plan is `part`'s (the microbatch axis aside), never
+    uses the stage axis, and never moves a value along the microbatch axis."""
+    prog = part.program
+    for v, val in enumerate(prog.values):
+        if val.region not in inside:
+            continue
+        if _strip(ext.tiling(v)) != part.tiling(v):
+            raise PartitioningError(f"cutting microbatches changes the layout of {prog.name(v)} "
+                                    f"({part.tiling(v)} -> {ext.tiling(v)}); the pipeline cannot run this plan")
+        if pipe.axis in part.tiling(v).axes():
+            raise PartitioningError(f"{prog.name(v)} inside the pipelined layers is split over the stage axis "
+                                    f"{pipe.axis!r}; use another axis for it")
+    ops = [o.id for o in prog.ops if o.region in inside]
+    for r in ext.reshards(ops):
+        src = tuple(MICROBATCH in d for d in r.src.dims)
+        if src != tuple(MICROBATCH in d for d in r.dst.dims):
+            raise PartitioningError(f"the plan moves {prog.name(r.value)} across microbatches ({r.src} -> {r.dst}) "
+                                    "inside the pipelined layers; the pipeline cannot run it")

@@ -1,0 +1,116 @@
+"""A pipelined layer scan as each device runs it inside the `shard_map` lowering.
+
+Device s along the stage axis holds the layers [s*L/S, (s+1)*L/S) of a layer scan (its
+stacked inputs' blocks). The scan runs as M + S - 1 ticks of one loop (GPipe): at tick
+t the device at position p along the flow (p = s forward, S-1-s for the backward scan,
+which runs the layers in reverse) runs its layers on microbatch t - p when there is
+one, then sends the carry it made (an activation forward, its gradient backward) to
+the next position with one `ppermute`; the first position takes a fresh microbatch of
+the scan's initial carry instead. A tick without a microbatch (the bubble) computes on
+what it holds and writes nothing. Each per-layer output is kept as the microbatch's
+block of its split dim, summed over microbatches, or kept once (`partir.ScanLayout`);
+the last position's final carries are sent to every stage (one all-reduce over the
+stage axis of the carry, zeros elsewhere), whole along it as the plan keeps them.
+
+The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
+an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
+completed by the accumulation here, not by a collective.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import PartitioningError
+from .._nested import split_operands
+from .._pipeline import SAME, SPLIT, SUM
+from .._tiling import Tiling
+from ._boundaries import cross
+from ._spmd import move
+
+
+def _micro(a, dim, m, count: int):
+    """Microbatch `m` (traced) of block `a`, cut along `dim` into `count` (all when None)."""
+    if dim is None:
+        return a
+    n = a.shape[dim] // count
+    return jax.lax.dynamic_slice_in_dim(a, m * n, n, dim)
+
+
+def _keep(buf, y, kind: str, dim, m, valid):
+    """`buf` with output `y` of microbatch `m` kept as `kind` says, where `valid`."""
+    if kind == SUM:
+        return buf + jnp.where(valid, y, jnp.zeros_like(y))
+    if kind == SPLIT:
+        y = jax.lax.dynamic_update_slice_in_dim(buf, y, m * y.shape[dim], dim)
+    return jnp.where(valid, y, buf)
+
+
+def _block(interp, v: int, layers: int = 0, axis: str | None = None):
+    """Zeros shaped as one device's block of value `v` at rest or, given `layers` and the
+    stage `axis`, of `v` stacked on a leading layer dim split over it."""
+    if v < 0:
+        raise PartitioningError("a pipelined scan's body gives a literal as a result; it cannot be pipelined")
+    val, rest = interp.prog.values[v], interp.rest(v)
+    if axis is None:
+        return jnp.zeros(rest.shard_shape(val.shape, interp.mesh), val.dtype)
+    t = Tiling(((axis,),) + rest.dims)
+    return jnp.zeros(t.shard_shape((layers,) + tuple(val.shape), interp.mesh), val.dtype)
+
+
+def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whole) -> list:
+    """The results (blocks at rest) of the pipelined scan `eqn` (see the module docstring);
+    `inner` is the interpreter of the microbatched partitioning."""
+    prog, call = interp.prog, layout.call
+    body = prog.regions[call.body]
+    operands = [move(whole[k], Tiling.replicated(jnp.ndim(whole[k])), interp.rest(v), interp.move_mesh)
+                if k in whole else a for k, (a, v) in enumerate(zip(operands, ins))]
+    g, w, x = split_operands(eqn, ins), split_operands(eqn, list(body.invars)), split_operands(eqn, operands)
+    d = split_operands(eqn, list(layout.in_dims))
+    for v in g.xs:
+        if v >= 0 and interp.rest(v).dims[0] != (pipe.axis,):
+            raise PartitioningError(f"{prog.name(v)} is laid out {interp.rest(v)}: a pipelined scan's stacked "
+                                    f"inputs are split along their layer dim over {pipe.axis!r} alone")
+    consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
+    carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)]
+    # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
+    xs = [move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v in zip(x.xs, g.xs, w.xs)]
+    nk, M = len(carry), pipe.microbatches
+    S, forward = interp.mesh.size(pipe.axis), not call.reverse
+    stage = jax.lax.axis_index(pipe.axis)
+    pos = stage if forward else S - 1 - stage
+    first, last = pos == 0, pos == S - 1
+    step = 1 if forward else -1
+    perm = [(i, i + step) for i in range(S) if 0 <= i + step < S]
+    kinds, dims = layout.out_kinds, layout.out_dims
+
+    def layer(c, xl, consts_m):
+        outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))
+        return tuple(outs[:nk]), tuple(outs[nk:])
+
+    def tick(state, t):
+        recv, kept, ys_kept = state
+        m = t - pos
+        valid = (m >= 0) & (m < M)
+        mc = jnp.clip(m, 0, M - 1)
+        c_in = tuple(jnp.where(first, _micro(a, k, mc, M), r) for a, k, r in zip(carry, d.carry, recv))
+        consts_m = [_micro(a, k, mc, M) for a, k in zip(consts, d.consts)]
+        xs_m = tuple(_micro(a, None if k is None else k + 1, mc, M) for a, k in zip(xs, d.xs))
+        c_out, ys = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m), c_in, xs_m, reverse=not forward)
+        kept = tuple(_keep(b, c, kinds[i], dims[i], mc, valid & last) for i, (b, c) in enumerate(zip(kept, c_out)))
+        ys_kept = tuple(_keep(b, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid)
+                        for i, (b, y) in enumerate(zip(ys_kept, ys)))
+        recv = tuple(jax.lax.ppermute(c, pipe.axis, perm) for c in c_out)
+        return (recv, kept, ys_kept), None
+
+    recv = tuple(jnp.zeros_like(_micro(a, k, 0, M)) for a, k in zip(carry, d.carry))
+    kept = tuple(_block(interp, v) for v in body.outvars[:nk])
+    ys_kept = tuple(_block(interp, v, call.length, pipe.axis) for v in body.outvars[nk:])
+    (_, kept, ys_kept), _ = jax.lax.scan(tick, (recv, kept, ys_kept), jnp.arange(M + S - 1))
+    finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
+                   interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:nk])]
+    stacked = [move(y, Tiling(((pipe.axis,),) + interp.rest(v).dims, layout.left_partial(v), "sum"), interp.rest(r),
+                    interp.move_mesh) if r >= 0 else y for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:])]
+    return finals + stacked

@@ -1,0 +1,199 @@
+"""What a pipeline (`partir.Pipelining`) adds to a step, as the shard_map lowering runs it
+(`partir/lowering/_shardmap_pipeline.py`, docs/pipeline.md).
+
+Per pass (the forward scan, then the backward one), the stage program is one loop of
+M + S - 1 ticks; each tick sends every carry of one microbatch to the next stage (one
+collective-permute over the stage axis per carry, in the loop), and after the loop the
+last stage's final carries reach every stage (one all-reduce over the stage axis per
+carry). The bubble is the share of ticks a stage has no microbatch: (S-1)/(M+S-1).
+Each device keeps its stage's share of the stacked values (parameters, gradients,
+optimizer state: `stage_bytes`) and, under GPipe, the residuals of all M microbatches
+of its layers from the forward pass to the backward (`in_flight_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+import partir
+from partir import Kind, Tiling
+
+from ._comm import CollectiveCost, LinkModel
+from ._device import DEFAULT_DEVICE, get_device, link_levels
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """A pipeline's terms (see the module docstring): the stage count, microbatches and
+    schedule; the bubble fraction; the tick loop's trips per pass; the collectives it
+    adds (a permute's `count` is its trips per step); the bytes one microbatch's carries
+    take across one stage boundary per pass (`p2p_bytes`); per device, the stage's
+    stacked inputs (`stage_bytes`) and the residuals in flight between the passes."""
+
+    axis: str
+    stages: int
+    microbatches: int
+    schedule: str
+    bubble: float
+    ticks: int
+    collectives: tuple[CollectiveCost, ...]
+    p2p_bytes: tuple[float, ...]
+    stage_bytes: float
+    in_flight_bytes: float
+
+    @property
+    def p2p_time(self) -> float:
+        """Seconds of point-to-point sends per step (not overlapped: a tick sends what it
+        made, and the next tick reads it)."""
+        return sum(c.time * c.count for c in self.collectives if c.kind == Kind.COLLECTIVE_PERMUTE)
+
+
+def _block_bytes(prog, v: int, t: Tiling, mesh, shape=None) -> float:
+    val = prog.values[v]
+    shape = val.shape if shape is None else shape
+    return float(math.prod(t.shard_shape(tuple(shape), mesh))) * np.dtype(val.dtype).itemsize
+
+
+def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | None = None) -> PipelineCost:
+    """The terms of pipelining `pipe` (a `partir.Pipelining` of `part`) on `device`."""
+    prog, mesh = part.program, part.mesh
+    dev = get_device(device)
+    link = LinkModel(mesh, dev, link_levels(mesh.axes, dev, links))
+    stages, m = mesh.size(pipe.axis), pipe.microbatches
+    ticks = m + stages - 1
+    ext, layouts = partir.microbatched(part, pipe)
+    cols, p2p = [], []
+    for layout in layouts:
+        call = layout.call
+        body = prog.regions[call.body]
+        nk = len(call.carry)
+        carries = body.invars[len(call.consts):len(call.consts) + nk]
+        sent = [_block_bytes(prog, w, ext.tiling(w), ext.mesh) for w in carries]
+        p2p.append(sum(sent))
+        axes = (pipe.axis,)
+        # Each is charged at the link op carrying the carry into the body.
+        for w, out, nbytes in zip(carries, body.outvars[:nk], sent):
+            cols.append(CollectiveCost(Kind.COLLECTIVE_PERMUTE, axes, nbytes,
+                                       link.time(Kind.COLLECTIVE_PERMUTE, axes, nbytes), prog.producer[w], w,
+                                       float(ticks)))
+            whole = _block_bytes(prog, out, part.tiling(out), mesh)
+            cols.append(CollectiveCost(Kind.ALL_REDUCE, axes, whole, link.time(Kind.ALL_REDUCE, axes, whole),
+                                       prog.producer[w], out))
+    stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in prog.inputs
+                if prog.values[v].rank and part.tiling(v).dims[0][:1] == (pipe.axis,))
+    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0)
+    return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
+                        stage, kept)
+
+
+def _without(t: Tiling, axes) -> Tiling:
+    """`t` with mesh `axes` taken off its dims and partial axes."""
+    return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims),
+                  tuple(a for a in t.partial if a not in axes), t.reduce_kind)
+
+
+class PipelinePricing:
+    """How `CostModel` prices the ops of pipelined layers (`part.pipelines`): on the
+    microbatched partitioning (`partir.microbatched`), as the shard_map lowering runs
+    them. An op's work is divided over the microbatch axis too (a microbatch's share),
+    and it runs (L/S)·(M+S-1) times a step instead of L (`scale`: its stage's layers in
+    every tick, bubble included); its moves are the plan's on a microbatch's blocks, the
+    microbatch axis left out (a sum over it is the accumulation), less the reductions
+    left for after the loop; the stacked values are read where their stage holds them
+    (no gather along the layer dim). The pipeline's own collectives are `pipeline_cost`'s
+    plus, per deferred sum, one reduction after the loop."""
+
+    def __init__(self, part, links: LinkModel, device):
+        self.part, self.links = part, links
+        self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
+        prog = part.program
+        for pipe in part.pipelines:
+            ext, layouts = partir.microbatched(part, pipe)
+            stages, m = part.mesh.size(pipe.axis), pipe.microbatches
+            for lay in layouts:
+                inside = set(partir.body_regions(prog, lay.call.body))
+                for op in prog.ops:
+                    if op.region in inside:
+                        self.scale[op.id] = (m + stages - 1) / stages
+                        self.layouts[op.id] = (ext, lay, pipe)
+            self.stacked.update((v, pipe.axis) for v in pipe.stacked())
+            for v in pipe.stacked():  # the links reading and making the stacked values, once a step
+                for o in prog.value_ops[v]:
+                    if prog.ops[o].link:
+                        self.scale[o] = 1.0
+                        self.layouts[o] = (part, None, pipe)
+            self.costs.append((pipe, ext, layouts, pipeline_cost(part, pipe, device)))
+
+    def value_div(self, n: int):
+        """Per value of the program, how many microbatches its block is cut into at once:
+        M for a value of a pipelined layer split along the microbatch axis, else 1."""
+        out = np.ones(n)
+        prog = self.part.program
+        for pipe, ext, layouts, _ in self.costs:
+            inside = {r for lay in layouts for r in partir.body_regions(prog, lay.call.body)}
+            for v, val in enumerate(prog.values):
+                if val.region in inside and partir.MICROBATCH in ext.tiling(v).axes():
+                    out[v] = pipe.microbatches
+        return out
+
+    @property
+    def ops(self) -> frozenset:
+        """The ops inside pipelined layers."""
+        return frozenset(self.scale)
+
+    def price(self, model, o: int):
+        """`CostModel._price` of op `o` inside pipelined layers (see the class docstring)."""
+        ext, lay, pipe = self.layouts[o]
+        prog, mesh, real = self.part.program, ext.mesh, self.part.mesh
+        # A stacked value's link moves the stage's block, whole along the layers it holds.
+        micro = (partir.MICROBATCH,) if lay is not None else (pipe.axis,)
+        layout = ext.op_layout(o)
+        div = mesh.devices_along(a for axes in ext.factor_tiling(o) for a in axes)
+        moved = sum(float(model._nbytes[v]) / mesh.devices_along(a for d in dims for a in d)
+                    for _, _, v, dims in layout[0] if not model._virtual[v])
+        slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
+        out = []
+        for r in ext.layout_reshards(o, layout):
+            if r.value in model._free and not r.src.partial:
+                continue
+            off = micro + ((self.stacked[r.value],) if r.value in self.stacked else ())
+            off += lay.left_partial(r.value) if r.side == "result" and lay is not None else ()
+            src, dst = _without(r.src, off), _without(r.dst, off)
+            if src == dst:
+                continue
+            val = prog.values[r.value]
+            full = float(model._nbytes[r.value]) / mesh.devices_along(
+                a for d in ext.tiling(r.value).dims for a in d if a in micro)
+            item = float(model._nbytes[r.value]) / max(1, math.prod(val.shape))
+            grad = bool(src.partial) and model._backward[o] and not model._feeds_backward[r.value]
+            cols = tuple(CollectiveCost(kind, axes, nbytes, t, o, r.value, float(model._mult[o]), bool(grad),
+                                        nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
+                         for kind, axes, nbytes, t in self.links.reshard(src, dst, full, real))
+            shards = real.devices_along
+            buf = full / shards(a for d in dst.dims for a in d) if r.side == "operand" else max(
+                0.0, full / shards(a for d in src.dims for a in d) - full / shards(a for d in dst.dims for a in d))
+            out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
+                        cols, buf))
+        return div, moved, tuple(out), 1.0
+
+    def collectives(self, model) -> list:
+        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
+        sums' reductions after the loop."""
+        prog, out = self.part.program, []
+        for pipe, ext, layouts, cost in self.costs:
+            out += [(c.op, c.value, (c,)) for c in cost.collectives]
+            for lay in layouts:
+                body = prog.regions[lay.call.body]
+                for v in body.outvars[len(lay.call.carry):]:
+                    axes = lay.left_partial(v) if v >= 0 else ()
+                    if not axes:
+                        continue
+                    t = Tiling(((pipe.axis,),) + self.part.tiling(v).dims)
+                    nbytes = _block_bytes(prog, v, t, self.part.mesh, (lay.call.length,) + tuple(prog.values[v].shape))
+                    out.append((prog.producer[v], v, (CollectiveCost(
+                        Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
+                        prog.producer[v], v, 1.0, True),)))
+        return out

@@ -1,0 +1,72 @@
+"""Pipeline parallelism as a tactic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import partir
+
+from . import _checks as check
+from ._base import Context, Tactic, TacticError
+from ._data import batch_inputs
+
+@dataclass(frozen=True)
+class Pipeline(Tactic):
+    """Run the layers of a layer scan (`jax.lax.scan` over stacked layers) as contiguous
+    stages over mesh `axis`: with S devices along it, device s holds layers
+    [s*L/S, (s+1)*L/S) (their parameters, gradients and optimizer state: every stacked
+    value of the scan is split along its layer dim over `axis`). The batch is cut into
+    `microbatches` that stream through the stages (`schedule` "gpipe": all forwards,
+    then all backwards); activations go forward and their gradients back between
+    neighbouring stages, and the gradients are summed over microbatches, so the step
+    computes what the unpipelined one does. What is outside the layer stack (embedding,
+    head, loss) runs as the rest of the plan places it, whole along `axis`.
+    """
+
+    axis: str
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    batch_argnums: tuple[int, ...] | int | None = None
+
+    def __post_init__(self):
+        check.text("Pipeline axis", self.axis, example="axis='stage'", error=TacticError)
+        check.number("Pipeline microbatches", self.microbatches, integer=True, example="microbatches=4",
+                     error=TacticError)
+        check.one_of("Pipeline schedule", self.schedule, partir.PIPELINE_SCHEDULES, error=TacticError)
+
+    def apply(self, part, ctx: Context):
+        prog = part.program
+        stages = part.mesh.size(self.axis)
+        if part.rematerialized or part.reused:
+            raise TacticError("the layers are rematerialized (Remat): a pipeline cannot run them yet; "
+                              "leave one of the two out")
+        scans = partir.layer_scans(prog)
+        if not scans:
+            raise TacticError("found no layer scan to pipeline (a jax.lax.scan over stacked layers' parameters): "
+                              "write the layers as a scan, or leave Pipeline out")
+        scan = scans[0]
+        length = scan.forward.length
+        if length % stages:
+            raise TacticError(f"axis {self.axis!r} ({stages} stages) does not divide the {length} layers of the "
+                              "layer scan: pick an axis whose size divides the layer count")
+        found, _ = batch_inputs(part, self.batch_argnums)
+        for v in found:
+            blocks = part.mesh.devices_along(part.tiling(v).dims[0]) * self.microbatches
+            if prog.values[v].shape[0] % blocks:
+                raise TacticError(f"{self.microbatches} microbatches of the {part.tiling(v).dims[0] or 'whole'} "
+                                  f"blocks of {prog.name(v)} (batch {prog.values[v].shape[0]}) are not whole: "
+                                  "pick microbatches that divide each device's batch")
+        pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule)
+        mark = part.mark()
+        try:
+            for v in pipe.stacked():
+                part.tile(v, 0, self.axis, source=str(self))
+            part.pipeline(pipe)
+            partir.microbatched(part, pipe)  # what the lowering will run: refused now if it cannot
+        except partir.PartitioningError as e:
+            part.rollback(mark)
+            raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
+        per = length // stages
+        return part, [f"{length} layers in {stages} stages of {per} over {self.axis!r}, "
+                      f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
+                      f"{(stages - 1) / (self.microbatches + stages - 1):.0%}"]

@@ -1,0 +1,339 @@
+"""Pipeline parallelism: the layers of a layer scan as stages over a mesh axis, the
+batch in microbatches. A pipelined plan computes what plain `jax.jit` computes (loss,
+updated parameters and Adam moments, i.e. the gradients), composed with data
+parallelism on the other axis; plans the pipeline cannot run are refused with the
+reason before anything is lowered."""
+
+import collections
+import io
+import json
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import automap
+import partir
+import search
+import tactics as T
+from examples import gpt, llama
+from partir import MeshSpec, PartitioningError
+from automap._explain import explain_saved
+from rich.console import Console
+
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+#: A GPT small enough to compile quickly, deep enough for 4 stages.
+TINY = gpt.GPTConfig(n_layers=4, d_model=16, n_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16, scan_layers=True,
+                     adam_eps=EPS)
+
+
+#: The Llama example as small, in scan form.
+TINY_LLAMA = llama.LlamaConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8,
+                               batch=16, scan_layers=True, adam_eps=EPS)
+
+
+@functools.cache
+def _gpt(config=TINY):
+    step, args = (llama if isinstance(config, llama.LlamaConfig) else gpt).make_train_step(config)
+    return step, args, partir.lift(step, *args)
+
+
+def _mesh(stages: int) -> MeshSpec:
+    return MeshSpec.of(data=8 // stages, stage=stages)
+
+
+def _plan(stages: int, microbatches: int, config=TINY, others=None, mesh=None):
+    """`others` (default: DataParallel over 'data'), then a Pipeline over 'stage'."""
+    _, _, prog = _gpt(config)
+    others = [T.DataParallel("data")] if others is None else others
+    schedule = others + [T.Pipeline("stage", microbatches=microbatches)]
+    return T.apply_schedule(prog, mesh or _mesh(stages), schedule).partitioning
+
+
+def _same_step(part, config=TINY):
+    """One step of the shard_map lowering of `part` and of `jax.jit(step)` agree on every
+    output (parameters, optimizer state, loss)."""
+    step, args, prog = _gpt(config)
+    ours = partir.lower(part, backend="shard_map")(*args)
+    theirs = jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 4)])
+def test_pipelined_gpt_computes_what_jit_computes(stages, microbatches):
+    _same_step(_plan(stages, microbatches))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 2), (4, 8), (4, 1)])
+def test_pipelined_gpt_computes_what_jit_computes_more(stages, microbatches):
+    _same_step(_plan(stages, microbatches))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8)])
+def test_pipelined_llama_computes_what_jit_computes(stages, microbatches):
+    _same_step(_plan(stages, microbatches, TINY_LLAMA), TINY_LLAMA)
+
+
+#: Pipelines composed with other tactics on the other axes: (config, tactics, mesh).
+COMPOSED = {
+    "llama-dp-megatron": (TINY_LLAMA, [T.DataParallel("data"), T.Megatron("model")], MeshSpec.of(data=2, model=2, stage=2)),
+    "llama-megatron": (TINY_LLAMA, [T.Megatron("data")], _mesh(4)),
+    "gpt-fsdp": (TINY, [T.FSDP("data")], _mesh(4)),
+    "gpt-user-remat": (dataclasses.replace(TINY, remat=True), None, _mesh(4)),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "llama-dp-megatron" else pytest.mark.slow)
+                                  for c in COMPOSED])
+def test_pipelines_compose_with_other_tactics(case):
+    config, others, mesh = COMPOSED[case]
+    _same_step(_plan(mesh.size("stage"), 2, config, others, mesh), config)
+
+
+def test_each_stage_holds_its_layers_parameters_and_optimizer_state():
+    part = _plan(4, 2)
+    prog = part.program
+    for v in prog.inputs + prog.outputs:
+        name = prog.name(v)
+        if "['layers']" in name:
+            assert part.tiling(v).dims[0] == ("stage",), name
+
+
+def test_a_stage_count_that_does_not_divide_the_layers_is_refused():
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="does not divide the 4 layers"):
+        T.apply_schedule(prog, MeshSpec.of(data=1, stage=8), [T.Pipeline("stage", microbatches=1)])
+
+
+def test_microbatches_that_do_not_divide_a_devices_batch_are_refused():
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="microbatches"):
+        T.apply_schedule(prog, _mesh(2), [T.DataParallel("data"), T.Pipeline("stage", microbatches=8)])
+
+
+def test_an_unknown_schedule_is_refused_listing_the_known_ones():
+    with pytest.raises(T.TacticError, match="gpipe"):
+        T.Pipeline("stage", microbatches=2, schedule="zigzag")
+
+
+def test_a_program_without_a_layer_scan_is_refused():
+    config = dataclasses.replace(TINY, scan_layers=False)
+    _, _, prog = _gpt(config)
+    with pytest.raises(T.TacticError, match="no layer scan"):
+        T.apply_schedule(prog, _mesh(2), [T.Pipeline("stage", microbatches=2)])
+
+
+def test_a_plan_splitting_the_layers_work_over_the_stage_axis_is_refused():
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="cannot pipeline the layer scan"):
+        T.apply_schedule(prog, _mesh(2), [T.DataParallel("stage"), T.Pipeline("stage", microbatches=2)])
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ("dp", "llama-dp-megatron") else pytest.mark.slow)
+                                  for c in ["dp", *COMPOSED]])
+def test_the_jit_lowering_computes_what_jit_computes_with_the_modeled_collectives(case):
+    """Under the jit lowering the pipelined scans run as shard_map regions: the step
+    equals plain jax.jit's and XLA's collectives are exactly the modeled ones."""
+    config, others, mesh = COMPOSED.get(case, (TINY, None, _mesh(4)))
+    part = _plan(mesh.size("stage"), 4 if case == "dp" else 2, config, others, mesh)
+    step, args, prog = _gpt(config)
+    lowered = partir.lower(part)
+    ours, theirs = lowered(*args), jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+    text = lowered.lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert compiled == modeled
+
+
+@pytest.mark.parametrize("first,then", [("remat", "pipeline"), ("pipeline", "remat")])
+def test_remat_and_a_pipeline_are_refused_together(first, then):
+    """The stages do not rematerialize yet: whichever comes second is refused."""
+    made = {"remat": T.Remat("full"), "pipeline": T.Pipeline("stage", microbatches=2)}
+    _, _, prog = _gpt()
+    with pytest.raises(T.TacticError, match="leave one of the two out"):
+        T.apply_schedule(prog, _mesh(2), [T.DataParallel("data"), made[first], made[then]])
+
+
+def test_a_tactic_leaving_a_pipeline_no_whole_microbatches_is_refused():
+    _, _, prog = _gpt()
+    schedule = [T.DataParallel("data"), T.Pipeline("stage", microbatches=4), T.DataParallel("stage")]
+    with pytest.raises(T.TacticError, match="DataParallel\\('stage'\\).*microbatch"):
+        T.apply_schedule(prog, _mesh(4), schedule)
+
+
+# -- the search ------------------------------------------------------------------------
+#: Deep and wide for its batch, its stage axis across nodes (the mesh's major axis on
+#: H100s): data parallelism over it all-reduces every gradient over the slow links.
+DEEP = gpt.GPTConfig(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, vocab=1024, seq_len=512, batch=64,
+                     scan_layers=True)
+
+
+@pytest.mark.parametrize("memory_limit,pipelined", [(16e9, True), (80e9, False)])
+def test_the_search_pipelines_where_the_model_says_it_wins(memory_limit, pipelined):
+    """With 16 GB, data parallelism over the stage axis does not fit (19.5 GB) and FSDP
+    or Megatron over the slow links cost 4x the pipeline's step: the search pipelines.
+    With 80 GB, data parallelism is faster than the pipeline's bubble: it does not."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    prog = partir.lift(step, *args)
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(8,), memory_limit=memory_limit, max_episodes=30,
+                                     device="h100")
+    part = T.apply_schedule(prog, MeshSpec.of(stage=4, data=8), [T.DataParallel("data"), auto]).partitioning
+    assert bool(part.pipelines) == pipelined
+
+
+# -- the cost model ------------------------------------------------------------------------
+@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 4)])
+def test_modeled_stage_collectives_are_the_compiled_ones(stages, microbatches):
+    """Collectives over the stage axis in the compiled program, per (kind, axes, bytes)
+    and counted once per loop body as HLO holds them, equal the modeled ones."""
+    part = _plan(stages, microbatches)
+    _, args, prog = _gpt()
+    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
+    assert modeled == collections.Counter({k: n for k, n in compiled.items() if k[1] == ("stage",)})
+    assert cost.bubble == (stages - 1) / (microbatches + stages - 1)
+    batch, seq, width = TINY.batch // (8 // stages) // microbatches, TINY.seq_len, TINY.d_model
+    assert cost.p2p_bytes == (batch * seq * width * 4,) * 2  # one f32 activation (cotangent) per boundary
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ("dp", "llama-dp-megatron") else pytest.mark.slow)
+                                  for c in ["dp", *COMPOSED]])
+def test_compiled_collectives_are_exactly_the_modeled_ones(case):
+    """Every collective of the compiled pipelined program, per (kind, axes, bytes),
+    counted once per loop body as HLO holds them, is one the cost model lists: the
+    stage permutes, the layers' moves on microbatches, the deferred reductions."""
+    config, others, mesh = COMPOSED.get(case, (TINY, None, _mesh(4)))
+    part = _plan(mesh.size("stage"), 4 if case == "dp" else 2, config, others, mesh)
+    _, args, prog = _gpt(config)
+    free = search.materialization(prog).from_scalars
+    text = partir.lower(part, backend="shard_map", free=free).lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert compiled and compiled == modeled
+
+
+def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():
+    """The microbatches' weight gradients are summed on each device first, then
+    all-reduced over the data axis once, outside the tick loops (not once per
+    microbatch, layer and tick)."""
+    part = _plan(4, 4)
+    _, args, _ = _gpt()
+    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
+    data = [c for c in partir.collectives(text, part.mesh.jax_mesh()) if c.axes == ("data",)]
+    assert data and not [c for c in data if c.in_loop]
+
+
+def test_each_stage_stores_its_share_of_the_layer_stack():
+    """Per device, the stage keeps 1/S of the layers' parameters and Adam moments."""
+    part = _plan(4, 2)
+    prog = part.program
+    layers = sum(prog.values[v].nbytes for v in prog.inputs if "['layers']" in prog.name(v))
+    assert search.pipeline_cost(part, part.pipelines[0], "cpu").stage_bytes == layers / 4
+
+
+def test_the_compiled_stage_holds_the_modeled_share_of_the_layer_stack():
+    """XLA's per-device arguments: the modeled stage bytes of the layer stack plus the
+    blocks of every other input."""
+    part = _plan(4, 2)
+    _, args, prog = _gpt()
+    compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    rest = sum(float(np.prod(part.tiling(v).shard_shape(prog.values[v].shape, part.mesh))) * prog.values[v].nbytes
+               / max(1, int(np.prod(prog.values[v].shape))) for v in prog.inputs if "['layers']" not in prog.name(v))
+    assert compiled.memory_analysis().argument_size_in_bytes == cost.stage_bytes + rest
+
+
+def test_the_plan_explains_its_stages_schedule_and_bubble():
+    step, args, _ = _gpt()
+    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+    out = Console(file=io.StringIO(), width=250)
+    plan.explain(out)
+    text = out.file.getvalue()
+    assert "schedule gpipe, 4 microbatches, modeled bubble 43%;" in text
+    assert "│     3 │ 3..3   │ 3, 7" in text  # the last stage: layer 3 on the devices at stage index 3
+
+
+def test_a_pipeline_is_undone_and_replayed_with_the_actions_around_it():
+    """What the search relies on: rollback takes the pipeline back, a delta replays it."""
+    _, _, prog = _gpt()
+    part = T.apply_schedule(prog, _mesh(2), [T.DataParallel("data")]).partitioning
+    before, mark = part.key(), part.mark()
+    T.Pipeline("stage", microbatches=2).apply(part, T.Context())
+    delta, after = part.delta(mark, before), part.key()
+    part.rollback(mark)
+    assert not part.pipelines and part.key() == before
+    part.replay(delta)
+    assert len(part.pipelines) == 1 and part.key() == after
+
+
+def test_a_cost_model_follows_a_pipeline_added_after_it_was_made():
+    _, _, prog = _gpt()
+    part = T.apply_schedule(prog, _mesh(4), [T.DataParallel("data")]).partitioning
+    model = search.CostModel(part, "cpu")
+    model.cost()
+    T.Pipeline("stage", microbatches=4).apply(part, T.Context())
+    fresh = search.CostModel(part.copy(), "cpu").cost()
+    assert model.cost().collectives == fresh.collectives and model.cost().step_time == fresh.step_time
+
+
+def test_a_forward_pass_alone_is_pipelined():
+    """A program without a backward pass (evaluation): only the forward scan runs as
+    stages."""
+    params, batch = gpt.init(TINY, jax.random.PRNGKey(0))
+    fn = functools.partial(gpt.loss_fn, config=TINY)
+    prog = partir.lift(fn, params, batch)
+    schedule = [T.DataParallel("data", batch_argnums=1), T.Pipeline("stage", microbatches=2, batch_argnums=1)]
+    part = T.apply_schedule(prog, _mesh(4), schedule).partitioning
+    assert part.pipelines[0].scans.backward is None
+    np.testing.assert_allclose(np.asarray(partir.lower(part, backend="shard_map")(params, batch)),
+                               np.asarray(jax.jit(fn)(params, batch)), rtol=2e-5)
+
+
+def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
+    """A pipelined layer's temporaries hold one microbatch: the modeled peak falls with
+    M as the compiled program's does (the layers' values dominate a longer sequence)."""
+    config = dataclasses.replace(TINY, seq_len=32, d_ff=64)
+    _, args, prog = _gpt(config)
+    peaks = []
+    for m in (1, 4):
+        part = _plan(4, m, config)
+        ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
+        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+        peaks.append((search.CostModel(part, "cpu").cost().memory_peak, xla))
+    (model_1, xla_1), (model_4, xla_4) = peaks
+    assert xla_4 < xla_1 and model_4 < model_1  # (the model's drop is half XLA's: tick-loop buffers aside)
+
+
+def test_a_saved_pipelined_plan_loads_and_runs_as_it_was_made(tmp_path):
+    step, args, prog = _gpt()
+    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+    plan.save(tmp_path / "plan.json")
+    loaded = automap.load_plan(tmp_path / "plan.json").bind(step, *args)
+    assert loaded.partitioning.pipelines == plan.partitioning.pipelines
+    assert loaded.partitioning.key() == plan.partitioning.key()
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
+    ours, theirs = loaded.jit()(*args), jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_a_saved_plan_file_shows_its_pipeline(tmp_path):
+    step, args, _ = _gpt()
+    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+    plan.save(tmp_path / "plan.json")
+    out = Console(file=io.StringIO(), width=250)
+    explain_saved(json.loads((tmp_path / "plan.json").read_text()), out)
+    assert "in stages over 'stage', 4 microbatches, schedule gpipe" in out.file.getvalue()
