@@ -9,12 +9,13 @@ from ._data import DataParallel
 from ._expert import ExpertParallel
 from ._manual import Replicate, Shard, Specs
 from ._megatron import Megatron
+from ._pipeline import Pipeline
 from ._remat import Remat
 from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
 #: Every tactic class, in the order a schedule usually lists them.
-TACTICS = (Shard, Replicate, Specs, DataParallel, FSDP, ZeRO, Megatron, SequenceParallel, ExpertParallel, Remat)
+TACTICS = (Shard, Replicate, Specs, DataParallel, FSDP, ZeRO, Megatron, SequenceParallel, ExpertParallel, Pipeline, Remat)
 
 #: Schedule words (`WORD:AXIS` in `automap search --schedule`) -> the tactic they make on
 #: one mesh axis.
