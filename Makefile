@@ -39,6 +39,7 @@ bench: $(STAMP)
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py
+	$(PY) benchmarks/pipeline_scale.py
 
 # Published training runs: modeled vs measured MFU, and the searched plan (benchmarks/published/).
 bench-published: $(STAMP)

@@ -5,7 +5,8 @@ parallel on `model`, GPipe stages on `stage`) at a few microbatch counts, and th
 schedules without a pipeline that the same mesh allows (FSDP over the data and stage
 axes, or data parallel with FSDP on `stage`, each with tensor parallelism), each with
 its modeled step time, peak memory per device, whether it fits 80 GB, and the modeled
-bubble. No search: the search has no pipeline action yet (docs/pipeline.md).
+bubble. No search: these rows price the hand configurations (the search's pipeline
+action is opt-in, `AutomaticPartition(pipelines=(M, ...))`; docs/pipeline.md).
 
 Run: `python benchmarks/pipeline_scale.py [--rows 70b-64 ...]`. Abstract
 shapes only.
