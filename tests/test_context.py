@@ -57,6 +57,80 @@ def test_a_program_without_attention_has_none():
     assert not partir.kernel_region(prog).score.any()
 
 
+# -- the tactic ------------------------------------------------------------------------------
+def _check(model, mesh, schedule, backend="jit", **changes):
+    step, args = _step(model, **changes)
+    prog = partir.lift(step, *args)
+    res = tactics.apply_schedule(prog, mesh, schedule)
+    part = res.partitioning
+    cp = next(t.axis for t in schedule if isinstance(t, tactics.ContextParallel))
+    for a in partir.attentions(prog):
+        # Each device holds its block of queries' scores against every key.
+        scores = part.tiling(a.scores).dims
+        assert cp in scores[a.score_query_dim] and cp not in scores[a.score_key_dim]
+        assert cp not in part.tiling(a.key).axes() and cp not in part.tiling(a.value).axes()
+    partir.check_equivalence(step, args, part, rtol=RTOL, atol=ATOL, backend=backend)
+    return res
+
+
+FAST = [
+    # model, causal, mesh, schedule, lowering
+    ("gpt", True, MeshSpec.of(data=4, cp=2), [tactics.DataParallel("data"), tactics.ContextParallel("cp")], "jit"),
+    ("llama", False, MeshSpec.of(model=2, cp=4), [tactics.Megatron("model"), tactics.ContextParallel("cp")], "jit"),
+    ("llama", True, MeshSpec.of(fsdp=2, cp=4), [tactics.FSDP("fsdp"), tactics.ContextParallel("cp")], "jit"),
+    ("gpt", False, MeshSpec.of(cp=8), [tactics.ContextParallel("cp")], "jit"),
+    ("gpt", True, MeshSpec.of(model=2, cp=4), [tactics.ContextParallel("cp"), tactics.Megatron("model")], "shard_map"),
+    ("llama", True, MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), tactics.ContextParallel("cp")],
+     "shard_map"),
+]
+
+
+@pytest.mark.parametrize("model,causal,mesh,schedule,backend", FAST,
+                         ids=[f"{m}-{'causal' if c else 'full'}-{'+'.join(map(str, s))}-{b}" for m, c, _, s, b in FAST])
+def test_context_parallel_plan_matches_jit(model, causal, mesh, schedule, backend):
+    _check(model, mesh, schedule, backend, causal=causal)
+
+
+SLOW = [(model, causal, cp, rest) for model in sorted(MODELS) for causal in (True, False) for cp in (2, 4, 8)
+        for rest in ("dp", "megatron", "fsdp") if 8 // cp > 1 or rest == "dp"]
+_OTHER = {"dp": tactics.DataParallel, "megatron": tactics.Megatron, "fsdp": tactics.FSDP}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,causal,cp,rest", SLOW)
+def test_context_parallel_matrix_matches_jit(model, causal, cp, rest):
+    other = 8 // cp
+    mesh = MeshSpec.of(other=other, cp=cp) if other > 1 else MeshSpec.of(cp=cp)
+    schedule = ([_OTHER[rest]("other")] if other > 1 else []) + [tactics.ContextParallel("cp")]
+    _check(model, mesh, schedule, causal=causal)
+    _check(model, mesh, schedule, "shard_map", causal=causal)
+
+
+def test_context_parallel_under_scan_matches_jit():
+    _check("llama", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), tactics.ContextParallel("cp")],
+           scan_layers=True)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def test_bad_settings_are_refused_when_given():
+    with pytest.raises(tactics.TacticError, match=r"strategy='rings' is not one of allgather"):
+        tactics.ContextParallel("cp", strategy="rings")
+    with pytest.raises(tactics.TacticError, match="ContextParallel axis"):
+        tactics.ContextParallel(3)
+
+
+def test_an_axis_that_does_not_divide_the_sequence_is_refused_before_any_work():
+    prog = _abstract("gpt", seq_len=12)
+    with pytest.raises(tactics.TacticError, match=r"8 devices of 'cp' do not divide the sequence of batch"):
+        tactics.apply_schedule(prog, MeshSpec.of(cp=8), [tactics.ContextParallel("cp")])
+
+
+def test_a_program_without_attention_is_refused():
+    step, args = mlp.make_train_step(abstract=True)
+    with pytest.raises(tactics.TacticError, match="found no self-attention"):
+        tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(cp=8), [tactics.ContextParallel("cp")])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_fused_kernel_cost_reads_the_same_mask(causal):
     # The cost model's fused kernel skips the masked tiles of a causal attention only:
