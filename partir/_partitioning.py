@@ -25,7 +25,7 @@ import gc
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
-from ._propagate import _BND, _FAC, _PIN, _REM, _REU, _VAL, Propagation, _fhash, _vhash
+from ._propagate import _BND, _FAC, _ORD, _PIN, _REM, _REU, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
@@ -60,6 +60,9 @@ class Partitioning(Propagation, Replay):
         # Values a user's `jax.checkpoint` recomputes that the backward reads from the
         # forward pass instead (`reuse`).
         self._reuse: set[int] = set()
+        # Per sequence (a class of `partir.dim_classes`), the token order it is laid out
+        # in (`reorder`): (mesh axis, balance).
+        self._orders: dict[int, tuple[str, str]] = {}
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -272,6 +275,8 @@ class Partitioning(Propagation, Replay):
             self.remat(v, source=d.source)
         elif d.action == "reuse":
             self.reuse(v, source=d.source)
+        elif d.action == "reorder":
+            self.reorder(v, d.dim, d.axis, d.order, source=d.source)
         else:
             self.pin(v, axes=d.axes, source=d.source)
 
@@ -313,6 +318,41 @@ class Partitioning(Propagation, Replay):
     def reused(self) -> frozenset:
         """The values of user checkpoints read from the forward pass, not recomputed."""
         return frozenset(self._reuse)
+
+    def reorder(self, value, dim: int, axis: str, order: str, *, source: str = "user") -> None:
+        """Lay out the sequence that `dim` of `value` runs along (its class of
+        `partir.dim_classes`) in the token `order` (`partir.BALANCES`) for a split over
+        `axis`: the lowerings permute the inputs and iotas along it and the outputs
+        back (`partir._order`), so the numbers stay the program's. A `PartitioningError`,
+        changing nothing, when an op does not commute with the permutation, the
+        sequence length does not fit the order, or the sequence already has another."""
+        from ._attention import dim_classes
+        from ._order import order_sites, token_order
+
+        prog = self.program
+        v = prog.resolve(value)
+        val = prog.values[v]
+        if not 0 <= dim < val.rank:
+            raise PartitioningError(f"cannot reorder {prog.name(v)}: dim {dim} is out of range for shape {val.shape}")
+        token_order(val.shape[dim], self.mesh.size(axis), order)  # a clear error for a length it does not fit
+        label = dim_classes(prog).label(v, dim)
+        order_sites(prog, label)
+        entry = (axis, order)
+        old = self._orders.get(label)
+        if old == entry:
+            return
+        if old is not None:
+            raise PartitioningError(f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence "
+                                    f"is already laid out {old[1]!r} over {old[0]!r}")
+        self._orders[label] = entry
+        self._log.append((_ORD, label))
+        self._hash ^= hash((_ORD, label, entry))
+        self._decide(Decision("reorder", v, dim, axis, source, order=order))
+
+    @property
+    def orders(self) -> dict[int, tuple[str, str]]:
+        """Per reordered sequence (a class of `partir.dim_classes`), (axis, balance)."""
+        return dict(self._orders)
 
     def _mark(self, kind: int, chosen: set, v: int, decision: Decision) -> None:
         """Add value `v` to the set `chosen` (undone as `kind` on rollback)."""
@@ -420,6 +460,8 @@ class Partitioning(Propagation, Replay):
             elif kind == _REU:
                 self._reuse.discard(entry[1])
                 h ^= hash((_REU, entry[1]))
+            elif kind == _ORD:
+                h ^= hash((_ORD, entry[1], self._orders.pop(entry[1])))
             else:
                 self._decisions.pop()
         self._hash = h if known is None else known
@@ -469,7 +511,7 @@ class Partitioning(Propagation, Replay):
         c._d, c._f = list(self._d), list(self._f)
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
-        c._remat, c._reuse = set(self._remat), set(self._reuse)
+        c._remat, c._reuse, c._orders = set(self._remat), set(self._reuse), dict(self._orders)
         c._log, c._marks, c._decisions = [], [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c

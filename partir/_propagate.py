@@ -178,7 +178,7 @@ class Propagation:
         dims[d] = w
 
 
-_VAL, _FAC, _PIN, _DEC, _BND, _REM, _REU = range(7)
+_VAL, _FAC, _PIN, _DEC, _BND, _REM, _REU, _ORD = range(8)
 
 
 def _vhash(v: int, dims: tuple) -> int:

@@ -28,16 +28,25 @@ class ContextParallel(Tactic):
     every device computes the scores of its block of queries against the whole sequence,
     and the backward pass reduce-scatters the keys' and values' gradients. A causal mask
     made of iotas follows the split as XLA partitions the iotas, so the numbers are the
-    unsplit program's; without load balancing the device holding the first block of a
-    causal sequence has the least unmasked work.
+    unsplit program's.
+
+    Split in contiguous blocks, a causal sequence gives the device holding its first
+    block the least unmasked work and the one holding the last the most. `balance`
+    lays the tokens out in another order first (`partir.BALANCES`: 'zigzag', each
+    device two chunks from opposite ends; 'striped', every n-th token): the inputs
+    along the sequence are permuted on the way in, the outputs back on the way out, and
+    the iotas along it (rotary positions, causal masks) hold the permuted positions, so
+    the numbers are still the unsplit program's (`Partitioning.reorder`).
     """
 
     axis: str
     strategy: str = "allgather"
+    balance: str | None = None
 
     def __post_init__(self):
         check.text("ContextParallel axis", self.axis, example="axis='context'", error=TacticError)
         check.one_of("ContextParallel strategy", self.strategy, STRATEGIES, error=TacticError)
+        check.one_of("ContextParallel balance", self.balance, (None, *partir.BALANCES), error=TacticError)
 
     def apply(self, part, ctx: Context):
         prog = part.program
@@ -48,6 +57,11 @@ class ContextParallel(Tactic):
         classes = partir.dim_classes(prog)
         sequence = {classes.label(a.key, a.key_dim) for a in found}
         inputs = _sequence_inputs(part, classes, sequence, self.axis)
+        if self.balance is not None:
+            if len(sequence) != 1:
+                raise TacticError(f"{self}: the attentions run along {len(sequence)} different sequences; a "
+                                  "balanced token order lays out one")
+            part.reorder(inputs[0][0], inputs[0][1], self.axis, self.balance, source=str(self))
         for a in found:
             for v in (a.key, a.value):
                 if self.axis in part.tiling(v).axes():
@@ -68,8 +82,11 @@ class ContextParallel(Tactic):
             raise TacticError(f"{self}: the queries of {names} are not split over {self.axis!r} after propagation "
                               "(an earlier tactic holds that axis on their path); apply ContextParallel first")
         masked = sum(a.masked for a in found)
-        return part, [f"attentions: {len(found)} ({masked} causal), keys and values gathered over {self.axis!r}",
-                      "sequence split on: " + ", ".join(f"{prog.name(v)} dim {d}" for v, d in inputs)]
+        notes = [f"attentions: {len(found)} ({masked} causal), keys and values gathered over {self.axis!r}",
+                 "sequence split on: " + ", ".join(f"{prog.name(v)} dim {d}" for v, d in inputs)]
+        if self.balance is not None:
+            notes.append(f"tokens laid out {self.balance!r}: inputs and iotas along the sequence permuted")
+        return part, notes
 
 
 def _sequence_inputs(part, classes, sequence: set, axis: str) -> list[tuple[int, int]]:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import partir
@@ -111,10 +114,104 @@ def test_context_parallel_under_scan_matches_jit():
            scan_layers=True)
 
 
+# -- balanced token orders --------------------------------------------------------------------
+def _causal_work(order, parts):
+    """Unmasked scores per device of a causal attention over `order`, split in blocks."""
+    return [int(np.sum(block + 1)) for block in np.split(np.asarray(order), parts)]
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_balanced_orders_even_out_the_causal_work(parts):
+    length = 64
+    plain = _causal_work(np.arange(length), parts)
+    zigzag = _causal_work(partir.token_order(length, parts, "zigzag"), parts)
+    striped = _causal_work(partir.token_order(length, parts, "striped"), parts)
+    assert (np.diff(plain) > 0).all() and max(plain) / min(plain) > parts  # the last block does the most
+    assert len(set(zigzag)) == 1  # every device the same work
+    # Device i's queries sit i positions after device 0's: one score more per query each.
+    assert np.diff(striped).tolist() == [length // parts] * (parts - 1)
+    for name in ("zigzag", "striped"):
+        assert sorted(partir.token_order(length, parts, name)) == list(range(length))
+
+
+BALANCED = [
+    # model, balance, mesh, schedule head, lowering, config changes
+    ("gpt", "zigzag", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "jit", {}),
+    ("llama", "striped", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "shard_map", {}),
+    ("llama", "zigzag", MeshSpec.of(model=2, cp=4), [tactics.Megatron("model")], "jit", {"scan_layers": True}),
+]
+
+
+@pytest.mark.parametrize("model,balance,mesh,head,backend,changes", BALANCED,
+                         ids=[f"{m}-{b}-{'+'.join(map(str, h))}-{be}" for m, b, _, h, be, _ in BALANCED])
+def test_a_balanced_plan_matches_jit(model, balance, mesh, head, backend, changes):
+    # GPT's learned positions, Llama's rotary table and both causal masks follow the
+    # permuted order: without it the numbers differ.
+    res = _check(model, mesh, [*head, tactics.ContextParallel("cp", balance=balance)], backend, **changes)
+    assert list(res.partitioning.orders.values()) == [("cp", balance)]
+
+
+BALANCED_SLOW = [(m, b, cp, causal, be) for m in sorted(MODELS) for b in partir.BALANCES for cp in (2, 4, 8)
+                 for causal in (True, False) for be in ("jit", "shard_map")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,balance,cp,causal,backend", BALANCED_SLOW)
+def test_balanced_matrix_matches_jit(model, balance, cp, causal, backend):
+    other = 8 // cp
+    mesh = MeshSpec.of(other=other, cp=cp) if other > 1 else MeshSpec.of(cp=cp)
+    head = [tactics.DataParallel("other")] if other > 1 else []
+    _check(model, mesh, [*head, tactics.ContextParallel("cp", balance=balance)], backend, causal=causal)
+
+
+def test_a_token_order_is_a_decision_a_plan_replays_and_a_rollback_undoes():
+    prog = _abstract("llama")
+    part = partir.Partitioning(prog, MeshSpec.of(cp=4))
+    key, mark = part.key(), part.mark()
+    tokens = prog.inputs[prog.input_names.index("batch['tokens']")]
+    part.reorder(tokens, 1, "cp", "zigzag")
+    assert part.key() != key
+    (decision,) = part.decisions
+    again = partir.Partitioning(prog, part.mesh)
+    again.redo(partir.Decision.from_json(decision.to_json(prog), prog))
+    assert again.orders == part.orders and again.key() == part.key()
+    part.rollback(mark)
+    assert part.orders == {} and part.key() == key
+
+
+def _shifted_step():
+    """A step that makes its targets by rolling the tokens along the sequence."""
+    config = MODELS["gpt"][1]
+    step, (params, opt_state, batch) = gpt.make_train_step(config, abstract=True)
+
+    def shifted(params, opt_state, tokens):
+        return step(params, opt_state, {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1)})
+
+    tokens = jax.ShapeDtypeStruct((config.batch, config.seq_len), jnp.int32)
+    return partir.lift(shifted, params, opt_state, tokens)
+
+
+def test_a_balanced_order_is_refused_where_an_op_shifts_the_sequence():
+    prog = _shifted_step()
+    with pytest.raises(tactics.TacticError, match="cannot permute the sequence through (slice|concatenate)"):
+        tactics.apply_schedule(prog, MeshSpec.of(cp=8), [tactics.ContextParallel("cp", balance="zigzag")])
+    # In the original order, the roll is XLA's to partition.
+    tactics.apply_schedule(prog, MeshSpec.of(cp=8), [tactics.ContextParallel("cp")])
+
+
+def test_a_sequence_too_short_for_the_order_is_refused():
+    prog = _abstract("gpt", seq_len=24)
+    with pytest.raises(tactics.TacticError, match="balance='zigzag' over 8 devices needs a sequence length "
+                                                  "divisible by 16; 24 is not"):
+        tactics.apply_schedule(prog, MeshSpec.of(cp=8), [tactics.ContextParallel("cp", balance="zigzag")])
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def test_bad_settings_are_refused_when_given():
     with pytest.raises(tactics.TacticError, match=r"strategy='rings' is not one of allgather"):
         tactics.ContextParallel("cp", strategy="rings")
+    with pytest.raises(tactics.TacticError, match=r"balance='zig' is not one of None, zigzag, striped"):
+        tactics.ContextParallel("cp", balance="zig")
     with pytest.raises(tactics.TacticError, match="ContextParallel axis"):
         tactics.ContextParallel(3)
 
