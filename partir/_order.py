@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._decision import Decision
 from ._errors import PartitioningError
+from ._propagate import _ORD
 
 #: The token orders a sequence split can be balanced with (module docstring).
 BALANCES = ("zigzag", "striped")
@@ -129,3 +131,41 @@ def _check_op(program, op, reads, makes) -> None:
             if any(len(fs) > 1 and seq & set(fs) for fs in spec):
                 raise PartitioningError(f"a balanced token order cannot permute the sequence through {op.primitive} "
                                         f"making {where}: it merges the sequence dim with another; leave balance=None")
+
+
+class Orders:
+    """Mixin of `Partitioning`: the token orders its sequences are laid out in."""
+
+    def reorder(self, value, dim: int, axis: str, order: str, *, source: str = "user") -> None:
+        """Lay out the sequence that `dim` of `value` runs along (its class of
+        `partir.dim_classes`) in the token `order` (`partir.BALANCES`) for a split over
+        `axis`: the lowerings permute the inputs and iotas along it and the outputs
+        back (`partir._order`), so the numbers stay the program's. A `PartitioningError`,
+        changing nothing, when an op does not commute with the permutation, the
+        sequence length does not fit the order, or the sequence already has another."""
+        from ._attention import dim_classes
+
+        prog = self.program
+        v = prog.resolve(value)
+        val = prog.values[v]
+        if not 0 <= dim < val.rank:
+            raise PartitioningError(f"cannot reorder {prog.name(v)}: dim {dim} is out of range for shape {val.shape}")
+        token_order(val.shape[dim], self.mesh.size(axis), order)  # a clear error for a length it does not fit
+        label = dim_classes(prog).label(v, dim)
+        order_sites(prog, label)
+        entry = (axis, order)
+        old = self._orders.get(label)
+        if old == entry:
+            return
+        if old is not None:
+            raise PartitioningError(f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence "
+                                    f"is already laid out {old[1]!r} over {old[0]!r}")
+        self._orders[label] = entry
+        self._log.append((_ORD, label))
+        self._hash ^= hash((_ORD, label, entry))
+        self._decide(Decision("reorder", v, dim, axis, source, order=order))
+
+    @property
+    def orders(self) -> dict[int, tuple[str, str]]:
+        """Per reordered sequence (a class of `partir.dim_classes`), (axis, balance)."""
+        return dict(self._orders)

@@ -25,13 +25,14 @@ import gc
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
+from ._order import Orders
 from ._propagate import _BND, _FAC, _ORD, _PIN, _REM, _REU, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
 
 
-class Partitioning(Propagation, Replay):
+class Partitioning(Propagation, Replay, Orders):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
@@ -318,41 +319,6 @@ class Partitioning(Propagation, Replay):
     def reused(self) -> frozenset:
         """The values of user checkpoints read from the forward pass, not recomputed."""
         return frozenset(self._reuse)
-
-    def reorder(self, value, dim: int, axis: str, order: str, *, source: str = "user") -> None:
-        """Lay out the sequence that `dim` of `value` runs along (its class of
-        `partir.dim_classes`) in the token `order` (`partir.BALANCES`) for a split over
-        `axis`: the lowerings permute the inputs and iotas along it and the outputs
-        back (`partir._order`), so the numbers stay the program's. A `PartitioningError`,
-        changing nothing, when an op does not commute with the permutation, the
-        sequence length does not fit the order, or the sequence already has another."""
-        from ._attention import dim_classes
-        from ._order import order_sites, token_order
-
-        prog = self.program
-        v = prog.resolve(value)
-        val = prog.values[v]
-        if not 0 <= dim < val.rank:
-            raise PartitioningError(f"cannot reorder {prog.name(v)}: dim {dim} is out of range for shape {val.shape}")
-        token_order(val.shape[dim], self.mesh.size(axis), order)  # a clear error for a length it does not fit
-        label = dim_classes(prog).label(v, dim)
-        order_sites(prog, label)
-        entry = (axis, order)
-        old = self._orders.get(label)
-        if old == entry:
-            return
-        if old is not None:
-            raise PartitioningError(f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence "
-                                    f"is already laid out {old[1]!r} over {old[0]!r}")
-        self._orders[label] = entry
-        self._log.append((_ORD, label))
-        self._hash ^= hash((_ORD, label, entry))
-        self._decide(Decision("reorder", v, dim, axis, source, order=order))
-
-    @property
-    def orders(self) -> dict[int, tuple[str, str]]:
-        """Per reordered sequence (a class of `partir.dim_classes`), (axis, balance)."""
-        return dict(self._orders)
 
     def _mark(self, kind: int, chosen: set, v: int, decision: Decision) -> None:
         """Add value `v` to the set `chosen` (undone as `kind` on rollback)."""
