@@ -19,6 +19,15 @@ alike there): the score dots, the values reached from them, and the kernel's dot
 (the score dots and every dot reading a region value), priced at the kernel's own rate.
 A region that a mask made of iotas enters (`partir.is_mask`: a `select_n` on a
 predicate made from scalars) is taken as causal: the kernel skips the blocks above the diagonal.
+
+`causal_imbalance(part)`: split along its queries into contiguous blocks over `n`
+devices, a causal attention gives the device holding the last block the most tiles
+(all of them up to the diagonal) and the first the fewest; the step waits for the last.
+With `t` key tiles, `q = t / n` query tiles per device, the last computes
+`1 - (q - 1) / (2 t)` of its rows' tiles where the whole sequence averages
+`(t + 1) / (2 t)`: the kernel's time on a device is the average's times their ratio,
+`(2 t - q + 1) / (t + 1)` (about `2 - 1/n` on long sequences). A sequence laid out in a
+balanced token order (`Partitioning.reorder`) gives each device the average.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir import is_mask, kernel_region
+from partir import attentions, dim_classes, is_mask, kernel_region
 
 #: The kernels' tile along the key axis (flash attention and cuDNN use 64-128 on
 #: H100; splash 128-512 on TPU): a causal kernel computes the diagonal tiles whole.
@@ -78,3 +87,22 @@ def _causal_fraction(program, in_region, kernel_ops, from_scalars) -> float:
         return 1.0
     blocks = max(1, math.ceil(keys / CAUSAL_BLOCK))
     return (blocks + 1) / (2 * blocks)
+
+
+def causal_imbalance(part) -> float:
+    """How much longer the busiest device's causal kernels run than the average's, for
+    `part`'s split of the attentions' queries (module docstring); 1 where none is causal,
+    split, or laid out balanced. Attentions split alike in every layer: the largest."""
+    prog = part.program
+    classes = dim_classes(prog)
+    worst = 1.0
+    for a in attentions(prog):
+        if not a.masked or classes.label(a.key, a.key_dim) in part.orders:
+            continue
+        rule = prog.ops[a.score].rule
+        (f,) = rule.results[0][a.score_query_dim]
+        n = part.mesh.devices_along(part.factor_tiling(a.score)[f])
+        tiles = max(1, math.ceil(prog.values[a.scores].shape[a.score_query_dim] / CAUSAL_BLOCK))
+        per_device = max(1.0, tiles / n)
+        worst = max(worst, (2 * tiles - per_device + 1) / (tiles + 1))
+    return worst
