@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import partir
-from tactics import (FSDP, Context, DataParallel, Megatron, Remat, SequenceParallel, Tactic, TacticError, check,
+from tactics import (FSDP, Context, ContextParallel, DataParallel, Megatron, Remat, SequenceParallel, Tactic, TacticError, check,
                      roles)
 
 from ._actions import apply_action, input_groups
@@ -153,6 +153,7 @@ class AutomaticPartition(Tactic):
                            for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
             if partir.remat_layers(part.program):
                 macros += tuple(Remat(p) for p in REMAT_MACROS)
+            macros += _context_macros(part, axes)
         return axes, groups, macros
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
@@ -233,3 +234,21 @@ class AutomaticPartition(Tactic):
     def __str__(self) -> str:
         axes = "all axes" if self.axes is None else ", ".join(self.axes)
         return f"AutomaticPartition({axes}, seed={self.seed})"
+
+
+def _context_macros(part, axes) -> tuple:
+    """Context parallelism on each axis, where the program has self-attention: in the
+    original token order, and balanced ('zigzag') where a causal attention's work
+    depends on it and the program permits the permutation."""
+    found = partir.attentions(part.program)
+    if not found:
+        return ()
+    balance = [None]
+    if any(a.masked for a in found):
+        classes = partir.dim_classes(part.program)
+        try:
+            partir.order_sites(part.program, classes.label(found[0].key, found[0].key_dim))
+            balance.append("zigzag")
+        except partir.PartitioningError:
+            pass  # an op that does not commute with a permutation: the original order only
+    return tuple(ContextParallel(a, balance=b) for a in axes if part.mesh.size(a) > 1 for b in balance)

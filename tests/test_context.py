@@ -313,3 +313,40 @@ def test_an_unbalanced_causal_split_waits_for_its_busiest_device(causal):
         times[balance] = search.CostModel(part, search.get_device("h100")).cost().compute_time
         assert causal_imbalance(part) == (31 / 17 if causal and balance is None else 1.0)
     assert (times[None] > times["zigzag"]) if causal else (times[None] == times["zigzag"])
+
+
+# -- the search ----------------------------------------------------------------------------------
+def _searched_macros(prog, mesh, device, limit=None) -> list[str]:
+    import search
+
+    res = tactics.apply_schedule(prog, mesh, [search.AutomaticPartition(budget_s=600, max_episodes=150, device=device,
+                                                                        memory_limit=limit)])
+    return [type(a.tactic).__name__ for a in res.context.search[0].actions if a.kind == "macro"]
+
+
+def test_the_search_leaves_context_parallelism_off_at_short_sequences():
+    assert _searched_macros(_abstract("gpt"), MeshSpec.of(data=8), "cpu") == ["DataParallel"]
+
+
+@pytest.mark.parametrize("limit,chosen", [(None, False), (4e6, True)])
+def test_the_search_takes_context_parallelism_where_memory_forces_it(limit, chosen):
+    # One 512-token sequence, one head: nothing but the sequence splits the scores. On
+    # an H100 the tiny model's step is latency-bound and runs fastest whole; in 4 MB only
+    # the split sequence fits (Remat, Megatron on the MLP: 5.5 and 4 MB).
+    prog = _abstract("gpt", seq_len=512, batch=1, n_heads=1, d_ff=128)
+    assert ("ContextParallel" in _searched_macros(prog, MeshSpec.of(data=8), "h100", limit)) == chosen
+
+
+def test_an_order_balanced_for_fewer_devices_than_split_the_sequence_is_costed_unbalanced():
+    # Split over 'a' (2) then 'b' (4), laid out zigzag for 'b' alone: the order's 8
+    # chunks fall one to a device, and the device holding the last chunk does as much
+    # as in the original order.
+    from search.cost._attention import causal_imbalance
+
+    prog = _abstract("gpt", seq_len=2048)
+    mesh = MeshSpec.of(a=2, b=4)
+    imbalance = {}
+    for balance in (None, "zigzag"):
+        schedule = [tactics.ContextParallel("a"), tactics.ContextParallel("b", balance=balance)]
+        imbalance[balance] = causal_imbalance(tactics.apply_schedule(prog, mesh, schedule).partitioning)
+    assert imbalance["zigzag"] == imbalance[None] == 31 / 17

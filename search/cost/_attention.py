@@ -26,18 +26,21 @@ devices, a causal attention gives the device holding the last block the most til
 With `t` key tiles, `q = t / n` query tiles per device, the last computes
 `1 - (q - 1) / (2 t)` of its rows' tiles where the whole sequence averages
 `(t + 1) / (2 t)`: the kernel's time on a device is the average's times their ratio,
-`(2 t - q + 1) / (t + 1)` (about `2 - 1/n` on long sequences). A sequence laid out in a
-balanced token order (`Partitioning.reorder`) gives each device the average.
+`(2 t - q + 1) / (t + 1)` (about `2 - 1/n` on long sequences). In a balanced token order
+(`Partitioning.reorder`) each device's queries are counted where the order puts them:
+the average when the order was made for the devices that split it, more when it was
+made for fewer (a sequence split over two axes, balanced for one).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from partir import attentions, dim_classes, is_mask, kernel_region
+from partir import attentions, dim_classes, is_mask, kernel_region, token_order
 
 #: The kernels' tile along the key axis (flash attention and cuDNN use 64-128 on
 #: H100; splash 128-512 on TPU): a causal kernel computes the diagonal tiles whole.
@@ -91,18 +94,31 @@ def _causal_fraction(program, in_region, kernel_ops, from_scalars) -> float:
 
 def causal_imbalance(part) -> float:
     """How much longer the busiest device's causal kernels run than the average's, for
-    `part`'s split of the attentions' queries (module docstring); 1 where none is causal,
-    split, or laid out balanced. Attentions split alike in every layer: the largest."""
+    `part`'s split of the attentions' queries and the order its sequence is laid out in
+    (module docstring); 1 where none is causal or split. Attentions split alike in every
+    layer: the largest."""
     prog = part.program
     classes = dim_classes(prog)
     worst = 1.0
     for a in attentions(prog):
-        if not a.masked or classes.label(a.key, a.key_dim) in part.orders:
+        if not a.masked:
             continue
         rule = prog.ops[a.score].rule
         (f,) = rule.results[0][a.score_query_dim]
         n = part.mesh.devices_along(part.factor_tiling(a.score)[f])
-        tiles = max(1, math.ceil(prog.values[a.scores].shape[a.score_query_dim] / CAUSAL_BLOCK))
-        per_device = max(1.0, tiles / n)
-        worst = max(worst, (2 * tiles - per_device + 1) / (tiles + 1))
+        length = prog.values[a.scores].shape[a.score_query_dim]
+        order = part.orders.get(classes.label(a.key, a.key_dim))
+        parts = None if order is None else part.mesh.size(order[0])
+        if n > 1 and length % n == 0 and (order is None or length % (2 * parts) == 0):
+            worst = max(worst, _busiest(length, n, order and order[1], parts))
     return worst
+
+
+@functools.lru_cache(maxsize=64)
+def _busiest(length: int, n: int, balance, parts) -> float:
+    """The busiest of `n` devices' causal tiles over the average's, each holding a
+    contiguous block of the sequence laid out in `balance`'s order for `parts` (the
+    original order for None): a query computes the key tiles up to its own."""
+    order = np.arange(length) if balance is None else token_order(length, parts, balance)
+    tiles = (order // CAUSAL_BLOCK + 1).reshape(n, length // n).sum(axis=1)
+    return float(tiles.max() / tiles.mean())
