@@ -32,8 +32,9 @@ class AutomaticPartition(Tactic):
 
     Actions tile groups of inputs (parameters and batch; optimizer state follows its
     parameter); `group=False` decides every input on its own. With `macros=True` (the
-    default) the search may also apply `DataParallel`, `Megatron` or `FSDP` on an axis
-    as one action, as Automap's inductive tactics do; `macros=False` leaves it single
+    default) the search may also apply `DataParallel`, `Megatron`, `FSDP` or (where the
+    program has self-attention) `ContextParallel` on an axis as one action, as Automap's
+    inductive tactics do; `macros=False` leaves it single
     tiles only; the macros also rematerialize activations (`Remat` with each policy)
     and add sequence parallelism after a Megatron, so memory is a decision the search
     takes jointly with the tilings. `memory_limit` (bytes per device; the device's HBM

@@ -350,3 +350,17 @@ def test_an_order_balanced_for_fewer_devices_than_split_the_sequence_is_costed_u
         schedule = [tactics.ContextParallel("a"), tactics.ContextParallel("b", balance=balance)]
         imbalance[balance] = causal_imbalance(tactics.apply_schedule(prog, mesh, schedule).partitioning)
     assert imbalance["zigzag"] == imbalance[None] == 31 / 17
+
+
+def test_the_experts_write_context_parallel_with_fsdp_and_tensor_parallelism():
+    from examples import experts
+
+    prog = _abstract("llama")
+    names = {c.name for c in experts.candidates(prog, MeshSpec.of(data=2, cp=2, model=2))}
+    assert {"fsdp(data)+tp(model)+cp(cp)", "fsdp(data)+tp(model)+cp-zigzag(cp)+remat(full)",
+            "dp(data)+tp(model)+cp(cp)"} <= names
+    among = [c for c in experts.candidates(prog, MeshSpec.of(data=2, cp=2, model=2)) if "+cp" in c.name]
+    costed = experts.cost_all(prog, MeshSpec.of(data=2, cp=2, model=2), device="h100", among=among)
+    assert costed and all(c.error is None for c in costed), [c.error for c in costed]
+    # Two axes: no context parallelism among the experts' schedules.
+    assert not any("cp" in c.name for c in experts.candidates(prog, MeshSpec.of(data=4, model=2)))
