@@ -82,15 +82,20 @@ FAST = [
     ("gpt", True, MeshSpec.of(data=4, cp=2), [tactics.DataParallel("data"), tactics.ContextParallel("cp")], "jit"),
     ("llama", False, MeshSpec.of(model=2, cp=4), [tactics.Megatron("model"), tactics.ContextParallel("cp")], "jit"),
     ("llama", True, MeshSpec.of(fsdp=2, cp=4), [tactics.FSDP("fsdp"), tactics.ContextParallel("cp")], "jit"),
-    ("gpt", False, MeshSpec.of(cp=8), [tactics.ContextParallel("cp")], "jit"),
     ("gpt", True, MeshSpec.of(model=2, cp=4), [tactics.ContextParallel("cp"), tactics.Megatron("model")], "shard_map"),
+]
+#: More of the same, which the slow matrix covers as well: out of the default suite's time.
+MORE = [
+    ("gpt", False, MeshSpec.of(cp=8), [tactics.ContextParallel("cp")], "jit"),
     ("llama", True, MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), tactics.ContextParallel("cp")],
      "shard_map"),
 ]
 
 
-@pytest.mark.parametrize("model,causal,mesh,schedule,backend", FAST,
-                         ids=[f"{m}-{'causal' if c else 'full'}-{'+'.join(map(str, s))}-{b}" for m, c, _, s, b in FAST])
+@pytest.mark.parametrize("model,causal,mesh,schedule,backend",
+                         FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in MORE],
+                         ids=[f"{m}-{'causal' if c else 'full'}-{'+'.join(map(str, s))}-{b}"
+                              for m, c, _, s, b in FAST + MORE])
 def test_context_parallel_plan_matches_jit(model, causal, mesh, schedule, backend):
     _check(model, mesh, schedule, backend, causal=causal)
 
