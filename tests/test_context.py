@@ -157,6 +157,15 @@ def test_a_balanced_plan_matches_jit(model, balance, mesh, head, backend, change
     assert list(res.partitioning.orders.values()) == [("cp", balance)]
 
 
+@pytest.mark.parametrize("model,backend,changes", [
+    ("gpt", "jit", {}), pytest.param("llama", "shard_map", {"scan_layers": True}, marks=pytest.mark.slow)])
+def test_a_balanced_plan_with_remat_matches_jit(model, backend, changes):
+    # The backward pass recomputes the causal mask from its iotas: in the permuted order.
+    schedule = [tactics.DataParallel("data"), tactics.ContextParallel("cp", balance="zigzag"), tactics.Remat("full")]
+    res = _check(model, MeshSpec.of(data=2, cp=4), schedule, backend, **changes)
+    assert res.partitioning.rematerialized
+
+
 BALANCED_SLOW = [(m, b, cp, causal, be) for m in sorted(MODELS) for b in partir.BALANCES for cp in (2, 4, 8)
                  for causal in (True, False) for be in ("jit", "shard_map")]
 
