@@ -166,6 +166,14 @@ def test_a_balanced_plan_with_remat_matches_jit(model, backend, changes):
     assert res.partitioning.rematerialized
 
 
+def test_context_and_sequence_parallelism_together_match_jit():
+    # The searched plan of the 128K-token bench row: heads over 'model', the sequence over
+    # 'cp' through attention (zigzag) and over 'model' too around it.
+    schedule = [tactics.Megatron("model"), tactics.ContextParallel("cp", balance="zigzag"),
+                tactics.SequenceParallel("model")]
+    _check("llama", MeshSpec.of(model=2, cp=4), schedule, scan_layers=True)
+
+
 BALANCED_SLOW = [(m, b, cp, causal, be) for m in sorted(MODELS) for b in partir.BALANCES for cp in (2, 4, 8)
                  for causal in (True, False) for be in ("jit", "shard_map")]
 
