@@ -13,7 +13,7 @@ from ._attention import (MAX_HEAD_DIM, Attention, DimClasses, KernelRegion, atte
                          kernel_region)
 from ._dump import dump
 from ._order import BALANCES, OrderSites, order_sites, token_order
-from ._graph import UnionFind, call_roots, depended_on, made_from_scalars, makers_of
+from ._graph import UnionFind, call_roots, computations, depended_on, made_from_scalars, makers_of
 from ._errors import PartitioningError, UnknownPrimitiveWarning
 from ._hlo import Collective, collective_buffers, collectives, collectives_of, summarize
 from ._ir import Op, Program, Region, Value, path_matches
@@ -38,7 +38,7 @@ __all__ = [
     "Layer", "REMAT_POLICIES", "Recompute", "residual_layers", "input_layers", "layers_of", "layer_keys", "recompute",
     "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",
-    "Collective", "CONSTRAIN_MODES", "Kind", "UnionFind", "call_roots", "depended_on", "made_from_scalars", "makers_of", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
+    "Collective", "CONSTRAIN_MODES", "Kind", "UnionFind", "call_roots", "computations", "depended_on", "made_from_scalars", "makers_of", "Decision", "FactorRule", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
     "dump",

@@ -108,3 +108,23 @@ def _made_from_scalars(program) -> tuple[bool, ...]:
                 out[r] = ok and (out[r] or not seen[r])
                 seen[r] = True
     return tuple(out)
+
+
+#: Region kinds XLA runs as computations of their own: loop bodies and conditions, and a
+#: cond's branches. Calls (`jit`, `remat2`, custom-derivative calls) are inlined into
+#: their caller.
+COMPUTATION_KINDS = ("scan", "while.cond", "while.body", "cond.branch")
+
+
+def computations(program) -> tuple[int, ...]:
+    """Per region, the region of the computation XLA runs it in: itself for the top level,
+    a loop body or a branch; its caller's for a call. Kept with the program."""
+    return program.analysis(_computations)
+
+
+def _computations(program) -> tuple[int, ...]:
+    out = []
+    for r in program.regions:  # parents come before their children
+        own = r.parent is None or r.parent < 0 or r.kind in COMPUTATION_KINDS
+        out.append(r.id if own else out[r.parent])
+    return tuple(out)

@@ -287,13 +287,9 @@ class Partitioning(Propagation, Replay, Orders):
         `PartitioningError` for a value that is no residual of a block."""
         from ._remat import residual_layers
 
-        v = self.program.resolve(value)
-        if v in self._remat:
-            return
-        if not any(v in b.residuals for b in residual_layers(self.program)):
-            raise PartitioningError(f"cannot rematerialize {self.program.name(v)}: it is not a value a layer's "
-                                    "forward pass keeps for the backward pass")
-        self._mark(_REM, self._remat, v, Decision("remat", v, None, None, source))
+        self._choose(_REM, self._remat, value, source,
+                     lambda v: any(v in b.residuals for b in residual_layers(self.program)),
+                     "cannot rematerialize {}: it is not a value a layer's forward pass keeps for the backward pass")
 
     @property
     def rematerialized(self) -> frozenset:
@@ -307,25 +303,28 @@ class Partitioning(Propagation, Replay, Orders):
         `PartitioningError` for a value no user checkpoint recomputes."""
         from ._checkpoint import reruns_of
 
-        v = self.program.resolve(value)
-        if v in self._reuse:
-            return
-        if v not in reruns_of(self.program):
-            raise PartitioningError(f"cannot reuse a forward value for {self.program.name(v)}: no jax.checkpoint "
-                                    "region of the backward pass recomputes it")
-        self._mark(_REU, self._reuse, v, Decision("reuse", v, None, None, source))
+        self._choose(_REU, self._reuse, value, source, lambda v: v in reruns_of(self.program),
+                     "cannot reuse a forward value for {}: no jax.checkpoint region of the backward pass "
+                     "recomputes it")
 
     @property
     def reused(self) -> frozenset:
         """The values of user checkpoints read from the forward pass, not recomputed."""
         return frozenset(self._reuse)
 
-    def _mark(self, kind: int, chosen: set, v: int, decision: Decision) -> None:
-        """Add value `v` to the set `chosen` (undone as `kind` on rollback)."""
+    def _choose(self, kind: int, chosen: set, value, source: str, allowed, refusal: str) -> None:
+        """Add `value` to the set `chosen` as a `remat`/`reuse` decision (undone as `kind`
+        on rollback); a no-op when it is in already, a `PartitioningError` (`refusal`
+        with the value's name) when `allowed(value id)` is false."""
+        v = self.program.resolve(value)
+        if v in chosen:
+            return
+        if not allowed(v):
+            raise PartitioningError(refusal.format(self.program.name(v)))
         chosen.add(v)
         self._log.append((kind, v))
         self._hash ^= hash((kind, v))
-        self._decide(decision)
+        self._decide(Decision("remat" if kind == _REM else "reuse", v, None, None, source))
 
     def constrain(self, value, tiling, *, source: str = "user") -> None:
         """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)

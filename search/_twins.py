@@ -169,11 +169,22 @@ class TwinState:
         the fast peak is close enough to the limit to need the exact one is decided on
         the extrapolated peak (each twin alone is far below it, and the fast estimate's
         per-layer gap grows with the depth)."""
-        (t0, p0), (t1, p1) = (t.model.evaluate() for t in self.twins)
+        (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self.twins)
         peak = self._extrapolate(p0, p1)
         if doubtful(peak, self.memory_limit):
             peak = self._extrapolate(*(t.exact_peak() for t in self.twins))
-        return self._extrapolate(t0, t1), peak
+        return self._step(t0, t1), peak
+
+    def _step(self, shallow, deeper) -> float:
+        """The deep program's step time: each term of the twins' `TimeParts`
+        extrapolated, then overlap applied at depth (hidden time does not grow with
+        depth as the twins' difference says); the step itself extrapolated where the
+        twins' computations differ."""
+        device = self.twins[0].model.device
+        if shallow.parents != deeper.parents:
+            return self._extrapolate(shallow.step(device)[0], deeper.step(device)[0])
+        d0, d1 = self.depths
+        return shallow.extrapolate(deeper, (self.layers - d0) / (d1 - d0)).step(device)[0]
 
     def compute_time(self) -> float:
         """The deep program's modeled compute time, extrapolated."""

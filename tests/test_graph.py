@@ -2,6 +2,8 @@
 call boundaries, backward reachability and "made from scalars", which the cost model
 and the lowerings read."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -45,3 +47,18 @@ def test_depended_on_follows_loops_to_the_inputs():
     assert all(values[v] for v in params) and values[loss] and ops.any()
     assert not any(values[v] for v in prog.outputs[:-1] if v != loss and prog.producer[v] >= 0
                    and prog.ops[prog.producer[v]].primitive == "sub")  # the updates come after the loss
+
+
+def test_calls_run_in_their_callers_computation_and_loops_in_their_own():
+    """XLA inlines `jit`/checkpoint calls into the caller; a scan body is a computation
+    of its own, so collectives hide behind compute of the same computation only."""
+    def f(x):
+        y = jax.checkpoint(jnp.sin)(x)
+        return jax.lax.scan(lambda c, _: (jnp.cos(c), None), y, None, length=3)[0]
+
+    prog = partir.lift(f, jnp.ones(4))
+    comp = partir.computations(prog)
+    kinds = {r.kind: r.id for r in prog.regions}
+    call = next(r for r in prog.regions if r.parent is not None and r.parent >= 0 and r.kind != "scan")
+    assert comp[call.id] == comp[call.parent] == 0
+    assert comp[kinds["scan"]] == kinds["scan"]

@@ -223,3 +223,25 @@ def test_same_seed_same_plan_through_twins():
         return [(d.action, d.value, d.dim, d.axis, d.axes) for d in res.partitioning.decisions]
 
     assert plan() == plan()
+
+
+def test_twins_extrapolate_time_terms_before_overlap():
+    """A gather exposed behind the shallow twins' little compute is hidden behind the
+    deep program's: the step is taken after extrapolating each term, not before."""
+    from search.cost._achieved import TimeParts
+
+    device = search.get_device("h100")
+    # Per layer 1 ms of compute and 0.5 ms of overlappable comm, plus 3 ms of comm outside:
+    # exposed at 2 and 3 layers, hidden at 32.
+    def parts(layers):
+        return TimeParts(compute=1e-3 * layers, exposed=0.0, windows=(1e-3 * layers,),
+                         hidden=(0.5e-3 * layers + 3e-3,), parents=(None,))
+
+    deep = parts(2).extrapolate(parts(3), (32 - 2) / (3 - 2))
+    want = parts(32)
+    np.testing.assert_allclose([deep.compute, *deep.windows, *deep.hidden],
+                               [want.compute, *want.windows, *want.hidden])
+    assert deep.step(device)[0] == pytest.approx(parts(32).step(device)[0])
+    # The step is not affine in depth, so extrapolating it would be wrong here.
+    line = parts(2).step(device)[0] + 30 * (parts(3).step(device)[0] - parts(2).step(device)[0])
+    assert abs(line - parts(32).step(device)[0]) > 1e-4

@@ -25,9 +25,10 @@ collective matmul), except on a backend that overlaps those too
 TPU recipes turn on with `xla_tpu_enable_async_collective_fusion` and
 `xla_tpu_overlap_compute_collective_tc`, runs them beside the independent matmuls of
 the same computation). Overlappable collectives hide behind the compute of the same
-*computation*: the ops of one region in one pass (a scan body's forward or backward
-trip, the top-level forward or backward), recomputed ops in the backward pass of their
-region. Per computation, innermost first,
+*computation* (`partir.computations`: calls are inlined, a loop body or a branch is a
+computation of its own) in one pass (a scan body's forward or backward trip, the
+top-level forward or backward), recomputed ops in the backward pass of their region.
+Per computation, innermost first,
 
     exposed = max(0, overlappable comm - window)
     slowed  = overlap_slowdown * min(overlappable comm, window)
@@ -40,13 +41,22 @@ so a scanned and an unrolled program hide the same.
 and the step is compute + exposed collectives + sum of (exposed + slowed) over
 computations. Without `overlap` (the `cpu` preset: XLA:CPU runs collectives in line),
 nothing is hidden: compute + every collective.
+
+`TimeParts` holds the terms before the max and min are taken: each adds up over layers,
+so the search's shallow twins extrapolate them one by one to the deep program's depth
+and take the max and min there (the step itself is not affine in the layer count: a
+gather hidden behind 3 layers' compute is hidden behind 32, and exposed time does not
+grow with depth as the twins' difference would say).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+
+from partir import Kind
 
 
 def dot_efficiency(op, lhs_shape, rhs_shape, device) -> float:
@@ -87,31 +97,63 @@ def batch_free(program, batch_inputs) -> np.ndarray:
 
 def overlappable(col, value: int, weights, device) -> bool:
     """Whether a collective may run behind compute (module docstring)."""
-    return (bool(col.gradient) or (col.kind == "all-gather" and bool(weights[value]))
+    return (bool(col.gradient) or (col.kind == Kind.ALL_GATHER and bool(weights[value]))
             or device.overlap_activations)
 
 
-def step_time(device, links, compute: float, bucket_compute: dict, moves, parents=None) -> tuple[float, float]:
-    """(step seconds, seconds of communication it adds to compute). `moves` holds
-    (computation key, collective, overlappable) triples; `bucket_compute` the compute
-    seconds of each computation; `parents` maps a computation to the one enclosing it
-    (None at the top), innermost listed first; `links` the `LinkModel` that times
-    collectives."""
+@dataclass(frozen=True)
+class TimeParts:
+    """A step's time before overlap: `compute`, the communication on the critical path
+    whatever the compute (`exposed`), and per computation (innermost first) its compute
+    `windows`, its overlappable communication `hidden` and the index of the computation
+    enclosing it (`parents`, None at the top). Each term adds up over layers."""
+
+    compute: float
+    exposed: float
+    windows: tuple[float, ...] = ()
+    hidden: tuple[float, ...] = ()
+    parents: tuple[int | None, ...] = ()
+
+    def step(self, device) -> tuple[float, float]:
+        """(step seconds, seconds of communication added to compute) on `device`."""
+        exposed = self.exposed
+        window = [max(0.0, w) for w in self.windows]
+        for k, (comm, parent) in enumerate(zip(self.hidden, self.parents)):
+            room = window[k]
+            exposed += max(0.0, comm - room) + device.overlap_slowdown * min(comm, room)
+            if parent is not None:
+                window[parent] += max(0.0, room - comm)
+        return self.compute + exposed, exposed
+
+    def extrapolate(self, deeper: "TimeParts", k: float) -> "TimeParts":
+        """`self + k * (deeper - self)`, term by term (the twins' affine extrapolation;
+        `deeper` has the same computations)."""
+        def line(a, b):
+            return a + k * (b - a)
+
+        return TimeParts(line(self.compute, deeper.compute), line(self.exposed, deeper.exposed),
+                         tuple(map(line, self.windows, deeper.windows)),
+                         tuple(map(line, self.hidden, deeper.hidden)), self.parents)
+
+
+def time_parts(device, links, compute: float, bucket_compute: dict, moves, parents=None) -> TimeParts:
+    """The `TimeParts` of a step: `moves` holds (computation key, collective,
+    overlappable) triples; `bucket_compute` the compute seconds of each computation;
+    `parents` maps a computation to the one enclosing it (None at the top), innermost
+    listed first; `links` the `LinkModel` that times collectives."""
     if not device.overlap:
-        comm = links.total_time([c for _, c, _ in moves])
-        return compute + comm, comm
+        return TimeParts(compute, links.total_time([c for _, c, _ in moves]))
     exposed = links.total_time([c for _, c, over in moves if not over])
     hidden: dict = {}
     for key, c, over in moves:
         if over:
             hidden.setdefault(key, []).append(c)
-    window = {k: max(0.0, v) for k, v in bucket_compute.items()}
-    for key, parent in (parents or {k: None for k in window}).items():
-        comm = links.total_time(hidden.pop(key, []))
-        room = window.get(key, 0.0)
-        exposed += max(0.0, comm - room) + device.overlap_slowdown * min(comm, room)
-        if parent is not None:
-            window[parent] = window.get(parent, 0.0) + max(0.0, room - comm)
+    parents = parents or {k: None for k in bucket_compute}
+    order = list(parents) + [p for p in dict.fromkeys(parents.values()) if p is not None and p not in parents]
+    index = {key: i for i, key in enumerate(order)}
+    windows = tuple(float(bucket_compute.get(key, 0.0)) for key in order)
+    comm = tuple(links.total_time(hidden.pop(key, [])) for key in order)
     for cols in hidden.values():  # a computation without compute of its own
         exposed += links.total_time(cols)
-    return compute + exposed, exposed
+    ups = tuple(None if parents.get(key) is None else index[parents[key]] for key in order)
+    return TimeParts(compute, exposed, windows, comm, ups)

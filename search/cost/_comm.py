@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from partir import Tiling, permuted_dims, transition
+from partir import Kind, Tiling, permuted_dims, transition
 
 from ._device import link_levels
 
@@ -149,9 +149,9 @@ class LinkModel:
             return 0.0
         bw = self.bandwidth(axes)
         alpha = max(self.alpha[a] for a in axes)
-        if kind == "collective-permute":  # one hop: each device sends its block, receives one
+        if kind == Kind.COLLECTIVE_PERMUTE:  # one hop: each device sends its block, receives one
             return alpha + nbytes / bw
-        traffic = (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
+        traffic = (2.0 if kind == Kind.ALL_REDUCE else 1.0) * (n - 1) / n * nbytes
         return _steps(kind, n) * alpha + traffic / bw
 
     def latency(self, kind: str, axes: tuple[str, ...]) -> float:
@@ -183,24 +183,24 @@ class LinkModel:
         out = []
         # Size-1 axes move nothing: leave them out of every collective.
         steps = {t.kind: tuple(a for a in t.axes if self.sizes[a] > 1) for t in transition(src, dst, mesh)}
-        for kind in _order(src, dst, permuted_dims(src, dst, mesh) if "collective-permute" in steps else {}):
+        for kind in _order(src, dst, permuted_dims(src, dst, mesh) if Kind.COLLECTIVE_PERMUTE in steps else {}):
             axes = steps.get(kind)
             if not axes:
                 continue
             n = self.mesh.devices_along(axes)
-            if kind == "all-reduce":
+            if kind == Kind.ALL_REDUCE:
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
-            elif kind == "reduce-scatter":
+            elif kind == Kind.REDUCE_SCATTER:
                 if self.device.reduce_scatter:
                     out.append((kind, axes, cur / n, self.time(kind, axes, cur)))
                 else:
-                    out.append(("all-reduce", axes, cur, self.time("all-reduce", axes, cur)))
+                    out.append((Kind.ALL_REDUCE, axes, cur, self.time(Kind.ALL_REDUCE, axes, cur)))
                 cur /= n
             elif kind == "slice":
                 cur /= n
-            elif kind == "all-to-all":
+            elif kind == Kind.ALL_TO_ALL:
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
-            elif kind == "collective-permute":
+            elif kind == Kind.COLLECTIVE_PERMUTE:
                 held = {a for dims in src.dims for a in dims}
                 cur = cur * self.mesh.devices_along(a for a in axes if a in held) // self.mesh.devices_along(
                     a for dims in dst.dims for a in dims if a in axes)
@@ -219,7 +219,7 @@ def per_contracted_dim(cols, groups, links) -> list:
     for kind, axes, nbytes, t in cols:
         parts = [tuple(a for a in g if a in axes) for g in groups]
         parts = [p for p in parts if p]
-        if kind != "all-reduce" or len(parts) < 2 or {a for p in parts for a in p} != set(axes):
+        if kind != Kind.ALL_REDUCE or len(parts) < 2 or {a for p in parts for a in p} != set(axes):
             out.append((kind, axes, nbytes, t))
             continue
         out += [(kind, p, nbytes, links.time(kind, p, nbytes)) for p in parts]
@@ -242,13 +242,13 @@ def _members_per_node(mesh, axes, devices_per_node: int) -> int:
 
 def _steps(kind: str, n: int) -> int:
     """Ring steps of one collective of `kind` over `n` devices."""
-    return 1 if kind == "collective-permute" else 2 * (n - 1) if kind == "all-reduce" else n - 1
+    return 1 if kind == Kind.COLLECTIVE_PERMUTE else 2 * (n - 1) if kind == Kind.ALL_REDUCE else n - 1
 
 
-#: The order of a layout change's collectives: what shrinks the buffer first.
-ORDER = ("reduce-scatter", "slice", "all-reduce", "collective-permute", "all-to-all", "all-gather")
+#: The order of a layout change's collectives: `partir.Kind`'s, what shrinks the buffer first.
+ORDER = tuple(Kind)
 #: The order when a dim trades axes for fewer blocks: gathered whole, then sliced.
-ORDER_SWAP = ("reduce-scatter", "all-reduce", "collective-permute", "all-to-all", "all-gather", "slice")
+ORDER_SWAP = tuple(k for k in Kind if k is not Kind.SLICE) + (Kind.SLICE,)
 
 
 def _order(src: Tiling, dst: Tiling, permuted) -> tuple[str, ...]:

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import math
 
+from partir import Kind
+
 from ._flops import body_equations
 
 #: Collective primitives of a `shard_map` body -> (the HLO collective they become, the
 #: param naming their mesh axes, whether their HLO buffer is the result rather than the
 #: operand).
 COLLECTIVES = {
-    "psum": ("all-reduce", "axes", False), "psum_invariant": ("all-reduce", "axes", False),
-    "pmax": ("all-reduce", "axes", False), "pmin": ("all-reduce", "axes", False),
-    "all_gather": ("all-gather", "axis_name", True), "all_gather_invariant": ("all-gather", "axis_name", True),
-    "reduce_scatter": ("reduce-scatter", "axis_name", True), "all_to_all": ("all-to-all", "axis_name", False),
-    "ppermute": ("collective-permute", "axis_name", True),
+    "psum": (Kind.ALL_REDUCE, "axes", False), "psum_invariant": (Kind.ALL_REDUCE, "axes", False),
+    "pmax": (Kind.ALL_REDUCE, "axes", False), "pmin": (Kind.ALL_REDUCE, "axes", False),
+    "all_gather": (Kind.ALL_GATHER, "axis_name", True), "all_gather_invariant": (Kind.ALL_GATHER, "axis_name", True),
+    "reduce_scatter": (Kind.REDUCE_SCATTER, "axis_name", True), "all_to_all": (Kind.ALL_TO_ALL, "axis_name", False),
+    "ppermute": (Kind.COLLECTIVE_PERMUTE, "axis_name", True),
 }
 
 

@@ -42,6 +42,8 @@ import math
 
 import numpy as np
 
+from partir import Kind
+
 from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel, per_contracted_dim
 from ._peak import CostMemory, op_label
@@ -234,7 +236,7 @@ class CostModel(CostTime, CostMemory):
             return ()
         v = next((u for u in op.results + op.operands if u >= 0), -1)
         # `LinkModel.time` takes a reduce-scatter's operand; the HLO shows its result.
-        operand = {"reduce-scatter": self.part.mesh.devices_along}
+        operand = {Kind.REDUCE_SCATTER: self.part.mesh.devices_along}
         return tuple(CollectiveCost(kind, axes, nbytes,
                                     self.links.time(kind, axes, nbytes * operand.get(kind, lambda a: 1)(axes)), o, v,
                                     float(self._mult[o]) * trips)
@@ -249,7 +251,7 @@ class CostModel(CostTime, CostMemory):
         if r.side == "result" and r.src.partial and self.program.ops[o].primitive == "dot_general":
             cols = per_contracted_dim(cols, self._contracted_axes(o), self.links)
         return [CollectiveCost(kind, axes, nbytes, t, o, r.value, float(self._mult[o]), bool(grad),
-                               nbytes / item if kind == "all-reduce" else 0.0)
+                               nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
                 for kind, axes, nbytes, t in cols]
 
     def _order_cols(self) -> list:
@@ -271,8 +273,8 @@ class CostModel(CostTime, CostMemory):
                     continue
                 o = prog.users[v][0] if prog.producer[v] < 0 or v in prog.inputs else prog.producer[v]
                 nbytes = float(self._nbytes[v]) / tiling.num_shards(part.mesh)
-                t = self.links.time("collective-permute", axes, nbytes)
-                out.append((o, CollectiveCost("collective-permute", axes, nbytes, t, o, v), v))
+                t = self.links.time(Kind.COLLECTIVE_PERMUTE, axes, nbytes)
+                out.append((o, CollectiveCost(Kind.COLLECTIVE_PERMUTE, axes, nbytes, t, o, v), v))
         return out
 
     def _contracted_axes(self, o: int) -> list[tuple[str, ...]]:
@@ -296,15 +298,19 @@ class CostModel(CostTime, CostMemory):
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:
-        """(step time without overlap, fast estimate of the peak memory): the search's
-        fast path."""
+        """(step time, fast estimate of the peak memory): the search's fast path."""
+        parts, peak = self.evaluate_parts()
+        return parts.step(self.device)[0], peak
+
+    def evaluate_parts(self):
+        """(the step's `TimeParts`, fast estimate of the peak memory): `evaluate` before
+        overlap is applied, for shallow twins to extrapolate term by term."""
         self._sync()
         times, _, extra = self._op_times()
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
-        step, _ = self._step(times, self._again_ops(extra), compute, again_cols + self._order_cols())
-        peak = self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
-        return step, peak
+        parts = self._parts(times, self._again_ops(extra), compute, again_cols + self._order_cols())
+        return parts, self._memory(self._nbytes / self._class_div[self._value_class], exact=False)[0]
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""

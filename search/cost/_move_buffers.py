@@ -16,6 +16,8 @@ differs in three ways, each a flag of the `DeviceSpec`:
 
 from __future__ import annotations
 
+from partir import Kind
+
 from ._memory import fused_reads_end
 
 
@@ -42,7 +44,7 @@ class MoveBuffers:
         """Where it ends: at `end`, but a value all-reduced whole and sliced (a
         reduce-scatter on a backend without one) lives until its last fused reader."""
         v, cols, _ = entry
-        if self.whole_until is None or key[0] != "made" or not any(c.kind == "all-reduce" for c in cols):
+        if self.whole_until is None or key[0] != "made" or not any(c.kind == Kind.ALL_REDUCE for c in cols):
             return end
         return max(end, int(self.whole_until[v]))
 

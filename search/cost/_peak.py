@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from partir import Tiling
+from partir import Kind, Tiling
 
 from ._comm import gradient_groups
 from ._remat import RematView, carried_buffers, extra_buffers
@@ -42,7 +42,8 @@ class CostMemory:
                     starts.append(first), ends.append(last), sizes.append(buf), keys.append(key)
             # One whole result per gradient, however many all-reduces make it (one per
             # contracted dim, each reading the previous one's result).
-            whole = sum(max((c.bytes for c in cols if c.kind == "all-reduce"), default=0.0) for _, _, cols, _ in group)
+            whole = sum(max((c.bytes for c in cols if c.kind == Kind.ALL_REDUCE), default=0.0)
+                        for _, _, cols, _ in group)
             if whole > 0:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys

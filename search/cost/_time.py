@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from partir import depended_on
+from partir import computations, depended_on
 
-from ._achieved import batch_free, dot_efficiency, overlappable, step_time
+from ._achieved import TimeParts, batch_free, dot_efficiency, overlappable, time_parts
 from ._attention import causal_imbalance
 
 
@@ -44,9 +44,10 @@ class CostTime:
         self._kernel_again = att.recompute * mat.live_op if att is not None else np.zeros(n_ops)
         self._weights = batch_free(prog, roles(prog).batch)
         keys: dict = {}
-        self._bucket = np.array([keys.setdefault((op.region, bool(b)), len(keys))
+        comp = computations(prog)  # calls run inlined in their caller's computation
+        self._bucket = np.array([keys.setdefault((comp[op.region], bool(b)), len(keys))
                                  for op, b in zip(prog.ops, prog.backward)], dtype=np.int64)
-        self._bucket_bwd = np.array([keys.setdefault((op.region, True), len(keys)) for op in prog.ops],
+        self._bucket_bwd = np.array([keys.setdefault((comp[op.region], True), len(keys)) for op in prog.ops],
                                     dtype=np.int64)
         self._n_buckets = len(keys)
         self._bucket_parents = bucket_parents(prog, keys)
@@ -73,9 +74,13 @@ class CostTime:
 
     def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:
         """(step time, exposed communication) of the current state (`_achieved`)."""
+        return self._parts(times, again_ops, compute, cols_again).step(self.device)
+
+    def _parts(self, times, again_ops, compute: float, cols_again) -> TimeParts:
+        """The step's `TimeParts` in the current state (`_achieved`)."""
         if not self.device.overlap:
             cols = [c for _, e in self._moves() for c in e[min(e)][1]] + [c for _, c, _ in cols_again]
-            return step_time(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
+            return time_parts(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
         buckets = np.bincount(self._bucket, weights=times, minlength=self._n_buckets)
         redo, skipped, extra = again_ops
         buckets += np.bincount(self._bucket_bwd, weights=extra, minlength=self._n_buckets)
@@ -88,8 +93,8 @@ class CostTime:
             v, cs, _ = e[first]
             moves += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device)) for c in cs]
         moves += [(int(self._bucket_bwd[o]), c, overlappable(c, v, self._weights, self.device)) for o, c, v in cols_again]
-        return step_time(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
-                         self._bucket_parents)
+        return time_parts(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
+                          self._bucket_parents)
 
     def _recomputed(self, times) -> tuple[float, list]:
         """(seconds, (op, collective, value) triples) of the forward ops the backward
@@ -121,23 +126,24 @@ class CostTime:
 
 
 def bucket_parents(prog, keys: dict) -> dict:
-    """Computation id -> the id of the one enclosing it (its region's parent, same pass;
-    None at the top), innermost first (`_achieved.step_time`)."""
-    regions = prog.regions
+    """Computation id -> the id of the one enclosing it (the computation its region's
+    parent runs in, same pass; None at the top), innermost first (`_achieved`)."""
+    regions, comp = prog.regions, computations(prog)
+
+    def enclosing(r):
+        parent = regions[r].parent
+        return comp[parent] if parent is not None and parent >= 0 else None
 
     def depth(r):
         d = 0
-        while regions[r].parent is not None and regions[r].parent >= 0:
-            r, d = regions[r].parent, d + 1
+        while enclosing(r) is not None:
+            r, d = enclosing(r), d + 1
         return d
 
     out = {}
     for (region, backward), k in sorted(keys.items(), key=lambda kv: -depth(kv[0][0])):
-        parent = regions[region].parent
-        if parent is not None and parent >= 0:
-            out[k] = keys.setdefault((parent, backward), len(keys))
-        else:
-            out[k] = None
+        parent = enclosing(region)
+        out[k] = None if parent is None else keys.setdefault((parent, backward), len(keys))
     return out
 
 
