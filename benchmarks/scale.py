@@ -84,6 +84,13 @@ ROWS = {
     **_llama("llama8b-dm", "Llama-3 8B, data=8 model=8", "LLAMA3_8B", _DM, 25),
     **_llama("llama8b-dfm", "Llama-3 8B, data=2 fsdp=4 model=8", "LLAMA3_8B", _DFM, 25),
     **_llama("llama70b", "Llama-3 70B, data=16 fsdp=8 model=8", "LLAMA3_70B", _BIG, 60),
+    # One 128K- and one 512K-token sequence per two data-parallel groups (NeMo's long-context
+    # recipes), the sequence split over 'context' (issue 25); and 8K tokens, where the search
+    # should leave the context axis to data parallelism (the batch of 64 sequences divides).
+    **{f"llama8b-cp{k}k": Row(f"Llama-3 8B, {k}K tokens, fsdp=2 context=4 model=8 scan", "llama", "LLAMA3_8B",
+                              (("scan_layers", True), ("remat", False), ("seq_len", k * 1024), ("batch", batch)),
+                              (("fsdp", 2), ("context", 4), ("model", 8)), 25)
+       for k, batch in ((8, 64), (128, 2), (512, 2))},
     "mixtral": Row("Mixtral 8x7B MoE, data=8 expert=8", "moe", "MIXTRAL_8X7B", (), (("data", 8), ("expert", 8)), 30),
 }
 

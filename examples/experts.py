@@ -16,6 +16,10 @@ whose devices share the fastest links), the others stay data axes:
   the axis, all-to-all between them) or the expert weights alone split over it
   (`experts`: every device routes its tokens, computes its experts' share, and the
   combine sums over the axis), the other axes data parallel or FSDP;
+- for a program with self-attention on a mesh of three axes or more: context parallelism
+  on the second innermost axis (`cp`, all-gathered keys and values; `cp-zigzag`, the
+  tokens laid out balanced) with tensor parallelism on the innermost and FSDP or data
+  parallelism on the outer axes (MaxText's and NeMo's long-sequence recipes);
 
 each with rematerialization off, `Remat("dots")` and `Remat("full")`. A candidate that
 does not apply (a tactic raises: Megatron finds no block, no layers to rematerialize, an
@@ -131,6 +135,24 @@ def _expert_families(program, data, axis):
     return out
 
 
+def _context_families(program, axes):
+    """(name, tactics) of context parallelism on the second innermost of `axes` with
+    tensor parallelism on the innermost, the outer axes FSDP or data parallel; none for
+    a program without self-attention or a mesh of fewer than three axes."""
+    if len(axes) < 3 or not partir.attentions(program):
+        return []
+    outer, axis, inner = axes[:-2], axes[-2], axes[-1]
+    names = _axes_text(outer)
+    out = []
+    for balance in (None, "zigzag"):
+        cp = [T.ContextParallel(axis, balance=balance)]
+        cp_name = f"cp{'-' + balance if balance else ''}({axis})"
+        tp = [T.Megatron(inner)]
+        out.append((f"fsdp({names})+tp({inner})+{cp_name}", tp + cp + [T.FSDP(a) for a in outer]))
+        out.append((f"dp({names})+tp({inner})+{cp_name}", [T.DataParallel(a) for a in outer] + tp + cp))
+    return out
+
+
 def candidates(program, mesh) -> list[Candidate]:
     """The expert schedules for `program` on `mesh` (see the module docstring), each
     without and with every rematerialization policy of `REMAT`."""
@@ -138,7 +160,8 @@ def candidates(program, mesh) -> list[Candidate]:
     if not axes:
         return []
     data, inner = axes[:-1], axes[-1]
-    families = _data_families(axes) + _tensor_families(data, inner) + _expert_families(program, data, inner)
+    families = (_data_families(axes) + _tensor_families(data, inner) + _expert_families(program, data, inner)
+                + _context_families(program, axes))
     return [Candidate(name + (f"+remat({policy})" if policy else ""),
                       tuple(schedule) + ((T.Remat(policy),) if policy else ()))
             for name, schedule in families for policy in REMAT]

@@ -47,6 +47,7 @@ class GPTConfig:
     remat: bool = False  # wrap each layer in jax.checkpoint
     remat_policy: str | None = None  # a key of REMAT_POLICIES (only with remat=True)
     fused_qkv: bool = False  # one [D, 3D] projection instead of wq/wk/wv
+    causal: bool = True  # False: every token attends to the whole sequence (an encoder)
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
 
@@ -123,7 +124,7 @@ def layer_norm(p: dict, x: jax.Array, eps: float = 1e-5) -> jax.Array:
 
 
 def attention(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
-    """Causal multi-head self-attention on ``x [B, S, D]``."""
+    """Multi-head self-attention on ``x [B, S, D]``, causal unless `config.causal` is False."""
     b, s, d = x.shape
     h, dh = config.n_heads, config.d_head
     if config.fused_qkv:
@@ -132,9 +133,10 @@ def attention(p: dict, x: jax.Array, config: GPTConfig) -> jax.Array:
     else:
         q, k, v = ((x @ w).reshape(b, s, h, dh) for w in (p["wq"], p["wk"], p["wv"]))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
-    causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
-    # A finite fill keeps softmax free of NaNs and its gradient exact zeros.
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    if config.causal:
+        mask = jnp.tril(jnp.ones((s, s), jnp.bool_))
+        # A finite fill keeps softmax free of NaNs and its gradient exact zeros.
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, d)
     return out @ p["wo"]

@@ -70,6 +70,7 @@ class LlamaConfig:
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-5
     dtype: Any = jnp.float32  # compute dtype of activations; parameters stay float32
+    causal: bool = True  # False: every token attends to the whole sequence (an encoder)
     scan_layers: bool = False  # stack layer params on [L] and run lax.scan
     remat: bool = False  # wrap each layer in jax.checkpoint
     remat_policy: str | None = None  # a key of REMAT_POLICIES (only with remat=True)
@@ -165,14 +166,14 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Causal grouped-query self-attention on ``x [B, S, D]``."""
+def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: bool = True) -> jax.Array:
+    """Grouped-query self-attention on ``x [B, S, D]``, causal unless told otherwise."""
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
     q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     # K/V keep their n_kv_heads heads: dot_product_attention groups the query heads.
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
 
 
@@ -184,7 +185,7 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
 def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: LlamaConfig) -> jax.Array:
     """One pre-norm decoder layer; shared by the unrolled and scanned forms."""
     p = jax.tree.map(lambda w: w.astype(config.dtype), p)  # float32 master -> compute dtype
-    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope)
+    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope, config.causal)
     return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps))
 
 

@@ -11,7 +11,7 @@ from ._tiling import Tiling
 
 
 #: The actions a `Decision` records (the `Partitioning` methods that take them).
-ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse")
+ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse", "reorder")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,14 +25,17 @@ class Decision:
     source: str
     axes: tuple[str, ...] | None = None  # for "pin": the axes the value may not be split over
     tiling: Tiling | None = None  # for "constrain": the layout fixed
+    order: str | None = None  # for "reorder": the token order (a `partir.BALANCES` name)
 
     def to_json(self, program: Program) -> dict:
         """The decision as JSON (a plan file's entry): `action`, `value` (id) and its
         `name` in `program`, `source`, and `dim` and `axis` (tile), `axes` (pin),
-        `tiling` (constrain)."""
+        `tiling` (constrain), `dim`, `axis` and `order` (reorder)."""
         out = {"action": self.action, "value": self.value, "name": program.name(self.value), "source": self.source}
-        if self.action == "tile":
+        if self.action in ("tile", "reorder"):
             out.update(dim=self.dim, axis=self.axis)
+        if self.order is not None:
+            out["order"] = self.order
         if self.axes is not None:
             out["axes"] = list(self.axes)
         if self.tiling is not None:
@@ -46,14 +49,16 @@ class Decision:
         field or a value id the program does not have."""
         action = data.get("action")
         _check_action(action)
-        need = {"tile": ("value", "dim", "axis"), "constrain": ("value", "tiling")}.get(action, ("value",))
+        need = {"tile": ("value", "dim", "axis"), "constrain": ("value", "tiling"),
+                "reorder": ("value", "dim", "axis", "order")}.get(action, ("value",))
         missing = [k for k in need if data.get(k) is None]
         if missing:
             raise PartitioningError(f"a {action!r} decision needs {', '.join(need)}; {data!r} lacks {', '.join(missing)}")
         v = program.resolve(data["value"])
         tiling = Tiling.from_json(data["tiling"]) if action == "constrain" else None
         axes = tuple(data["axes"]) if data.get("axes") is not None else None
-        return cls(action, v, data.get("dim"), data.get("axis"), data.get("source", "plan"), axes, tiling)
+        return cls(action, v, data.get("dim"), data.get("axis"), data.get("source", "plan"), axes, tiling,
+                   data.get("order"))
 
 
 def _check_action(action) -> None:

@@ -25,13 +25,14 @@ import gc
 from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
-from ._propagate import _BND, _FAC, _PIN, _PIP, _REM, _REU, _VAL, Propagation, _fhash, _vhash
+from ._order import Orders
+from ._propagate import _BND, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
 
 
-class Partitioning(Propagation, Replay):
+class Partitioning(Propagation, Replay, Orders):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
@@ -62,6 +63,9 @@ class Partitioning(Propagation, Replay):
         self._reuse: set[int] = set()
         # Layer scans run as pipeline stages (`pipeline`), in the order they were added.
         self._pipelines: tuple = ()
+        # Per sequence (a class of `partir.dim_classes`), the token order it is laid out
+        # in (`reorder`): (mesh axis, balance).
+        self._orders: dict[int, tuple[str, str]] = {}
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -274,6 +278,8 @@ class Partitioning(Propagation, Replay):
             self.remat(v, source=d.source)
         elif d.action == "reuse":
             self.reuse(v, source=d.source)
+        elif d.action == "reorder":
+            self.reorder(v, d.dim, d.axis, d.order, source=d.source)
         else:
             self.pin(v, axes=d.axes, source=d.source)
 
@@ -438,6 +444,8 @@ class Partitioning(Propagation, Replay):
             elif kind == _PIP:
                 self._pipelines = self._pipelines[:-1]
                 h ^= hash((_PIP, entry[1]))
+            elif kind == _ORD:
+                h ^= hash((_ORD, entry[1], self._orders.pop(entry[1])))
             else:
                 self._decisions.pop()
         self._hash = h if known is None else known
@@ -487,7 +495,7 @@ class Partitioning(Propagation, Replay):
         c._d, c._f = list(self._d), list(self._f)
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
-        c._remat, c._reuse = set(self._remat), set(self._reuse)
+        c._remat, c._reuse, c._orders = set(self._remat), set(self._reuse), dict(self._orders)
         c._log, c._marks, c._decisions = [], [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import partir
-from tactics import (FSDP, Context, DataParallel, Megatron, Pipeline, Remat, SequenceParallel, Tactic, TacticError, check,
-                     roles)
+from tactics import (FSDP, Context, ContextParallel, DataParallel, Megatron, Pipeline, Remat, SequenceParallel, Tactic,
+                     TacticError, check, roles)
 
 from ._actions import apply_action, input_groups
 from .cost import DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
@@ -32,8 +32,9 @@ class AutomaticPartition(Tactic):
 
     Actions tile groups of inputs (parameters and batch; optimizer state follows its
     parameter); `group=False` decides every input on its own. With `macros=True` (the
-    default) the search may also apply `DataParallel`, `Megatron` or `FSDP` on an axis
-    as one action, as Automap's inductive tactics do; `macros=False` leaves it single
+    default) the search may also apply `DataParallel`, `Megatron`, `FSDP` or (where the
+    program has self-attention) `ContextParallel` on an axis as one action, as Automap's
+    inductive tactics do; `macros=False` leaves it single
     tiles only; the macros also rematerialize activations (`Remat` with each policy)
     and add sequence parallelism after a Megatron, so memory is a decision the search
     takes jointly with the tilings. `memory_limit` (bytes per device; the device's HBM
@@ -164,6 +165,7 @@ class AutomaticPartition(Tactic):
                            for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
             if partir.remat_layers(part.program):
                 macros += tuple(Remat(p) for p in REMAT_MACROS)
+            macros += _context_macros(part, axes)
             if partir.layer_scans(part.program):
                 macros += tuple(Pipeline(a, m) for a in axes if part.mesh.size(a) > 1 for m in self.pipelines)
         return axes, groups, macros
@@ -246,3 +248,21 @@ class AutomaticPartition(Tactic):
     def __str__(self) -> str:
         axes = "all axes" if self.axes is None else ", ".join(self.axes)
         return f"AutomaticPartition({axes}, seed={self.seed})"
+
+
+def _context_macros(part, axes) -> tuple:
+    """Context parallelism on each axis, where the program has self-attention: in the
+    original token order, and balanced ('zigzag') where a causal attention's work
+    depends on it and the program permits the permutation."""
+    found = partir.attentions(part.program)
+    if not found:
+        return ()
+    balance = [None]
+    if any(a.masked for a in found):
+        classes = partir.dim_classes(part.program)
+        try:
+            partir.order_sites(part.program, classes.label(found[0].key, found[0].key_dim))
+            balance.append("zigzag")
+        except partir.PartitioningError:
+            pass  # an op that does not commute with a permutation: the original order only
+    return tuple(ContextParallel(a, balance=b) for a in axes if part.mesh.size(a) > 1 for b in balance)

@@ -6,13 +6,15 @@ before the next (earlier tactics win conflicts), with a history of every step:
     apply_schedule(program, mesh, [DataParallel("data"), Megatron("model")])
 
 Manual: `Shard`, `Replicate`, `Specs`. Strategies: `DataParallel`, `Megatron`,
-`ZeRO`/`FSDP`, `SequenceParallel`, `ExpertParallel`. Memory: `Remat`. Stages: `Pipeline`. A glob that matches
+`ZeRO`/`FSDP`, `SequenceParallel`, `ContextParallel`, `ExpertParallel`. Memory: `Remat`.
+Stages: `Pipeline`. A glob that matches
 inputs it cannot tell apart (a dict key holding '/') warns `AmbiguousPatternWarning`.
 """
 
 from . import _checks as check
 from ._checks import AmbiguousPatternWarning
 from ._base import Context, Partitioned, Step, Tactic, TacticError, applied_order, apply_schedule
+from ._context import ContextParallel
 from ._data import DataParallel, batch_inputs
 from ._groups import Group, input_groups
 from ._expert import ExpertParallel, expert_activations, expert_weights
@@ -25,6 +27,6 @@ from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 from ._registry import TACTICS, WORDS, tactic_names
 
-__all__ = ["check", "AmbiguousPatternWarning", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Pipeline", "Remat", "Replicate",
+__all__ = ["check", "ContextParallel", "AmbiguousPatternWarning", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Pipeline", "Remat", "Replicate",
            "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "TACTICS", "WORDS", "ZeRO", "applied_order", "apply_schedule", "tactic_names",
            "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from ._context import ContextParallel
 from ._data import DataParallel
 from ._expert import ExpertParallel
 from ._manual import Replicate, Shard, Specs
@@ -15,12 +16,14 @@ from ._sequence import SequenceParallel
 from ._zero import FSDP, ZeRO
 
 #: Every tactic class, in the order a schedule usually lists them.
-TACTICS = (Shard, Replicate, Specs, DataParallel, FSDP, ZeRO, Megatron, SequenceParallel, ExpertParallel, Pipeline, Remat)
+TACTICS = (Shard, Replicate, Specs, DataParallel, FSDP, ZeRO, Megatron, SequenceParallel, ContextParallel, ExpertParallel,
+           Pipeline, Remat)
 
 #: Schedule words (`WORD:AXIS` in `automap search --schedule`) -> the tactic they make on
 #: one mesh axis.
 WORDS = {"dp": DataParallel, "fsdp": FSDP, "zero1": partial(ZeRO, stage=1), "zero2": partial(ZeRO, stage=2),
-         "zero3": partial(ZeRO, stage=3), "megatron": Megatron, "sp": SequenceParallel, "ep": ExpertParallel}
+         "zero3": partial(ZeRO, stage=3), "megatron": Megatron, "sp": SequenceParallel, "cp": ContextParallel,
+         "ep": ExpertParallel}
 
 
 def tactic_names() -> str:

@@ -16,6 +16,7 @@ from .._nested import Link, split_operands
 from .._reshard import gathered_first
 from ..rules import get_traits
 from ._eval import bind_equation
+from ._order import Reordering
 from ._recompute import Recomputation
 
 
@@ -35,12 +36,14 @@ def _numeric(dtype) -> bool:
 class JitHooks:
     """The hooks of one lowered plan: `constrain(x, v)` fixes value `v`'s layout,
     `record` keeps the values of the current trace by id, `operands` rewrites what an
-    equation reads, `produced` notes what an op made."""
+    equation reads, `produced` notes what an op made; `order` is the plan's token
+    orders (`_order.Reordering`)."""
 
     def __init__(self, part, mesh, constrain):
         self.prog = part.program
         self.mesh = mesh
         self.constrain = constrain
+        self.order = Reordering(part)
         self.reads = Reads(part, mesh, self.remake)
         self.remat = Recomputation(part, self) if part.rematerialized or part.reused else None
         self.values: dict = {}
@@ -63,7 +66,7 @@ class JitHooks:
         from this trace's scalars."""
         op = self.prog.ops[self.prog.producer[v]]
         args = [self.values[u] if u >= 0 else var.val for u, var in zip(op.operands, op.eqn.invars)]
-        return bind_equation(op.eqn, args)[op.results.index(v)]
+        return self.order.made(v, bind_equation(op.eqn, args)[op.results.index(v)])
 
     def operands(self, rid: int, i: int, eqn, ids, invals):
         """What equation `i` of region `rid` reads (`ids`: its operands' value ids)."""

@@ -64,7 +64,11 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
 
     def run(*args):
         hooks.start()
-        outs = _eval_region(prog, 0, jax.tree_util.tree_leaves(args), hooks)
+        leaves = jax.tree_util.tree_leaves(args)
+        if hooks.order:  # the inputs in the plan's token order, split as the plan has them
+            leaves = [x if y is x else constrain_value(y, v)
+                      for x, y, v in zip(leaves, hooks.order.enter(leaves), prog.inputs)]
+        outs = hooks.order.leave(_eval_region(prog, 0, leaves, hooks))
         return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
     return jit_with_layouts(run, part, user_mesh, donate_argnums)
@@ -116,7 +120,7 @@ def _eval_region(prog, rid: int, args, hooks):
                 hooks.produced(oid, outs)
         for var, o, v in zip(eqn.outvars, outs, region.eqn_results[i]):
             if v >= 0:  # (a pipelined scan's results come out of its region at rest)
-                env[var], ids[var] = (o if piped else hooks.constrain(o, v)), v
+                env[var], ids[var] = (o if piped else hooks.constrain(hooks.order.made(v, o), v)), v
                 hooks.record(v, env[var])
     return [read(x) for x in jaxpr.outvars]
 

@@ -126,7 +126,7 @@ class Recomputation:
             outs = bind_equation(op.eqn, args, **lowering_params(op.eqn, self.hooks.mesh))
             for r, x in zip(op.results, outs):
                 if r >= 0:
-                    local[r] = self.hooks.constrain(x, r)
+                    local[r] = self.hooks.constrain(self.hooks.order.made(r, x), r)
         self.done[key] = local
         return local
 

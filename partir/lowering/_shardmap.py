@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+from jax.sharding import NamedSharding
 
 from .._errors import PartitioningError
 from .._graph import made_from_scalars
@@ -40,6 +41,7 @@ from ._eval import bind_equation
 from ._frame import Frame, _Blocks
 from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
+from ._order import Reordering
 from ._shardmap_pipeline import run_pipelined
 from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
@@ -55,11 +57,17 @@ def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
     interp = Interpreter(part, _free_mask(prog, free))
     in_specs = tuple(part.tiling(v).spec() for v in prog.inputs)
     out_specs = tuple(part.tiling(v).spec() if v >= 0 else jax.sharding.PartitionSpec() for v in prog.outputs)
-    body = jax.shard_map(lambda *xs: tuple(interp.top(xs)), mesh=lowering_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+    auto = lowering_mesh(mesh)
+    body = jax.shard_map(lambda *xs: tuple(interp.top(xs)), mesh=auto, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
+    order = interp.order
 
     def run(*args):
-        return jax.tree_util.tree_unflatten(prog.out_tree, body(*jax.tree_util.tree_leaves(args)))
+        leaves = jax.tree_util.tree_leaves(args)
+        if order:  # the inputs in the plan's token order, split as the plan has them
+            leaves = [x if y is x else jax.lax.with_sharding_constraint(y, NamedSharding(auto, s))
+                      for x, y, s in zip(leaves, order.enter(leaves), in_specs)]
+        return jax.tree_util.tree_unflatten(prog.out_tree, order.leave(list(body(*leaves))))
 
     return jit_with_layouts(run, part, mesh, donate_argnums)
 
@@ -106,6 +114,7 @@ class Interpreter:
         # Values a pipeline leaves partial over some axes when made (`ScanLayout.deferred`).
         self.left_partial: dict[int, tuple[str, ...]] = {}
         self.free = free
+        self.order = Reordering(part)
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
@@ -162,6 +171,7 @@ class Interpreter:
                             tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.invars),
                             tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh, partial)
             outs = bind_local(local, operands)
+            outs = [o if v < 0 else self.order.made(v, o) for v, o in zip(op.results, outs)]
         for k, v in enumerate(op.results):
             if v >= 0:
                 left = self.left_partial.get(v, ())
@@ -189,7 +199,7 @@ class Interpreter:
         outs = bind_equation(eqn, args)
         for v, o in zip(op.results, outs):
             if v >= 0:
-                frame.make_whole(v, o)
+                frame.make_whole(v, self.order.made(v, o))
         return True
 
     # -- region boundaries ------------------------------------------------------------

@@ -34,6 +34,13 @@ to the intra-node one; a group on a TPU torus larger than one side of it runs ri
 along as many torus dims as it spans, each with its own links. With the latency, this
 is the bus-bandwidth curve of NCCL-tests: small messages pay `alpha` per step.
 
+A contraction summed along several dims, each split over axes of its own (a weight's
+gradient summed over a batch split over `data` and a sequence split over `context`), is
+all-reduced once per dim, over that dim's axes (`per_contracted_dim`): XLA's SPMD
+partitioner reduces each partitioned contracting dim in turn (measured on XLA:CPU: two
+all-reduces of the whole buffer, over `context` then `data`, where one dim split over
+both axes gives one all-reduce).
+
 Gradient reductions over the same axes are combined into one collective per step
 (their latency paid once), as XLA's combiner and DDP's buckets do.
 
@@ -202,6 +209,21 @@ class LinkModel:
                 cur *= n
                 out.append((kind, axes, cur, self.time(kind, axes, cur)))
         return out
+
+
+def per_contracted_dim(cols, groups, links) -> list:
+    """`cols` (`LinkModel.reshard`'s) with an all-reduce over the axes of several
+    contracted dims (`groups`: each dim's axes, in the order XLA reduces them) made one
+    all-reduce per dim, each of the whole buffer (module docstring)."""
+    out = []
+    for kind, axes, nbytes, t in cols:
+        parts = [tuple(a for a in g if a in axes) for g in groups]
+        parts = [p for p in parts if p]
+        if kind != Kind.ALL_REDUCE or len(parts) < 2 or {a for p in parts for a in p} != set(axes):
+            out.append((kind, axes, nbytes, t))
+            continue
+        out += [(kind, p, nbytes, links.time(kind, p, nbytes)) for p in parts]
+    return out
 
 
 def _members_per_node(mesh, axes, devices_per_node: int) -> int:

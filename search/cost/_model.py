@@ -45,7 +45,7 @@ import numpy as np
 from partir import Kind
 
 from ._breakdown import Cost, bytes_str, time_str
-from ._comm import CollectiveCost, LinkModel
+from ._comm import CollectiveCost, LinkModel, per_contracted_dim
 from ._peak import CostMemory, op_label
 from ._pipeline import PipelinePricing
 from ._time import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
@@ -259,9 +259,43 @@ class CostModel(CostTime, CostMemory):
         full = float(self._nbytes[r.value])
         item = full / max(1, math.prod(val.shape))
         grad = bool(r.src.partial) and self._backward[o] and not self._feeds_backward[r.value]
+        cols = self.links.reshard(r.src, r.dst, full, self.part.mesh)
+        if r.side == "result" and r.src.partial and self.program.ops[o].primitive == "dot_general":
+            cols = per_contracted_dim(cols, self._contracted_axes(o), self.links)
         return [CollectiveCost(kind, axes, nbytes, t, o, r.value, float(self._mult[o]), bool(grad),
                                nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
-                for kind, axes, nbytes, t in self.links.reshard(r.src, r.dst, full, self.part.mesh)]
+                for kind, axes, nbytes, t in cols]
+
+    def _order_cols(self) -> list:
+        """(op, collective, value) of the permutations into and out of a balanced token
+        order (`Partitioning.reorder`): each input along a reordered sequence moved to its
+        permuted blocks where the step starts, each such output back where it ends, a
+        collective-permute of its shard over the axes splitting the sequence (none where
+        they do not split it)."""
+        from partir import order_sites
+
+        prog, part, out = self.program, self.part, []
+        for label in sorted(part.orders):
+            sites = order_sites(prog, label)
+            for v, dims in [(prog.inputs[k], d) for k, d in sites.inputs] + [(prog.outputs[k], d)
+                                                                            for k, d in sites.outputs]:
+                tiling = part.tiling(v)
+                axes = tuple(a for d in dims for a in tiling.dims[d] if part.mesh.size(a) > 1)
+                if not axes:
+                    continue
+                o = prog.users[v][0] if prog.producer[v] < 0 or v in prog.inputs else prog.producer[v]
+                nbytes = float(self._nbytes[v]) / tiling.num_shards(part.mesh)
+                t = self.links.time(Kind.COLLECTIVE_PERMUTE, axes, nbytes)
+                out.append((o, CollectiveCost(Kind.COLLECTIVE_PERMUTE, axes, nbytes, t, o, v), v))
+        return out
+
+    def _contracted_axes(self, o: int) -> list[tuple[str, ...]]:
+        """The axes splitting each contracted dim of dot `o`, minor dim first (the order
+        XLA reduces them in, `_comm.per_contracted_dim`)."""
+        op = self.program.ops[o]
+        F, reduction = self.part.factor_tiling(o), op.rule.reduction
+        lhs = [fs for fs in op.rule.operands[0] if any(f in reduction for f in fs)]
+        return [tuple(a for f in fs for a in F[f]) for fs in reversed(lhs)]
 
     def _sync(self) -> None:
         if self.part.pipelines != self._pipelines:  # what every op's price rests on changed
@@ -302,7 +336,7 @@ class CostModel(CostTime, CostMemory):
         times, _, extra = self._op_times()
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
-        parts = self._parts(times, self._again_ops(extra), compute, again_cols)
+        parts = self._parts(times, self._again_ops(extra), compute, again_cols + self._order_cols())
         peak = self._memory(self._nbytes / self._class_div[self._value_class] / self._value_div, exact=False)[0]
         return parts, peak
 
@@ -312,6 +346,7 @@ class CostModel(CostTime, CostMemory):
         prog = self.program
         times, div, kernel_again = self._op_times()
         again, again_cols = self._recomputed(times)
+        again_cols += self._order_cols()
         compute = float(times.sum()) + again + float(kernel_again.sum())
         step, exposed = self._step(times, self._again_ops(kernel_again), compute, again_cols)
         firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))

@@ -40,7 +40,10 @@ class CostMemory:
             for first, key, cols, buf in group:
                 if buf > 0:
                     starts.append(first), ends.append(last), sizes.append(buf), keys.append(key)
-            whole = sum(c.bytes for _, _, cols, _ in group for c in cols if c.kind == Kind.ALL_REDUCE)
+            # One whole result per gradient, however many all-reduces make it (one per
+            # contracted dim, each reading the previous one's result).
+            whole = sum(max((c.bytes for c in cols if c.kind == Kind.ALL_REDUCE), default=0.0)
+                        for _, _, cols, _ in group)
             if whole > 0:
                 starts.append(last), ends.append(last), sizes.append(whole), keys.append(group[-1][1])
         return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), np.array(sizes), keys

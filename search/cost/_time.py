@@ -9,6 +9,7 @@ import numpy as np
 from partir import computations, depended_on
 
 from ._achieved import TimeParts, batch_free, dot_efficiency, overlappable, time_parts
+from ._attention import causal_imbalance
 
 
 #: The backward ops that turn an activation's gradient into a weight's: contractions
@@ -61,6 +62,8 @@ class CostTime:
         eff = np.where(self._is_dot, self._eff * dev.matmul_efficiency, 1.0)
         times = np.maximum(work / (self._peak * eff), moved / dev.hbm_bandwidth) * self._mult * self._runs
         kernel = self._flops / div / (self._peak * dev.attention_efficiency) * self._mult
+        if self._kernel.any():  # a causal kernel split by its queries: the busiest device
+            kernel = np.where(self._kernel_work < 1, kernel * causal_imbalance(self.part), kernel)
         times = np.where(self._kernel, kernel * self._kernel_work, times)
         if dev.op_overhead > 0:
             # Matmuls and attention kernels, each a kernel of its own in any form of the

@@ -1,0 +1,124 @@
+"""Context parallelism: the sequence split over an axis through attention too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import partir
+
+from . import _checks as check
+from ._base import Context, Tactic, TacticError
+from ._roles import roles
+
+#: How attention computes on a split sequence. 'allgather': each device keeps its block
+#: of queries and all-gathers the keys and values (MaxText's context parallelism),
+#: expressed through layouts alone, so both lowerings realise it.
+STRATEGIES = ("allgather",)
+
+
+@dataclass(frozen=True)
+class ContextParallel(Tactic):
+    """Split the sequence dim of every activation over `axis`, attention included.
+
+    The sequence is the dim that the queries and keys of the program's self-attentions
+    run along (`partir.attentions`, found from the dataflow: `jax.nn.dot_product_attention`
+    and hand-written softmax attention alike), and every dim the factor rules tie to it
+    (the tokens', the positions', the activations'). The batch inputs are split along it;
+    each attention's keys and values are kept whole over `axis` (`strategy='allgather'`):
+    every device computes the scores of its block of queries against the whole sequence,
+    and the backward pass reduce-scatters the keys' and values' gradients. A causal mask
+    made of iotas follows the split as XLA partitions the iotas, so the numbers are the
+    unsplit program's.
+
+    Split in contiguous blocks, a causal sequence gives the device holding its first
+    block the least unmasked work and the one holding the last the most. `balance`
+    lays the tokens out in another order first (`partir.BALANCES`: 'zigzag', each
+    device two chunks from opposite ends; 'striped', every n-th token): the inputs
+    along the sequence are permuted on the way in, the outputs back on the way out, and
+    the iotas along it (rotary positions, causal masks) hold the permuted positions, so
+    the numbers are still the unsplit program's (`Partitioning.reorder`).
+    """
+
+    axis: str
+    strategy: str = "allgather"
+    balance: str | None = None
+
+    def __post_init__(self):
+        check.text("ContextParallel axis", self.axis, example="axis='context'", error=TacticError)
+        check.one_of("ContextParallel strategy", self.strategy, STRATEGIES, error=TacticError)
+        check.one_of("ContextParallel balance", self.balance, (None, *partir.BALANCES), error=TacticError)
+
+    def apply(self, part, ctx: Context):
+        prog = part.program
+        found = partir.attentions(prog)
+        if not found:
+            raise TacticError(f"{self}: found no self-attention (a batched Q K^T whose softmax weights a second dot "
+                              "reads, queries and keys along one sequence); context parallelism splits one")
+        classes = partir.dim_classes(prog)
+        sequence = {classes.label(a.key, a.key_dim) for a in found}
+        inputs = _sequence_inputs(part, classes, sequence, self.axis)
+        if self.balance is not None:
+            if len(sequence) != 1:
+                raise TacticError(f"{self}: the attentions run along {len(sequence)} different sequences; a "
+                                  "balanced token order lays out one")
+            part.reorder(inputs[0][0], inputs[0][1], self.axis, self.balance, source=str(self))
+        for a in found:
+            for v in (a.key, a.value):
+                if self.axis in part.tiling(v).axes():
+                    raise TacticError(f"{self}: {prog.name(v)} is already split over {self.axis!r}; the keys and "
+                                      "values of attention are gathered whole over the context axis")
+                part.pin(v, axes=(self.axis,), source=str(self))
+        for a in found:
+            # The keys' gradients split along the sequence, but as boundaries: each is
+            # summed over the queries (a reduce-scatter), and propagation from them
+            # would otherwise reach the softmax's gradient first and split it by keys.
+            for v, d in a.key_grads:
+                _split_at_rest(part, v, d, self.axis, str(self))
+        for v, d in inputs:
+            part.tile(v, d, self.axis, source=str(self))
+        unsplit = [a for a in found if self.axis not in part.factor_tiling(a.score)[_query_factor(prog, a)]]
+        if unsplit:
+            names = ", ".join(prog.name(a.scores) for a in unsplit)
+            raise TacticError(f"{self}: the queries of {names} are not split over {self.axis!r} after propagation "
+                              "(an earlier tactic holds that axis on their path); apply ContextParallel first")
+        masked = sum(a.masked for a in found)
+        notes = [f"attentions: {len(found)} ({masked} causal), keys and values gathered over {self.axis!r}",
+                 "sequence split on: " + ", ".join(f"{prog.name(v)} dim {d}" for v, d in inputs)]
+        if self.balance is not None:
+            notes.append(f"tokens laid out {self.balance!r}: inputs and iotas along the sequence permuted")
+        return part, notes
+
+
+def _sequence_inputs(part, classes, sequence: set, axis: str) -> list[tuple[int, int]]:
+    """(input, dim) of every batch input along the sequence; a clear error when there is
+    none or the axis does not divide one."""
+    prog = part.program
+    out = [(v, d) for v in roles(prog).batch for d in range(prog.values[v].rank)
+           if classes.label(v, d) in sequence]
+    if not out:
+        raise TacticError("ContextParallel: no batch input runs along the sequence of the attentions "
+                          "(tokens [batch, sequence]); pass the sequence as an input of the step")
+    size = part.mesh.size(axis)
+    bad = [f"{prog.name(v)} (dim {d} of size {prog.values[v].shape[d]})" for v, d in out
+           if prog.values[v].shape[d] % size]
+    if bad:
+        raise TacticError(f"ContextParallel({axis!r}): the {size} devices of {axis!r} do not divide the sequence of "
+                          f"{', '.join(bad)}; pick an axis whose size divides the sequence length")
+    return out
+
+
+def _split_at_rest(part, v: int, dim: int, axis: str, source: str) -> None:
+    """Fix `v`'s layout as it is plus `axis` on `dim`, as a boundary (`constrain`)."""
+    dims = list(part.tiling(v).dims)
+    if axis in dims[dim]:
+        return
+    dims[dim] = dims[dim] + (axis,)
+    part.constrain(v, tuple(dims), source=source)
+
+
+def _query_factor(prog, a) -> int:
+    """The factor of the score dot `a.score` along the queries' sequence."""
+    op = prog.ops[a.score]
+    (f,) = op.rule.results[0][a.score_query_dim]
+    return f
+
