@@ -14,8 +14,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 # Plans cached by automap.jit go to a fresh folder, never to the user's cache.
 os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
+# XLA:CPU's LLVM backend at optimization level 0: what the tests compare (values against
+# `jax.jit` compiled the same way, the HLO's collectives, buffer assignment's memory) is
+# decided before LLVM runs, and the suite spends a third of its time compiling (measured:
+# test_remat + test_cost 70 s -> 49 s). A level the user sets wins.
+_LEVEL = "" if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") else \
+    " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + _LEVEL + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same program (the plain-jit reference of an example under each

@@ -87,12 +87,27 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,expected", BAD, ids=[" ".join(a[:3]) + f"-{i}" for i, (a, _) in enumerate(BAD)])
-def test_bad_arguments_get_one_line_and_status_2(args, expected, tmp_path):
+def test_bad_arguments_get_one_line_and_status_2(args, expected, capsys):
+    # In this process (the command's `main`), as the console script runs it: a new
+    # interpreter per row would spend its time importing JAX. The console script's
+    # own status and output are checked below, once.
+    from automap._cli import main
+
+    assert main(list(args)) == 2
+    _one_line(capsys.readouterr().err, expected)
+
+
+def test_the_console_script_answers_a_bad_argument_in_one_line_with_status_2():
+    args, expected = BAD[0]
     out = _run(*args, timeout=120)
     assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert expected in lines[-1], out.stderr
+    _one_line(out.stderr, expected)
+
+
+def _one_line(stderr: str, expected: str) -> None:
+    assert "Traceback" not in stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert expected in lines[-1], stderr
     assert lines[-1].startswith(("automap: error:", "usage:")) or "error:" in lines[-1]
 
 
