@@ -98,6 +98,7 @@ class _Walk:
     path: list
     applied: list = field(default_factory=list)
     stopped: bool = False
+    seen: set = field(default_factory=set)  # the state keys passed, the root's included
 
 
 class TreeSearch:
@@ -235,7 +236,7 @@ class TreeSearch:
         """Walk down from the root: `select` while a node's actions are all tried,
         `expand` one untried action and end there, or end at a stop (a leaf of its own,
         so UCT learns how good stopping is) or where no action is left."""
-        walk = _Walk(self.root_key, [self.tree[self.root_key]])
+        walk = _Walk(self.root_key, [self.tree[self.root_key]], seen={self.root_key})
         node = walk.path[0]
         while True:
             if node.untried is None:
@@ -254,8 +255,16 @@ class TreeSearch:
             if not self.follow(a, len(walk.applied)):
                 node.children.pop(a, None)
                 continue
+            key = self.state.key()
+            if key in walk.seen:
+                # Back to a state this walk passed (an action that changed nothing here):
+                # an edge to it would be a cycle the walk never leaves.
+                self.release(len(walk.applied))
+                node.children.pop(a, None)
+                continue
+            walk.seen.add(key)
             walk.applied.append(a)
-            walk.key = self.state.key()
+            walk.key = key
             child = self.tree.get(walk.key)
             if child is None:
                 child = self.tree[walk.key] = _Node()

@@ -2,7 +2,9 @@
 distance to the exact optimum, schedules with manual tactics and later tactics. Searches
 stop by episode count (timing lives in benchmarks/search.py)."""
 
+import dataclasses
 import io
+import time
 
 import pytest
 from rich.console import Console
@@ -267,3 +269,35 @@ def test_an_action_taken_again_is_replayed_with_what_it_left_in_the_context():
     state.rollback(root)
     state.part.replay(delta)
     assert not state.ctx.blocks and not state.apply(seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unchanged(T.Tactic):
+    """A tactic that applies and leaves the state as it was: it constrains the first
+    input to the layout it has (ContextParallel over an axis the plan had already put
+    where it would did this on Llama-3 70B shapes, and the search walked that edge
+    forever, its memory growing)."""
+
+    def apply(self, part, ctx):
+        v = part.program.inputs[0]
+        part.constrain(v, part.tiling(v), source="test")
+        return part, []
+
+
+def test_a_macro_that_changes_nothing_ends_no_walk_in_a_cycle():
+    cfg = mlp.MLPConfig(d_in=64, d_hidden=128, d_out=64, n_layers=2, batch=16)
+    step, args = mlp.make_train_step(cfg, abstract=True)
+    prog = partir.lift(step, *args)
+    mesh = MeshSpec.of(data=2, model=4)
+    part = partir.Partitioning(prog, mesh)
+    roles = T.roles(prog)
+    groups = search.input_groups(prog, roles.params + roles.batch)
+    state = search.SearchState(part, search.CostModel(part, "cpu"), groups, mesh.names, "test", T.Context())
+    from search._mcts import TreeSearch
+
+    tree = TreeSearch(state, budget_s=600, seed=0, macros=(_Unchanged(), T.DataParallel("data")),
+                      start=time.perf_counter(), max_episodes=200, patience=None, progress=None)
+    result = tree.run()
+    assert result.stats.episodes <= 200 and not part.decisions
+    # No edge leads back to the node it leaves: a walk taking it would never end.
+    assert all(child != key for key, node in tree.tree.items() for child in node.children.values())
