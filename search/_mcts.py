@@ -60,6 +60,10 @@ TOP_KEPT = 32
 #: builds (see `TreeSearch.seed_macros`).
 BEAM = 4
 MACRO_DEPTH = 5
+#: Times one walk may come back to a state it passed (by actions that change nothing)
+#: before it ends there: a few, as UCT takes such edges while their bonus lasts; not
+#: without end (a walk that kept taking one ran out of memory).
+WALK_REVISITS = 4
 #: Episodes without a better plan before the best plan is polished by hill climbing.
 POLISH_AFTER = 60
 #: Longest random rollout after an expansion, in actions.
@@ -98,7 +102,7 @@ class _Walk:
     path: list
     applied: list = field(default_factory=list)
     stopped: bool = False
-    seen: set = field(default_factory=set)  # the state keys passed, the root's included
+    seen: dict = field(default_factory=dict)  # state key -> times the walk passed it
 
 
 class TreeSearch:
@@ -236,7 +240,7 @@ class TreeSearch:
         """Walk down from the root: `select` while a node's actions are all tried,
         `expand` one untried action and end there, or end at a stop (a leaf of its own,
         so UCT learns how good stopping is) or where no action is left."""
-        walk = _Walk(self.root_key, [self.tree[self.root_key]], seen={self.root_key})
+        walk = _Walk(self.root_key, [self.tree[self.root_key]], seen={self.root_key: 1})
         node = walk.path[0]
         while True:
             if node.untried is None:
@@ -256,13 +260,13 @@ class TreeSearch:
                 node.children.pop(a, None)
                 continue
             key = self.state.key()
-            if key in walk.seen:
-                # Back to a state this walk passed (an action that changed nothing here):
-                # an edge to it would be a cycle the walk never leaves.
+            if key in walk.seen and walk.seen[key] >= WALK_REVISITS:
+                # An action that changed nothing leads back to a state this walk passed:
+                # UCT may take such an edge again and again, and the walk would never end.
                 self.release(len(walk.applied))
                 node.children.pop(a, None)
-                continue
-            walk.seen.add(key)
+                break
+            walk.seen[key] = walk.seen.get(key, 0) + 1
             walk.applied.append(a)
             walk.key = key
             child = self.tree.get(walk.key)

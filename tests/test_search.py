@@ -285,19 +285,21 @@ class _Unchanged(T.Tactic):
 
 
 def test_a_macro_that_changes_nothing_ends_no_walk_in_a_cycle():
+    from search._mcts import TreeSearch
+
     cfg = mlp.MLPConfig(d_in=64, d_hidden=128, d_out=64, n_layers=2, batch=16)
     step, args = mlp.make_train_step(cfg, abstract=True)
     prog = partir.lift(step, *args)
     mesh = MeshSpec.of(data=2, model=4)
     part = partir.Partitioning(prog, mesh)
+    _Unchanged().apply(part, T.Context())  # from here on it changes nothing
     roles = T.roles(prog)
     groups = search.input_groups(prog, roles.params + roles.batch)
     state = search.SearchState(part, search.CostModel(part, "cpu"), groups, mesh.names, "test", T.Context())
-    from search._mcts import TreeSearch
-
-    tree = TreeSearch(state, budget_s=600, seed=0, macros=(_Unchanged(), T.DataParallel("data")),
-                      start=time.perf_counter(), max_episodes=200, patience=None, progress=None)
-    result = tree.run()
-    assert result.stats.episodes <= 200 and not part.decisions
-    # No edge leads back to the node it leaves: a walk taking it would never end.
-    assert all(child != key for key, node in tree.tree.items() for child in node.children.values())
+    tree = TreeSearch(state, budget_s=600, seed=0, macros=(_Unchanged(),), start=time.perf_counter(),
+                      max_episodes=10, patience=None, progress=None)
+    root = tree.tree[tree.root_key]
+    noop = search.Action.macro(_Unchanged())
+    root.untried, root.children = [], {noop: tree.root_key}  # its edge leads back to the root
+    walk = tree.descend()  # UCT takes the only edge there is: the walk must still end
+    assert len(walk.applied) <= 8 and part.key() == tree.root_key
