@@ -256,14 +256,16 @@ def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
 
 
 # The unrolled form (the slowest to compile; `make test-all` runs it) is covered in the
-# default run by test_recomputing_plan_matches_jit's unrolled case.
+# default run by test_recomputing_plan_matches_jit's unrolled case; each change runs in
+# the default run under one lowering, the other in `make test-all`.
+SLOW_CHANGES = {("relax", "jit"), ("tighten", "shard_map")}
 CHANGED = [(change, backend, form) for change in ("tighten", "relax") for backend in ("jit", "shard_map")
            for form in ("unrolled", "scan")]
 
 
 @pytest.mark.parametrize("user,policy,backend,scan", [
     pytest.param(*{"tighten": ("dots", "full"), "relax": (None, "none")}[c], b, f == "scan",
-                 marks=pytest.mark.slow if f == "unrolled" else ())
+                 marks=pytest.mark.slow if f == "unrolled" or (c, b) in SLOW_CHANGES else ())
     for c, b, f in CHANGED], ids=["-".join(c) for c in CHANGED])
 def test_changed_user_checkpoint_matches_jit(scan, backend, user, policy):
     step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=scan, remat_policy=user, **SMALL))
