@@ -26,20 +26,22 @@ from ._errors import PartitioningError
 from ._ir import Program
 from ._mesh import MeshSpec
 from ._order import Orders
+from ._pipelines import Pipelines
 from ._propagate import _BND, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
+from .rules._manual import check_fixed_regions
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
 
 
-class Partitioning(Propagation, Replay, Orders):
+class Partitioning(Propagation, Replay, Orders, Pipelines):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
     def __init__(self, program: Program, mesh: MeshSpec, *, detached=()):
         self.program = program
         self.mesh = mesh
-        _check_fixed_regions(program, mesh)
+        check_fixed_regions(program, mesh)
         # Axis sizes as a plain dict for `_split`'s greedy loop, which reads them one
         # axis at a time (products over whole axis tuples use `mesh.devices_along`).
         self._msize = mesh.sizes()
@@ -298,20 +300,6 @@ class Partitioning(Propagation, Replay, Orders):
         """The residuals recomputed in the backward pass instead of kept."""
         return frozenset(self._remat)
 
-    def pipeline(self, pipelining) -> None:
-        """Run a layer scan's layers as pipeline stages (a `partir.Pipelining`; its
-        stacked values are split over its stage axis by the caller's `tile`s)."""
-        if any(set(p.bodies) & set(pipelining.bodies) for p in self._pipelines):
-            raise PartitioningError("these layer scans are pipelined already: give one Pipeline per layer stack")
-        self._pipelines += (pipelining,)
-        self._log.append((_PIP, pipelining))
-        self._hash ^= hash((_PIP, pipelining))
-
-    @property
-    def pipelines(self) -> tuple:
-        """The layer scans run as pipeline stages (`partir.Pipelining`s)."""
-        return self._pipelines
-
     def reuse(self, value, *, source: str = "user") -> None:
         """Relax the user's `jax.checkpoint`: its backward region reads, instead of
         recomputing `value`, the forward value it is a rerun of (`partir._checkpoint`),
@@ -499,20 +487,4 @@ class Partitioning(Propagation, Replay, Orders):
         c._log, c._marks, c._decisions = [], [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c
-
-
-def _check_fixed_regions(program: Program, mesh: MeshSpec) -> None:
-    """Every region the user partitioned by hand (a `shard_map`) runs over axes of `mesh`
-    with the same sizes; else a `PartitioningError` naming the first that does not."""
-    sizes = mesh.sizes()
-    for op in program.ops:
-        fixed = op.rule.fixed
-        if fixed is None:
-            continue
-        wrong = [f"{n}={k}" for n, k in fixed.mesh if sizes.get(n) != k]
-        if wrong:
-            name = program.name(next((v for v in op.results if v >= 0), op.operands[0]))
-            raise PartitioningError(
-                f"{op.primitive} making {name} runs over mesh axes {', '.join(wrong)}, which the plan's mesh {mesh} "
-                "does not have: plan over the mesh the shard_map names (same axis names and sizes)")
 

@@ -261,3 +261,4 @@ def _check_body(part, ext, pipe: Pipelining, inside: set) -> None:
         if src != tuple(MICROBATCH in d for d in r.dst.dims):
             raise PartitioningError(f"the plan moves {prog.name(r.value)} across microbatches ({r.src} -> {r.dst}) "
                                     "inside the pipelined layers; the pipeline cannot run it")
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._errors import PartitioningError
 from .._rule import FixedLayout
 from ._registry import conservative_rule, register
 from ._traits import Traits, Work
@@ -39,3 +40,20 @@ def shard_map(in_shapes, out_shapes, params):
                         tuple(_dims(s, len(shape)) for s, shape in zip(params["out_specs"], out_shapes)),
                         tuple((str(n), int(k)) for n, k in mesh.shape.items()))
     return dataclasses.replace(conservative_rule(in_shapes, out_shapes), fixed=fixed)
+
+
+def check_fixed_regions(program, mesh) -> None:
+    """Every region the user partitioned by hand (a `shard_map`) runs over axes of `mesh`
+    with the same sizes; else a `PartitioningError` naming the first that does not."""
+    sizes = mesh.sizes()
+    for op in program.ops:
+        fixed = op.rule.fixed
+        if fixed is None:
+            continue
+        wrong = [f"{n}={k}" for n, k in fixed.mesh if sizes.get(n) != k]
+        if wrong:
+            name = program.name(next((v for v in op.results if v >= 0), op.operands[0]))
+            raise PartitioningError(
+                f"{op.primitive} making {name} runs over mesh axes {', '.join(wrong)}, which the plan's mesh {mesh} "
+                "does not have: plan over the mesh the shard_map names (same axis names and sizes)")
+
