@@ -86,14 +86,8 @@ class CostModel(CostTime, CostMemory):
         n_ops = len(prog.ops)
         mult = [prog.multiplicity(r.id, while_trips) for r in prog.regions]
         self._mult = np.array([mult[op.region] for op in prog.ops], dtype=float)
-        # Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often (`_pipeline`).
         self._pipelines, self._links_given, self._while_trips = part.pipelines, links, while_trips
-        self._pipeline = PipelinePricing(part, self.links, self.device) if part.pipelines else None
-        piped = np.zeros(n_ops, dtype=bool)
-        for o, scale in (self._pipeline.scale.items() if self._pipeline else ()):
-            self._mult[o] *= scale
-            piped[o] = True
-        self._piped = piped
+        piped = self._price_pipelines(n_ops)
         work = np.array([op_work(op, prog) for op in prog.ops], dtype=float).reshape(n_ops, 2)
         self._flops, self._trans = work[:, 0], work[:, 1]
         self._peak = np.array([self.device.flops_for(op_dtype(op, prog)) for op in prog.ops])
@@ -134,9 +128,30 @@ class CostModel(CostTime, CostMemory):
         self._buffer_name = {}
         self._op_cols: dict[int, list] = {}
         self._memo: dict = {}
-        # Static signature of each op for the memo: its rule, its values' sizes and roles
-        # (rematerialisable, part of an input's class), its loop trips and pass.
-        self._slot_values = [tuple(v for _, _, v, _ in part.op_layout(o)[0]) if not self._trivial[o] else ()
+        self._signatures(n_ops)
+        self._dedup: dict = {}
+        part.take_touched()
+        self._refresh_classes(range(len(cls)))
+        self._refresh_ops([o for o in range(n_ops) if not self._trivial[o] and mat.live_op[o]])
+        self._add_pipeline_collectives()
+
+    def _price_pipelines(self, n_ops: int) -> np.ndarray:
+        """Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often
+        (`_pipeline`): their trips scaled; which ops those are."""
+        part = self.part
+        self._pipeline = PipelinePricing(part, self.links, self.device) if part.pipelines else None
+        piped = np.zeros(n_ops, dtype=bool)
+        for o, scale in (self._pipeline.scale.items() if self._pipeline else ()):
+            self._mult[o] *= scale
+            piped[o] = True
+        self._piped = piped
+        return piped
+
+    def _signatures(self, n_ops: int) -> None:
+        """Static signature of each op for the memo: its rule, its values' sizes and roles
+        (rematerialisable, part of an input's class), its loop trips and pass."""
+        prog = self.program
+        self._slot_values = [tuple(v for _, _, v, _ in self.part.op_layout(o)[0]) if not self._trivial[o] else ()
                              for o in range(n_ops)]
         sigs: dict = {}
         self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
@@ -144,11 +159,11 @@ class CostModel(CostTime, CostMemory):
                                              bool(self._feeds_backward[v]))
                                             for v in self._slot_values[o])), len(sigs))
                      for o in range(n_ops)]
-        self._dedup: dict = {}
-        part.take_touched()
-        self._refresh_classes(range(len(cls)))
-        self._refresh_ops([o for o in range(n_ops) if not self._trivial[o] and mat.live_op[o]])
-        self._add_pipeline_collectives()
+
+    def _value_bytes(self) -> np.ndarray:
+        """Each value's bytes per device in the current state: split as its class is, and
+        one microbatch's where a pipeline runs it (`PipelinePricing.value_div`)."""
+        return self._nbytes / self._class_div[self._value_class] / self._value_div
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -337,7 +352,7 @@ class CostModel(CostTime, CostMemory):
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
         parts = self._parts(times, self._again_ops(extra), compute, again_cols + self._order_cols())
-        peak = self._memory(self._nbytes / self._class_div[self._value_class] / self._value_div, exact=False)[0]
+        peak = self._memory(self._value_bytes(), exact=False)[0]
         return parts, peak
 
     def cost(self, *, top: int = 10) -> Cost:
@@ -352,7 +367,7 @@ class CostModel(CostTime, CostMemory):
         firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))
         cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(
             c for _, c, _ in again_cols)
-        value_bytes = self._nbytes / self._class_div[self._value_class] / self._value_div
+        value_bytes = self._value_bytes()
         peak, t, buf, liveness, extra = self._memory(value_bytes, exact=True)
         live = liveness.live_at(t, extra[:3])
         live = live[np.argsort(-buf[live], kind="stable")][:top]

@@ -82,7 +82,7 @@ class CostMemory:
     def exact_peak(self) -> float:
         """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
         self._sync()
-        return self._memory(self._nbytes / self._class_div[self._value_class] / self._value_div, exact=True)[0]
+        return self._memory(self._value_bytes(), exact=True)[0]
 
     def _name_of_buffer(self, b: int, liveness, extra_keys) -> str:
         if b >= liveness.num_buffers:  # a reshard's or a recomputation's buffer
