@@ -260,7 +260,7 @@ class TreeSearch:
                 node.children.pop(a, None)
                 continue
             key = self.state.key()
-            if key in walk.seen and walk.seen[key] >= WALK_REVISITS:
+            if walk.seen.get(key, 0) >= WALK_REVISITS:
                 # An action that changed nothing leads back to a state this walk passed:
                 # UCT may take such an edge again and again, and the walk would never end.
                 self.release(len(walk.applied))
