@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import partir
-from tactics import (FSDP, Context, ContextParallel, DataParallel, Megatron, Pipeline, Remat, SequenceParallel, Tactic,
-                     TacticError, check, roles)
+from tactics import Context, Tactic, TacticError, check, roles
 
+from . import _seeds
 from ._actions import apply_action, input_groups
 from .cost import DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
 from ._mcts import mcts
@@ -19,8 +19,6 @@ from ._state import SearchState
 from ._twins import twin_state
 
 
-#: The rematerialization policies the search may apply to every layer (`Remat`).
-REMAT_MACROS = ("dots", "full")
 #: How many of the buffers live at the memory peak an error names.
 PEAK_BUFFERS = 5
 
@@ -37,7 +35,11 @@ class AutomaticPartition(Tactic):
     inductive tactics do; `macros=False` leaves it single
     tiles only; the macros also rematerialize activations (`Remat` with each policy)
     and add sequence parallelism after a Megatron, so memory is a decision the search
-    takes jointly with the tilings. `memory_limit` (bytes per device; the device's HBM
+    takes jointly with the tilings. Before its tree search it scores every plan that
+    gives each searched axis one role (`search.compositions`: data parallel, FSDP,
+    Megatron with or without sequence parallelism, context parallelism, pipeline stages;
+    with each remat policy), so the plans a practitioner writes are always among those
+    it weighs. `memory_limit` (bytes per device; the device's HBM
     by default) is a hard constraint: when no plan the search meets fits, it raises a
     `TacticError` naming the best plan's peak, what is live at it and the smallest peak
     it reached, unless `best_effort=True` (then it returns the best plan, marked as not
@@ -105,7 +107,7 @@ class AutomaticPartition(Tactic):
         while True:
             result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
                                         max_episodes=self.max_episodes, macros=macros, progress=self.progress,
-                                        start=start)
+                                        start=start, seeds=_seeds.compositions(macros))
             mark, ctx_mark = part.mark(), ctx.mark()
             said = self._apply_plan(part, groups, result.actions, ctx)
             differs = state.mismatch(part, result.actions)
@@ -158,16 +160,7 @@ class AutomaticPartition(Tactic):
             part.mesh.size(a)
         r = roles(part.program)
         groups = input_groups(part.program, r.params + r.batch, group=self.group)
-        macros = ()
-        if self.macros:
-            # FSDP without ZeRO's trial Megatron: the search tries both orders itself.
-            macros = tuple(m for a in axes if part.mesh.size(a) > 1
-                           for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
-            if partir.remat_layers(part.program):
-                macros += tuple(Remat(p) for p in REMAT_MACROS)
-            macros += _context_macros(part, axes)
-            if partir.layer_scans(part.program):
-                macros += tuple(Pipeline(a, m) for a in axes if part.mesh.size(a) > 1 for m in self.pipelines)
+        macros = _seeds.macros(part, axes, self.pipelines) if self.macros else ()
         return axes, groups, macros
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
@@ -248,21 +241,3 @@ class AutomaticPartition(Tactic):
     def __str__(self) -> str:
         axes = "all axes" if self.axes is None else ", ".join(self.axes)
         return f"AutomaticPartition({axes}, seed={self.seed})"
-
-
-def _context_macros(part, axes) -> tuple:
-    """Context parallelism on each axis, where the program has self-attention: in the
-    original token order, and balanced ('zigzag') where a causal attention's work
-    depends on it and the program permits the permutation."""
-    found = partir.attentions(part.program)
-    if not found:
-        return ()
-    balance = [None]
-    if any(a.masked for a in found):
-        classes = partir.dim_classes(part.program)
-        try:
-            partir.order_sites(part.program, classes.label(found[0].key, found[0].key_dim))
-            balance.append("zigzag")
-        except partir.PartitioningError:
-            pass  # an op that does not commute with a permutation: the original order only
-    return tuple(ContextParallel(a, balance=b) for a in axes if part.mesh.size(a) > 1 for b in balance)

@@ -114,9 +114,10 @@ class TreeSearch:
     every 16 episodes and at the end."""
 
     def __init__(self, state, *, budget_s: float, seed: int, macros, start: float, max_episodes: int | None,
-                 patience: int | None, progress):
+                 patience: int | None, progress, seeds=()):
         self.state, self.rng = state, random.Random(seed)
         self.macros = tuple(Action.macro(m) for m in macros)
+        self.seeds = tuple(tuple(Action.macro(m) for m in seq) for seq in seeds)
         self.limit = state.memory_limit
         self.start, self.budget_s, self.deadline = start, budget_s, start + budget_s
         self.max_episodes, self.progress = max_episodes, progress
@@ -354,10 +355,12 @@ class TreeSearch:
     def seed_macros(self) -> None:
         """Seed every macro action, then every ordered pair of them, best singles first:
         two tactics on two axes are the textbook plans (data parallel + Megatron, FSDP +
-        Megatron, ...), and this costs len(macros)**2 episodes. Then a beam: the BEAM
-        best sequences and the BEAM fastest are extended by every other macro, up to MACRO_DEPTH of them (the
-        plans people run at scale compose four or five: data parallel, tensor and
-        sequence parallel, FSDP on another axis, rematerialization)."""
+        Megatron, ...), and this costs len(macros)**2 episodes. Then the longer plans of
+        `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
+        people run at scale compose four or five tactics: data parallel, tensor and
+        sequence parallel, FSDP on another axis, rematerialization). Then a beam from
+        all of them: the BEAM best sequences and the BEAM fastest are extended by every
+        other macro, up to MACRO_DEPTH of them."""
         for a in self.macros:
             if self.room():
                 self.seed_path([a])
@@ -368,6 +371,7 @@ class TreeSearch:
             for second in ranked:
                 if second != first and self.room():
                     beam.append(self.seed_path([first, second]))
+        beam += [self.seed_path(seq) for seq in self.seeds if self.room()]
         for _ in range(MACRO_DEPTH - 2):
             # The best by reward, and the fastest whatever their memory: a fast sequence
             # that does not fit yet is one remat or FSDP away from the best plan, while
@@ -475,11 +479,12 @@ class TreeSearch:
 
 
 def mcts(state, *, budget_s: float, seed: int = 0, max_episodes: int | None = None, patience: int | None = None,
-         macros=(), progress=None, start: float | None = None) -> SearchResult:
+         macros=(), progress=None, start: float | None = None, seeds=()) -> SearchResult:
     """Search for the best sequence of actions from `state`'s current point (a
     `SearchState`, or a `TwinState`); `state` is left as it was. Times (the budget, the
     trace) count from `start` (a `time.perf_counter()` reading; now by default), so a
-    caller can include its own set-up."""
+    caller can include its own set-up. `seeds` are macro sequences scored before the
+    tree search begins (see `TreeSearch.seed_macros`)."""
     start = time.perf_counter() if start is None else start
     return TreeSearch(state, budget_s=budget_s, seed=seed, macros=macros, start=start, max_episodes=max_episodes,
-                      patience=patience, progress=progress).run()
+                      patience=patience, progress=progress, seeds=seeds).run()
