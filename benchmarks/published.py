@@ -7,8 +7,8 @@ configuration (its schedule of tactics on `examples/llama.py` set to the run's s
 on the run's device preset, from abstract shapes; unrolled where only some layers are
 checkpointed), its relative error and its peak memory; and the plan
 `AutomaticPartition` finds for the same model, devices and global batch, with its
-modeled step divided by the published configuration's. Rows needing pipeline or
-interleaved pipelines, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
+modeled step divided by the published configuration's. Rows needing a pipeline
+tactics cannot express, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
 configurations of one model, ranked by time per token per device as measured and as
 modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
@@ -256,15 +256,17 @@ def schedule(r: Row) -> list:
 def summary(part, r: Row, device, two=None) -> dict:
     """Modeled step, peak, fit and MFU (the source's formula) of a partitioning of
     `program(r)`, the train step of one micro-batch (`micro_step_s`). The step: for
-    GA 1, that train step; given `two`, the same plan on two micro-batches, the
-    accumulated step T(1) + (GA - 1) (T(2) - T(1)) (the module docstring); else GA
-    train steps of one micro-batch."""
+    GA 1, that train step; for GA > 1, `two` being the same plan on two micro-batches,
+    the accumulated step T(1) + (GA - 1) (T(2) - T(1)) (the module docstring)."""
     import search
 
+    if (two is None) != (r.grad_accum == 1):
+        raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
+                         "exactly when there is more than one")
     cost = search.CostModel(part.copy(), device).cost()
     one = cost.step_time
-    step = r.grad_accum * one
-    if two is not None and r.grad_accum > 1:
+    step = one
+    if two is not None:
         step = one + (r.grad_accum - 1) * (search.CostModel(two.copy(), device).cost().step_time - one)
     peak = search.get_device(device).flops_for("bfloat16")
     return {"step_s": step, "micro_step_s": one, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
@@ -310,8 +312,8 @@ def replayed(part, prog):
         other.redo(d)
     moved = [prog.name(v) for v, u in zip(prog.inputs, part.program.inputs) if other.tiling(v) != part.tiling(u)]
     if moved:
-        raise ValueError(f"the plan's decisions lay out {', '.join(moved[:3])} otherwise on {prog.name(prog.inputs[0])}'s "
-                         "program: it is not the structure the plan was made for")
+        raise ValueError(f"the plan's decisions lay out {', '.join(moved[:3])} otherwise on the other program: "
+                         "it is not of the structure the plan was made for")
     return other
 
 
