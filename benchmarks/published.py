@@ -20,7 +20,10 @@ forward and backward GA times and reduces the gradients and updates once: its mo
 step is affine in the micro-batches, T(1) + (GA - 1) (T(2) - T(1)), where T(k) is the
 modeled train step of k micro-batches' sequences (`summary`). The search prices the
 train step of one micro-batch, the program it is given; its plan, taken again on two
-(`replayed`), is accumulated the same way.
+(`replayed`), is accumulated the same way. The rule counts what does not grow with the
+batch once a step: right for the gradient reduction and update of data parallelism,
+kind to a plan whose parameter gathers do not grow either (FSDP), as if it kept them
+gathered across the micro-batches, which its peak (one micro-batch's) leaves out.
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
