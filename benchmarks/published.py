@@ -7,15 +7,23 @@ configuration (its schedule of tactics on `examples/llama.py` set to the run's s
 on the run's device preset, from abstract shapes; unrolled where only some layers are
 checkpointed), its relative error and its peak memory; and the plan
 `AutomaticPartition` finds for the same model, devices and global batch, with its
-modeled step divided by the published configuration's. Rows needing pipeline or
-context parallelism, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
+modeled step divided by the published configuration's. Rows needing a pipeline
+tactics cannot express, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
 configurations of one model, ranked by time per token per device as measured and as
 modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
 Figures are compared like with like: each source's model-flops formula (`FORMULAS`)
 turns its published figure into a step time and the modeled step into the same MFU.
-Gradient accumulation: every expressible run takes one micro-batch per step (GA 1), so
-the modeled step is the train step of the global batch with one optimizer update.
+Gradient accumulation: a run of GA 1 (`grad_accum`) is modeled as the train step of
+the global batch with one optimizer update. A run of GA micro-batches a step runs the
+forward and backward GA times and reduces the gradients and updates once: its modeled
+step is affine in the micro-batches, T(1) + (GA - 1) (T(2) - T(1)), where T(k) is the
+modeled train step of k micro-batches' sequences (`summary`). The search prices the
+train step of one micro-batch, the program it is given; its plan, taken again on two
+(`replayed`), is accumulated the same way. The rule counts what does not grow with the
+batch once a step: right for the gradient reduction and update of data parallelism,
+kind to a plan whose parameter gathers do not grow either (FSDP), as if it kept them
+gathered across the micro-batches, which its peak (one micro-batch's) leaves out.
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
@@ -80,6 +88,7 @@ class Row:
     expressible: bool
     global_batch: int = 0
     micro_batch: int = 0
+    grad_accum: int = 1
     experts: int = 0
     top_k: int = 0
     mesh: tuple = ()
@@ -112,6 +121,8 @@ def _check(row: dict, where: str) -> Row:
         problems.append(f"measured must be {{kind in {KINDS}, value > 0}}, got {r.measured}")
     if r.flops not in FORMULAS and r.flops != "reported":
         problems.append(f"flops {r.flops!r} not in {sorted(FORMULAS) + ['reported']}")
+    if not (isinstance(r.grad_accum, int) and r.grad_accum >= 1 and r.global_batch % r.grad_accum == 0):
+        problems.append(f"grad_accum must be a whole number >= 1 dividing global_batch, got {r.grad_accum!r}")
     if set(r.parallelism) - set(PARALLELISM):
         problems.append(f"parallelism keys {sorted(r.parallelism)} not within {PARALLELISM}")
     if r.expressible:
@@ -171,7 +182,17 @@ def _torchtitan(r: Row) -> float:
     return _tokens(r) * (6 * _params(r) + 12 * r.layers * r.heads * hd * r.seq)
 
 
-FORMULAS = {"maxtext-2023": _maxtext_2023, "maxtext-2024": _maxtext_2024, "torchtitan": _torchtitan}
+def _nemo(r: Row) -> float:
+    # NVIDIA's DGX Cloud Benchmarking recipes for NeMo (llama3.1/README_8b.md, Notes, at
+    # v24.11.1): per token, 12 L d^2 (1 + KV heads / heads + S / d) for the projections
+    # and uncausal attention, 18 L d_ff d for the SwiGLU MLP, 6 V d for the LM head.
+    d, s = r.d_model, r.seq
+    attention = 12 * r.layers * d * d * (1 + r.kv_heads / r.heads + s / d)
+    return _tokens(r) * (attention + 18 * r.layers * r.d_ff * d + 6 * r.vocab * d)
+
+
+FORMULAS = {"maxtext-2023": _maxtext_2023, "maxtext-2024": _maxtext_2024, "torchtitan": _torchtitan,
+            "nemo": _nemo}
 
 
 def published_step(r: Row) -> float:
@@ -193,10 +214,11 @@ def published_step(r: Row) -> float:
 ODD_LAYERS = r"re:^params\['layers'\]\[\d*[13579]\]"
 
 
-def program(r: Row, *, scan: bool | None = None):
-    """The lifted train step of `examples/llama.py` set to the row's shape (abstract):
-    its layers under `scan`, unrolled where the row checkpoints some layers only
-    (`scan` overrides)."""
+def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
+    """The lifted train step of `examples/llama.py` set to the row's shape (abstract),
+    on the sequences of `micro_batches` of the row's `grad_accum` micro-batches (all of
+    the global batch for a run of GA 1): its layers under `scan`, unrolled where the row
+    checkpoints some layers only (`scan` overrides)."""
     import jax.numpy as jnp
 
     import partir
@@ -204,35 +226,54 @@ def program(r: Row, *, scan: bool | None = None):
 
     scan = r.remat != "full/2" if scan is None else scan
     config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
-                               d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq, batch=r.global_batch,
+                               d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
+                               batch=r.global_batch // r.grad_accum * micro_batches,
                                dtype=jnp.bfloat16, scan_layers=scan, remat=False)
     step, args = llama.make_train_step(config, abstract=True)
     return partir.lift(step, *args)
 
 
 def schedule(r: Row) -> list:
-    """The published configuration as the project's tactics."""
+    """The published configuration as the project's tactics: context parallelism first
+    (it holds its axis on the attention's path), in Megatron-LM's token order for a
+    causal sequence ('zigzag': each device two chunks from opposite ends); the batch
+    over `data`; FSDP over `fsdp`, or where the mesh has none, the optimizer state
+    sharded over the data-parallel and context ranks (Megatron's distributed optimizer,
+    ZeRO-1)."""
     import tactics
 
     axes = dict(r.mesh_axes)
-    out = [tactics.DataParallel("data")] if "data" in axes else []
+    out = [tactics.ContextParallel("context", balance="zigzag")] if "context" in axes else []
+    out += [tactics.DataParallel("data")] if "data" in axes else []
     if "model" in axes:
         out += [tactics.Megatron("model"), tactics.FSDP("fsdp")]
-    else:
+    elif "fsdp" in axes:
         out += [tactics.FSDP("fsdp", leave_room=False)]
+    else:
+        out += [tactics.ZeRO(a, stage=1) for a in ("data", "context") if a in axes]
     if r.remat == "full/2":
         return out + [tactics.Remat("full", pattern=ODD_LAYERS)]
     return out + ([tactics.Remat(r.remat)] if r.remat != "none" else [])
 
 
-def summary(part, r: Row, device) -> dict:
-    """Modeled step, peak, fit and MFU (the source's formula) of a partitioning."""
+def summary(part, r: Row, device, two=None) -> dict:
+    """Modeled step, peak, fit and MFU (the source's formula) of a partitioning of
+    `program(r)`, the train step of one micro-batch (`micro_step_s`). The step: for
+    GA 1, that train step; for GA > 1, `two` being the same plan on two micro-batches,
+    the accumulated step T(1) + (GA - 1) (T(2) - T(1)) (the module docstring)."""
     import search
 
+    if (two is None) != (r.grad_accum == 1):
+        raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
+                         "exactly when there is more than one")
     cost = search.CostModel(part.copy(), device).cost()
+    one = cost.step_time
+    step = one
+    if two is not None:
+        step = one + (r.grad_accum - 1) * (search.CostModel(two.copy(), device).cost().step_time - one)
     peak = search.get_device(device).flops_for("bfloat16")
-    return {"step_s": cost.step_time, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
-            "mfu": FORMULAS[r.flops](r) / (peak * cost.step_time)}
+    return {"step_s": step, "micro_step_s": one, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
+            "mfu": FORMULAS[r.flops](r) / (peak * step)}
 
 
 def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) -> dict:
@@ -245,20 +286,38 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
     device = device or r.device
     mesh = partir.MeshSpec(r.mesh_axes)
     part = _apply(program(r), mesh, schedule(r))
-    out = {"id": r.id, "split": r.split, "published_step_s": published_step(r), "published": summary(part, r, device)}
+    two = _apply(program(r, micro_batches=2), mesh, schedule(r)) if r.grad_accum > 1 else None
+    out = {"id": r.id, "split": r.split, "published_step_s": published_step(r),
+           "published": summary(part, r, device, two)}
     peak = search.get_device(device).flops_for("bfloat16")
     out["published_mfu"] = FORMULAS[r.flops](r) / (peak * out["published_step_s"])
     out["error"] = out["published"]["mfu"] / out["published_mfu"] - 1
     if episodes > 0:
         searches = {} if searches is None else searches
-        key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.global_batch, r.mesh_axes,
-               device, episodes)
+        key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.global_batch // r.grad_accum,
+               r.mesh_axes, device, episodes)
         if key not in searches:
             searches[key] = _search(r, mesh, device, episodes)
         found, out["plan"] = searches[key]
-        out["searched"] = summary(found, r, device)
+        two = replayed(found, program(r, scan=True, micro_batches=2)) if r.grad_accum > 1 else None
+        out["searched"] = summary(found, r, device, two)
         out["searched_over_published"] = out["searched"]["step_s"] / out["published"]["step_s"]
     return out
+
+
+def replayed(part, prog):
+    """`part`'s decisions taken again on `prog`, a program of the same structure (its
+    train step on another batch); a `ValueError` when an input comes out otherwise."""
+    import partir
+
+    other = partir.Partitioning(prog, part.mesh, detached=part.detached)
+    for d in part.decisions:
+        other.redo(d)
+    moved = [prog.name(v) for v, u in zip(prog.inputs, part.program.inputs) if other.tiling(v) != part.tiling(u)]
+    if moved:
+        raise ValueError(f"the plan's decisions lay out {', '.join(moved[:3])} otherwise on the other program: "
+                         "it is not of the structure the plan was made for")
+    return other
 
 
 def _apply(prog, mesh, tactic_list):
@@ -324,6 +383,9 @@ def fit(rows: list[Row]) -> dict:
 
     models = []
     for r in rows:
+        if r.grad_accum > 1:
+            raise ValueError(f"{r.id}: a fit row takes one micro-batch a step (grad_accum 1, got {r.grad_accum}): "
+                             "the fit prices the train step alone; make the row a check row")
         part = _apply(program(r), partir.MeshSpec(r.mesh_axes), schedule(r))
         models.append((r, search.CostModel(part, r.device), published_step(r)))
 
