@@ -35,9 +35,9 @@ from tactics import WORDS, check
 
 from ._args import LOWERINGS, Options
 
-#: --schedule words (AXIS is a mesh axis name): the tactics' (`tactics.WORDS`), and the
-#: search on all axes or some.
-SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("auto", "auto:AXIS+AXIS")
+#: --schedule words (AXIS is a mesh axis name): the tactics' (`tactics.WORDS`), pipeline
+#: stages over AXIS with M microbatches, and the search on all axes or some.
+SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("pp:AXIS:M", "auto", "auto:AXIS+AXIS")
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -94,8 +94,9 @@ def parse_mesh(text: str):
         raise CliError(f"--mesh: {e}") from None
 
 
-def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=None):
-    """'dp:data,megatron:model,auto' -> tactics."""
+def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=None, pipelines=()):
+    """'dp:data,megatron:model,pp:stage:4,auto' -> tactics; `pipelines` are the
+    microbatch counts an `auto` may pipeline with."""
     out = []
     for word in (w.strip() for w in text.split(",") if w.strip()):
         name, _, arg = word.partition(":")
@@ -105,7 +106,10 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
                 if a not in mesh.names:
                     raise CliError(f"--schedule {word!r}: {a!r} is not a mesh axis; the axes are {list(mesh.names)}")
             out.append(search.AutomaticPartition(axes=axes, budget_s=budget, seed=seed, device=device,
-                                                 memory_limit=memory, max_episodes=episodes, best_effort=True))
+                                                 memory_limit=memory, max_episodes=episodes, best_effort=True,
+                                                 pipelines=pipelines))
+        elif name == "pp":
+            out.append(_pipeline(word, arg, mesh))
         elif name in WORDS:
             if arg not in mesh.names:
                 raise CliError(f"--schedule {word!r}: name a mesh axis after ':' (one of {list(mesh.names)})")
@@ -115,6 +119,29 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
     if not out:
         raise CliError("--schedule is empty; e.g. --schedule dp:data,megatron:model or --schedule auto")
     return out
+
+
+def _pipeline(word: str, arg: str, mesh):
+    """The `Pipeline` of schedule word `word` ('pp:AXIS:M'), whose text after 'pp:' is `arg`."""
+    from tactics import Pipeline
+
+    axis, _, count = arg.partition(":")
+    if axis not in mesh.names:
+        raise CliError(f"--schedule {word!r}: name a mesh axis after 'pp:' (one of {list(mesh.names)}), "
+                       "e.g. pp:stage:8")
+    if not count.isdigit() or int(count) < 1:
+        raise CliError(f"--schedule {word!r}: give the microbatch count after the axis, a whole number >= 1, "
+                       f"e.g. pp:{axis}:8")
+    return Pipeline(axis, microbatches=int(count))
+
+
+def parse_pipelines(text: str) -> tuple[int, ...]:
+    """'4,8' -> (4, 8): the microbatch counts `--pipelines` lets the search pipeline with."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words or not all(w.isdigit() and int(w) >= 1 for w in words):
+        raise CliError(f"--pipelines {text!r}: give microbatch counts, whole numbers >= 1 separated by commas, "
+                       "e.g. --pipelines 4,8")
+    return tuple(int(w) for w in words)
 
 
 def load_target(target: str):
@@ -200,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", default=str(Options.default("seed")), help="search seed")
     s.add_argument("--episodes", default=None,
                    help="stop the search after this many episodes (a plan that does not depend on the machine)")
+    s.add_argument("--pipelines", default=None,
+                   help="microbatch counts the search may pipeline a layer scan with, e.g. 4,8 (default: none)")
     s.add_argument("--out", required=True, help="where to write the plan (JSON)")
     s.add_argument("--lowering", default=Options.default("lowering"), choices=LOWERINGS,
                    help="how the plan runs by default: jit (XLA places the collectives) or shard_map "
@@ -249,8 +278,9 @@ def _settings(ns) -> dict:
     except AutomapError as e:
         raise CliError(str(e)) from None
     device_name = ns.device if not ns.device.endswith((".json", ".toml")) else device
+    pipelines = parse_pipelines(ns.pipelines) if ns.pipelines is not None else ()
     schedule = parse_schedule(ns.schedule, mesh, budget=budget, seed=seed, device=device_name, memory=memory,
-                              episodes=episodes)
+                              episodes=episodes, pipelines=pipelines)
     return dict(mesh=mesh, budget=budget, device=device_name, memory=memory, out=out, png=png, cache=cache,
                 schedule=schedule, lowering=ns.lowering)
 

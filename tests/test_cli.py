@@ -81,6 +81,12 @@ BAD = [
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--out", "/no/such/dir/p.json"], "does not exist"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--lowering", "pmap", "--out", "p.json"],
      "invalid choice: 'pmap'"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data", "--out", "p.json"],
+     "give the microbatch count after the axis"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:stage:4", "--out", "p.json"],
+     "name a mesh axis after 'pp:'"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "four", "--out", "p.json"],
+     "--pipelines 'four'"),
     (["show", "/no/such/plan.json"], "no plan file"),
     (["search", "examples.mlp:factory"], "required"),
 ]
@@ -151,3 +157,26 @@ def test_ctrl_c_while_the_outputs_are_written_leaves_none(tmp_path, monkeypatch,
         pytest.fail("Ctrl-C came out of the automap command as a traceback")
     assert (status, capsys.readouterr().err) == (130, "automap: interrupted, nothing written\n")
     assert list(tmp_path.iterdir()) == []
+
+
+_SCANNED_LLAMA = """
+from examples import llama
+
+def factory():
+    return llama.make_train_step(llama.LlamaConfig(n_layers=4, scan_layers=True))
+"""
+
+
+def test_a_schedule_word_pipelines_a_layer_scan_and_show_prints_its_stages(tmp_path, capsys):
+    from automap._cli import main
+
+    target = tmp_path / "scanned.py"
+    target.write_text(_SCANNED_LLAMA)
+    plan = tmp_path / "plan.json"
+    assert main(["search", f"{target}:factory", "--mesh", "data=4,stage=2", "--schedule", "dp:data,pp:stage:2",
+                 "--json", "--out", str(plan)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["schedule"] == ["DataParallel('data')", "Pipeline('stage', microbatches=2)"]
+    assert main(["show", str(plan)]) == 0
+    shown = capsys.readouterr().out
+    assert "in stages over 'stage', 2 microbatches, schedule gpipe" in shown
