@@ -9,6 +9,9 @@ carry). The bubble is the share of ticks a stage has no microbatch: (S-1)/(M+S-1
 Each device keeps its stage's share of the stacked values (parameters, gradients,
 optimizer state: `stage_bytes`) and, under GPipe, the residuals of all M microbatches
 of its layers from the forward pass to the backward (`in_flight_bytes`).
+
+`gpipe_timeline` says which stage runs which microbatch when (what `Plan.plot` draws),
+from the seconds of one tick of each pass that `CostModel` prices (`TickTimes`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,49 @@ class PipelineCost:
         """Seconds of point-to-point sends per step (not overlapped: a tick sends what it
         made, and the next tick reads it)."""
         return sum(c.time * c.count for c in self.collectives if c.kind == Kind.COLLECTIVE_PERMUTE)
+
+
+@dataclass(frozen=True)
+class TickTimes:
+    """Seconds one tick of a pipeline's loop takes on a stage, per pass, as `CostModel`
+    prices it: the stage's layers on one microbatch (their ops and the moves they make
+    per microbatch) and the send of the carry they made. What runs once a step (the
+    stacked values' moves, the final carry's all-reduce, the deferred reductions) is in
+    no tick. `backward` is 0 for a program without a backward pass."""
+
+    forward: float
+    backward: float
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Stage `stage` running its layers on microbatch `microbatch` in the forward or
+    `backward` pass, from `start` to `end` seconds after the forward tick loop begins."""
+
+    stage: int
+    microbatch: int
+    backward: bool
+    start: float
+    end: float
+
+
+def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes) -> tuple[Slot, ...]:
+    """Which stage runs which microbatch when under GPipe, as the lowering runs it: one
+    loop of M + S - 1 ticks per pass, the backward loop after the forward one; every
+    tick lasts as long on every stage (the stages hold as many layers, and each tick
+    ends in a send the next one reads). Forward, stage s runs microbatch m in tick
+    m + s; backward, the layers run in reverse, so stage s runs microbatch m in tick
+    m + S - 1 - s. A stage is idle in S - 1 ticks of each loop: the bubble, (S-1)/(M+S-1)
+    of the time."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"a pipeline of {stages} stages and {microbatches} microbatches: give positive counts")
+    loop = (microbatches + stages - 1) * ticks.forward
+    out = [Slot(s, m, False, (m + s) * ticks.forward, (m + s + 1) * ticks.forward)
+           for s in range(stages) for m in range(microbatches)]
+    if ticks.backward > 0:
+        out += [Slot(s, m, True, loop + (m + stages - 1 - s) * ticks.backward,
+                     loop + (m + stages - s) * ticks.backward) for s in range(stages) for m in range(microbatches)]
+    return tuple(out)
 
 
 def _block_bytes(prog, v: int, t: Tiling, mesh, shape=None) -> float:
@@ -178,6 +224,24 @@ class PipelinePricing:
             out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
                         cols, buf))
         return div, moved, tuple(out), 1.0
+
+    def tick_times(self, model, times) -> tuple[TickTimes, ...]:
+        """Per pipeline, the seconds of one tick of each pass (`TickTimes`), from `model`'s
+        seconds per op per step `times`: each pipelined scan's ops and their moves over
+        its M + S - 1 ticks, plus one send of its carries."""
+        firsts = [(min(e), e[min(e)][1]) for key, e in model._moves() if key[0] != "pipeline"]
+        out = []
+        for _, _, layouts, cost in self.costs:
+            per = []
+            for lay in layouts:
+                ops = {o for o, (_, at, _) in self.layouts.items() if at is lay}
+                comm = sum(c.time * c.count for o, cols in firsts if o in ops for c in cols)
+                carries = set(self.part.program.regions[lay.call.body].invars)
+                send = sum(c.time for c in cost.collectives
+                           if c.kind == Kind.COLLECTIVE_PERMUTE and c.value in carries)
+                per.append((float(times[sorted(ops)].sum()) + comm) / cost.ticks + send)
+            out.append(TickTimes(per[0], per[1] if len(per) > 1 else 0.0))
+        return tuple(out)
 
     def collectives(self, model) -> list:
         """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
