@@ -26,6 +26,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
+from ._remat import _is_invar
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,28 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
                                        prog.producer[w], out))
     stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in prog.inputs
                 if prog.values[v].rank and part.tiling(v).dims[0][:1] == (pipe.axis,))
-    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0)
+    gone, extra = _recomputing(part, pipe)
+    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0 and v not in gone)
+    layers = (pipe.scans.forward.length,)
+    kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
+                             layers + tuple(prog.values[s].shape)) for s in extra)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
                         stage, kept)
+
+
+def _recomputing(part, pipe) -> tuple[set, list]:
+    """(the stacks of the forward layers' residuals the plan recomputes, which the
+    forward loop no longer keeps; the layer inputs it stacks instead for recomputing
+    them: its carries in, `_remat`)."""
+    prog = part.program
+    body = pipe.scans.forward.body
+    rec = partir.recompute(prog, part.rematerialized) if part.rematerialized else None
+    if rec is None:
+        return set(), []
+    stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == partir.Link.SCAN_YS}
+    mine = [r for r in rec.sources if prog.values[r].region == body]
+    extra = {s: None for r in mine for s in rec.sources[r] if s not in stacked and _is_invar(prog, s)}
+    return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 
 def _without(t: Tiling, axes) -> Tiling:
@@ -155,11 +175,13 @@ class PipelinePricing:
     def __init__(self, part, links: LinkModel, device):
         self.part, self.links = part, links
         self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
+        self.stages: dict[int, int] = {}  # a pipelined scan's body region -> its stage count
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
             stages, m = part.mesh.size(pipe.axis), pipe.microbatches
             for lay in layouts:
+                self.stages[lay.call.body] = stages
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
@@ -183,6 +205,20 @@ class PipelinePricing:
             for v, val in enumerate(prog.values):
                 if val.region in inside and partir.MICROBATCH in ext.tiling(v).axes():
                     out[v] = pipe.microbatches
+        return out
+
+    def stacks(self, entries, value_div) -> list:
+        """`entries`, buffers `(start, end, value, scale)` (`_remat.extra_buffers`), with
+        each stack a pipelined layer's loop makes of one of its values (`scale`: the
+        loop's trips) sized as a stage holds it: its L/S layers' blocks, of every
+        microbatch (`value_div`: the microbatches a value's block is cut into at once)."""
+        prog, out = self.part.program, []
+        for start, end, v, scale in entries:
+            region = prog.values[v].region
+            stages = self.stages.get(region)
+            if stages is not None and scale == prog.regions[region].trip_count:
+                scale = scale * float(value_div[v]) / stages
+            out.append((start, end, v, scale))
         return out
 
     @property
@@ -230,6 +266,9 @@ class PipelinePricing:
         seconds per op per step `times`: each pipelined scan's ops and their moves over
         its M + S - 1 ticks, plus one send of its carries."""
         firsts = [(min(e), e[min(e)][1]) for key, e in model._moves() if key[0] != "pipeline"]
+        view = model._view()
+        again = set(view.ops.tolist()) if view is not None else set()
+        again_cols = model._recomputed(times)[1] if view is not None else []
         out = []
         for _, _, layouts, cost in self.costs:
             per = []
@@ -240,6 +279,10 @@ class PipelinePricing:
                 send = sum(c.time for c in cost.collectives
                            if c.kind == Kind.COLLECTIVE_PERMUTE and c.value in carries)
                 per.append((float(times[sorted(ops)].sum()) + comm) / cost.ticks + send)
+            if len(per) > 1:  # the forward ops recomputed run in the backward ticks
+                redo = again & {o for o, (_, at, _) in self.layouts.items() if at is layouts[0]}
+                per[1] += (float(times[sorted(redo)].sum())
+                           + sum(c.time * c.count for o, c, _ in again_cols if o in redo)) / cost.ticks
             out.append(TickTimes(per[0], per[1] if len(per) > 1 else 0.0))
         return tuple(out)
 
