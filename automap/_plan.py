@@ -146,9 +146,9 @@ class Plan:
         explain(self, console)
 
     def plot(self, path) -> None:
-        """Save a picture: the search's best cost over time, and how every parameter is
-        split over the mesh axes. The extension says the format (one matplotlib writes;
-        none: PNG)."""
+        """Save a picture: the search's best cost over time, how every parameter is split
+        over the mesh axes, and each pipeline's schedule as a timeline per stage. The
+        extension says the format (one matplotlib writes; none: PNG)."""
         path = picture_path(path, "plot path")
         with Writes() as writes:
             stage_plot(writes, self.to_json(), path, self.timings())
@@ -263,11 +263,14 @@ def shard_args(plan: Plan, args: tuple, process_local: frozenset):
 
 
 def _cost_json(c) -> dict:
-    return {"step_time_s": c.step_time, "step_time_overlap_s": c.step_time_overlap,
-            "compute_time_s": c.compute_time, "comm_time_s": c.comm_time, "flops": c.flops,
-            "memory_peak_bytes": c.memory_peak, "fits": c.fits,
-            "collectives_by_axis": {",".join(k) or "-": {"count": n, "bytes": b, "time_s": t}
-                                    for k, (n, b, t) in c.by_axis().items()}}
+    out = {"step_time_s": c.step_time, "step_time_overlap_s": c.step_time_overlap,
+           "compute_time_s": c.compute_time, "comm_time_s": c.comm_time, "flops": c.flops,
+           "memory_peak_bytes": c.memory_peak, "fits": c.fits,
+           "collectives_by_axis": {",".join(k) or "-": {"count": n, "bytes": b, "time_s": t}
+                                   for k, (n, b, t) in c.by_axis().items()}}
+    if c.pipeline_ticks:  # one per entry of the file's "pipelines", in their order (the timeline's tick lengths)
+        out["pipelines"] = [{"forward_tick_s": t.forward, "backward_tick_s": t.backward} for t in c.pipeline_ticks]
+    return out
 
 
 def dtype_text(dtype) -> str:

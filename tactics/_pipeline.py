@@ -20,7 +20,9 @@ class Pipeline(Tactic):
     then all backwards); activations go forward and their gradients back between
     neighbouring stages, and the gradients are summed over microbatches, so the step
     computes what the unpipelined one does. What is outside the layer stack (embedding,
-    head, loss) runs as the rest of the plan places it, whole along `axis`.
+    head, loss) runs as the rest of the plan places it, whole along `axis`. With `Remat`
+    (before or after), each stage recomputes in the backward pass what the policy does
+    not keep, per microbatch.
     """
 
     axis: str
@@ -37,9 +39,9 @@ class Pipeline(Tactic):
     def apply(self, part, ctx: Context):
         prog = part.program
         stages = part.mesh.size(self.axis)
-        if part.rematerialized or part.reused:
-            raise TacticError("the layers are rematerialized (Remat): a pipeline cannot run them yet; "
-                              "leave one of the two out")
+        if part.reused:
+            raise TacticError("a Remat policy relaxes the user's jax.checkpoint here, which pipelined layers do not "
+                              "do yet: pick a Remat policy that keeps no more than the user's, or leave Remat out")
         scans = partir.layer_scans(prog)
         if not scans:
             raise TacticError("found no layer scan to pipeline (a jax.lax.scan over stacked layers' parameters): "

@@ -42,9 +42,6 @@ class Remat(Tactic):
 
     def apply(self, part, ctx: Context):
         prog = part.program
-        if part.pipelines:
-            raise TacticError("the layers run as pipeline stages (Pipeline), which do not rematerialize yet; "
-                              "leave one of the two out")
         if self.pattern is not None:
             check.warn_alike_paths("Remat pattern", self.pattern, prog, prog.match_inputs(self.pattern))
         layers = partir.remat_layers(prog)
@@ -56,6 +53,9 @@ class Remat(Tactic):
         if not chosen:
             raise TacticError(f"pattern {self.pattern!r} matches the parameters of no layer; layers read e.g. "
                               f"{sorted(prog.name(v) for v in layers[0].inputs if v in prog.input_set)[:3]}")
+        if part.pipelines and any(partir.reusable(prog, layer, self.policy, part) for layer in chosen):
+            raise TacticError(f"policy {self.policy!r} relaxes the user's jax.checkpoint, which pipelined layers do "
+                              "not do yet: pick a policy that keeps no more than the user's, or leave Remat out")
         count, users, source = 0, {}, str(self)
         for layer in chosen:
             recomputed = partir.recomputed(prog, layer, self.policy, part)

@@ -152,15 +152,6 @@ def test_the_jit_lowering_computes_what_jit_computes_with_the_modeled_collective
     assert compiled == modeled
 
 
-@pytest.mark.parametrize("first,then", [("remat", "pipeline"), ("pipeline", "remat")])
-def test_remat_and_a_pipeline_are_refused_together(first, then):
-    """The stages do not rematerialize yet: whichever comes second is refused."""
-    made = {"remat": T.Remat("full"), "pipeline": T.Pipeline("stage", microbatches=2)}
-    _, _, prog = _gpt()
-    with pytest.raises(T.TacticError, match="leave one of the two out"):
-        T.apply_schedule(prog, _mesh(2), [T.DataParallel("data"), made[first], made[then]])
-
-
 def test_a_tactic_leaving_a_pipeline_no_whole_microbatches_is_refused():
     _, _, prog = _gpt()
     schedule = [T.DataParallel("data"), T.Pipeline("stage", microbatches=4), T.DataParallel("stage")]

@@ -8,7 +8,8 @@ each stage's block in place and sends activations and their gradients between st
 with `ppermute`s, which compile to the collective-permutes the cost model lists. What
 enters the region arrives in the plan's layouts at rest (its `in_specs`), and what
 leaves it is in theirs (its `out_specs`), so XLA moves nothing at its boundary that the
-plan does not.
+plan does not. Where the layers recompute residuals, what the backward region needs from
+the forward one (`_pipeline_remat`) leaves the one and enters the other the same way.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from ._shardmap_pipeline import run_pipelined
 
 class JitPipelines:
     """The pipelined scans of a plan, by body region, run as `shard_map` regions on
-    `mesh` (a lowering mesh)."""
+    `mesh` (a lowering mesh). Where the layers recompute residuals, the forward scan's
+    region also returns what recomputing needs (`StageRemat.saved_layouts`), kept here
+    (`saved`, this trace) for the backward scan's region, which takes it."""
 
     def __init__(self, part, mesh):
         self.part, self.mesh = part, mesh
         self.interp = Interpreter(part, list(made_from_scalars(part.program)))
+        self.saved: dict = {}
 
     def __contains__(self, body: int) -> bool:
         return body in self.interp.pipelined
@@ -37,17 +41,29 @@ class JitPipelines:
         """The results (global arrays) of pipelined scan `eqn` (operand value ids `ins`,
         -1 for a literal; result ids `results`) on `operands`."""
         part, interp = self.part, self.interp
-        pipe, layout, inner = interp.pipelined[body]
+        pipe, layout, inner, remat = interp.pipelined[body]
         passed = [k for k, v in enumerate(ins) if v >= 0]
+        saved = remat.saved_layouts() if remat is not None else []
+        takes = saved if remat is not None and body == remat.bwd else []
+        gives = saved if remat is not None and body == remat.fwd else []
+
+        def spec(v: int):  # a recomputed residual's placeholder is a scalar per layer
+            return PartitionSpec(pipe.axis) if remat is not None and remat.placeholder(v) else part.tiling(v).spec()
 
         def stages(*blocks):
             ops = list(operands)
             for k, b in zip(passed, blocks):
                 ops[k] = b
             interp.values, interp.wholes = _Blocks(interp), {}
-            return tuple(run_pipelined(interp, pipe, layout, inner, eqn, ins, results, ops, {}))
+            if takes:
+                remat.saved = dict(zip([s for s, _ in takes], blocks[len(passed):]))
+            outs = run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, ops, {})
+            return tuple(outs) + tuple(remat.saved[s] for s, _ in gives)
 
-        region = jax.shard_map(stages, mesh=self.mesh, in_specs=tuple(part.tiling(ins[k]).spec() for k in passed),
-                               out_specs=tuple(part.tiling(r).spec() if r >= 0 else PartitionSpec() for r in results),
-                               check_vma=False)
-        return list(region(*(operands[k] for k in passed)))
+        region = jax.shard_map(stages, mesh=self.mesh,
+                               in_specs=tuple(spec(ins[k]) for k in passed) + tuple(t.spec() for _, t in takes),
+                               out_specs=tuple(spec(r) if r >= 0 else PartitionSpec() for r in results)
+                               + tuple(t.spec() for _, t in gives), check_vma=False)
+        outs = region(*(operands[k] for k in passed), *(self.saved[s] for s, _ in takes))
+        self.saved.update(zip([s for s, _ in gives], outs[len(results):]))
+        return list(outs[:len(results)])

@@ -43,6 +43,7 @@ from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
 from ._order import Reordering
 from ._shardmap_pipeline import run_pipelined
+from ._pipeline_remat import StageRemat
 from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
 
@@ -73,19 +74,23 @@ def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
 
 
 def _pipelined(interp) -> dict:
-    """Body region -> (pipelining, scan layout, interpreter of the microbatched plan) of
-    each pipelined layer scan."""
+    """Body region -> (pipelining, scan layout, interpreter of the microbatched plan, its
+    `StageRemat` or None) of each pipelined layer scan."""
     part = interp.part
-    if interp.remat is not None:
-        raise PartitioningError("the shard_map lowering does not rematerialize inside pipelined layers yet: "
-                                "leave Remat out of a plan with a Pipeline, or lower it with backend='jit'")
     out = {}
     for pipe in part.pipelines:
         ext, layouts = microbatched(part, pipe)
         inner = Interpreter(ext, [False] * len(part.program.values), MeshSpec(part.mesh.axes + ((MICROBATCH, 1),)))
+        remat = None
+        if inner.remat is not None and pipe.scans.backward is not None:
+            if part.reused:
+                raise PartitioningError("a pipeline does not relax the user's jax.checkpoint inside its layers yet "
+                                        "(a Remat policy keeping more than the user's): pick a Remat policy that "
+                                        "keeps as little as the user's, or leave Remat out")
+            remat = StageRemat(interp, inner, pipe)
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
-            out[lay.call.body] = (pipe, lay, inner)
+            out[lay.call.body] = (pipe, lay, inner, remat)
     return out
 
 

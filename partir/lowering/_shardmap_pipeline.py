@@ -14,7 +14,9 @@ stage axis of the carry, zeros elsewhere), whole along it as the plan keeps them
 
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
-completed by the accumulation here, not by a collective.
+completed by the accumulation here, not by a collective. Where the plan recomputes the
+layers' residuals (`Remat`), the forward ticks keep what recomputing needs instead and
+the backward ticks hand it to the body (`_pipeline_remat.StageRemat`).
 """
 
 from __future__ import annotations
@@ -59,15 +61,15 @@ def _block(interp, v: int, layers: int = 0, axis: str | None = None):
     return jnp.zeros(t.shard_shape((layers,) + tuple(val.shape), interp.mesh), val.dtype)
 
 
-def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whole) -> list:
+def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operands, whole) -> list:
     """The results (blocks at rest) of the pipelined scan `eqn` (see the module docstring);
-    `inner` is the interpreter of the microbatched partitioning."""
+    `inner` is the interpreter of the microbatched partitioning, `remat` the pipeline's
+    `StageRemat` (None when its layers recompute nothing)."""
     prog, call = interp.prog, layout.call
     body = prog.regions[call.body]
     operands = [move(whole[k], Tiling.replicated(jnp.ndim(whole[k])), interp.rest(v), interp.move_mesh)
                 if k in whole else a for k, (a, v) in enumerate(zip(operands, ins))]
     g, w, x = split_operands(eqn, ins), split_operands(eqn, list(body.invars)), split_operands(eqn, operands)
-    d = split_operands(eqn, list(layout.in_dims))
     for v in g.xs:
         if v >= 0 and interp.rest(v).dims[0] != (pipe.axis,):
             raise PartitioningError(f"{prog.name(v)} is laid out {interp.rest(v)}: a pipelined scan's stacked "
@@ -75,42 +77,75 @@ def run_pipelined(interp, pipe, layout, inner, eqn, ins, results, operands, whol
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)]
     # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
-    xs = [move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
-          for a, u, v in zip(x.xs, g.xs, w.xs)]
-    nk, M = len(carry), pipe.microbatches
-    S, forward = interp.mesh.size(pipe.axis), not call.reverse
-    stage = jax.lax.axis_index(pipe.axis)
-    pos = stage if forward else S - 1 - stage
+    # (A recomputed residual's placeholder, a scalar per layer, as it is.)
+    held = [remat is not None and u >= 0 and remat.placeholder(u) for u in g.xs]
+    xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims),
+                           interp.move_mesh) for a, u, v, h in zip(x.xs, g.xs, w.xs, held)]
+    if remat is not None and call.body == remat.fwd:
+        remat.keep_inputs(g, w, xs, consts)
+    drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
+    kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
+                               consts, carry, xs, held, drop)
+    last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
+    finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
+                   interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
+    stacked = [y if r < 0 or dropped else move(y, Tiling(((pipe.axis,),) + interp.rest(v).dims,
+                                                          layout.left_partial(v), "sum"), interp.rest(r),
+                                                interp.move_mesh)
+               for y, v, r, dropped in zip(ys_kept, body.outvars[len(carry):], results[len(carry):], drop)]
+    return finals + stacked
+
+
+def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, drop):
+    """The stage's M + S - 1 ticks: (the final carries kept by the last position, the
+    per-layer outputs kept over the microbatches). `held[k]`: stacked input k is a
+    recomputed residual's placeholder; `drop[k]`: per-layer output k is."""
+    prog, call = interp.prog, layout.call
+    body = prog.regions[call.body]
+    nk, M, S, forward = len(carry), pipe.microbatches, interp.mesh.size(pipe.axis), not call.reverse
+    saving = remat is not None and call.body == remat.fwd and bool(remat.extra)
+    reading = remat is not None and call.body == remat.bwd
+    extra = remat.extra if saving else ()
+    pos = jax.lax.axis_index(pipe.axis) if forward else S - 1 - jax.lax.axis_index(pipe.axis)
     first, last = pos == 0, pos == S - 1
     step = 1 if forward else -1
     perm = [(i, i + step) for i in range(S) if 0 <= i + step < S]
     kinds, dims = layout.out_kinds, layout.out_dims
 
-    def layer(c, xl, consts_m):
-        outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))
-        return tuple(outs[:nk]), tuple(outs[nk:])
+    def layer(c, xl, consts_m, more):
+        if reading:
+            remat.enter(xl[len(xs):], more)
+        outs = inner.region(call.body, list(consts_m) + list(c) + list(xl[:len(xs)]))
+        ys = tuple(jnp.zeros((), y.dtype) if dropped else y for y, dropped in zip(outs[nk:], drop))
+        return tuple(outs[:nk]), (ys, remat.made() if saving else ())
 
     def tick(state, t):
-        recv, kept, ys_kept = state
+        recv, kept, ys_kept, made_kept = state
         m = t - pos
         valid = (m >= 0) & (m < M)
         mc = jnp.clip(m, 0, M - 1)
         c_in = tuple(jnp.where(first, _micro(a, k, mc, M), r) for a, k, r in zip(carry, d.carry, recv))
         consts_m = [_micro(a, k, mc, M) for a, k in zip(consts, d.consts)]
-        xs_m = tuple(_micro(a, None if k is None else k + 1, mc, M) for a, k in zip(xs, d.xs))
-        c_out, ys = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m), c_in, xs_m, reverse=not forward)
+        xs_m = tuple(a if h else _micro(a, None if k is None else k + 1, mc, M) for a, k, h in zip(xs, d.xs, held))
+        more = remat.per_tick(mc, M, _micro) if reading else {}
+        xs_m += remat.per_layer(mc, M, _micro) if reading else ()
+        c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
+                                         reverse=not forward)
         kept = tuple(_keep(b, c, kinds[i], dims[i], mc, valid & last) for i, (b, c) in enumerate(zip(kept, c_out)))
-        ys_kept = tuple(_keep(b, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid)
-                        for i, (b, y) in enumerate(zip(ys_kept, ys)))
+        ys_kept = tuple(b if drop[i] else _keep(b, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1,
+                                                 mc, valid) for i, (b, y) in enumerate(zip(ys_kept, ys)))
+        made_kept = tuple(_keep(b, y, SAME if remat.dims[s] is None else SPLIT,
+                                None if remat.dims[s] is None else remat.dims[s] + 1, mc, valid)
+                          for s, b, y in zip(extra, made_kept, made))
         recv = tuple(jax.lax.ppermute(c, pipe.axis, perm) for c in c_out)
-        return (recv, kept, ys_kept), None
+        return (recv, kept, ys_kept, made_kept), None
 
     recv = tuple(jnp.zeros_like(_micro(a, k, 0, M)) for a, k in zip(carry, d.carry))
     kept = tuple(_block(interp, v) for v in body.outvars[:nk])
-    ys_kept = tuple(_block(interp, v, call.length, pipe.axis) for v in body.outvars[nk:])
-    (_, kept, ys_kept), _ = jax.lax.scan(tick, (recv, kept, ys_kept), jnp.arange(M + S - 1))
-    finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
-                   interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:nk])]
-    stacked = [move(y, Tiling(((pipe.axis,),) + interp.rest(v).dims, layout.left_partial(v), "sum"), interp.rest(r),
-                    interp.move_mesh) if r >= 0 else y for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:])]
-    return finals + stacked
+    ys_kept = tuple(jnp.zeros((call.length // S,), prog.values[v].dtype) if dropped else
+                    _block(interp, v, call.length, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
+    made_kept = tuple(_block(interp, s, call.length, pipe.axis) for s in extra)
+    (_, kept, ys_kept, made_kept), _ = jax.lax.scan(tick, (recv, kept, ys_kept, made_kept), jnp.arange(M + S - 1))
+    if saving:
+        remat.keep_made(made_kept)
+    return kept, ys_kept

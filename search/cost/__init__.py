@@ -10,7 +10,8 @@ and nothing of the search around it, which scores its plans with `CostModel`.
   (`_breakdown`) and its tables (`_report`).
 - Work (`_flops`, from the op traits), communication (`_comm`), what XLA materializes
   (`_fusion`, `_stacks`, `_attention`), buffer lifetimes (`_memory`, `_arena`,
-  `_move_buffers`, `_remat`), hand-partitioned regions (`_manual`), pipeline stages (`_pipeline`: `pipeline_cost`).
+  `_move_buffers`, `_remat`), hand-partitioned regions (`_manual`), pipeline stages (`_pipeline`: `pipeline_cost`,
+  `gpipe_timeline`).
 - Devices (`_device`): presets (`h100`, `h200`, `a100`, `v100`, `tpu-v4`, `tpu-v5e`,
   `tpu-v5p`, `cpu`) or a user's JSON/TOML description; `_validate` holds the model
   against XLA's compiled HLO and memory.
@@ -21,11 +22,12 @@ from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 from ._fusion import Materialization, materialization
 from ._model import CostModel
-from ._pipeline import PipelineCost, pipeline_cost
+from ._pipeline import PipelineCost, Slot, TickTimes, gpipe_timeline, pipeline_cost
 from ._report import collectives_table
 from ._units import bytes_str, time_str
 from ._validate import Fidelity, compare_with_xla
 
 __all__ = ["DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "Fidelity",
-           "LinkModel", "Materialization", "PipelineCost", "bytes_str", "collectives_table", "compare_with_xla", "get_device",
-           "link_levels", "materialization", "pipeline_cost", "time_str"]
+           "LinkModel", "Materialization", "PipelineCost", "Slot", "TickTimes", "bytes_str", "collectives_table",
+           "compare_with_xla", "get_device", "gpipe_timeline", "link_levels", "materialization", "pipeline_cost",
+           "time_str"]

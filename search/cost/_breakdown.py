@@ -30,6 +30,9 @@ class Cost:
     argument_bytes: float
     memory_limit: float
     top_ops: tuple[tuple[str, float], ...]
+    #: Per pipeline of the plan (`Partitioning.pipelines`), one tick's seconds per pass
+    #: (`_pipeline.TickTimes`): what the schedule's timeline is drawn from.
+    pipeline_ticks: tuple = ()
 
     @property
     def step_time(self) -> float:

@@ -394,6 +394,7 @@ class CostModel(CostTime, CostMemory):
             argument_bytes=float(sum(value_bytes[v] for v in prog.inputs)),
             memory_limit=self.memory_limit,
             top_ops=tuple((op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
+            pipeline_ticks=self._pipeline.tick_times(self, times) if self._pipeline else (),
         )
 
 def _shards(dims, mesh) -> int:

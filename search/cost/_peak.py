@@ -72,6 +72,8 @@ class CostMemory:
         starts, ends, sizes, keys = self._reshard_buffers()
         carried = view.carried if view is not None else carried_buffers(self.materialization)
         for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried)):
+            if self._pipeline is not None:
+                entries = self._pipeline.stacks(entries, self._value_div)
             vs, ve, vz = extra_buffers(entries, value_bytes)
             starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
             keys = keys + [(kind, v) for _, _, v, _ in entries]

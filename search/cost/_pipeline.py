@@ -9,6 +9,9 @@ carry). The bubble is the share of ticks a stage has no microbatch: (S-1)/(M+S-1
 Each device keeps its stage's share of the stacked values (parameters, gradients,
 optimizer state: `stage_bytes`) and, under GPipe, the residuals of all M microbatches
 of its layers from the forward pass to the backward (`in_flight_bytes`).
+
+`gpipe_timeline` says which stage runs which microbatch when (what `Plan.plot` draws),
+from the seconds of one tick of each pass that `CostModel` prices (`TickTimes`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
+from ._remat import _is_invar
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,49 @@ class PipelineCost:
         """Seconds of point-to-point sends per step (not overlapped: a tick sends what it
         made, and the next tick reads it)."""
         return sum(c.time * c.count for c in self.collectives if c.kind == Kind.COLLECTIVE_PERMUTE)
+
+
+@dataclass(frozen=True)
+class TickTimes:
+    """Seconds one tick of a pipeline's loop takes on a stage, per pass, as `CostModel`
+    prices it: the stage's layers on one microbatch (their ops and the moves they make
+    per microbatch) and the send of the carry they made. What runs once a step (the
+    stacked values' moves, the final carry's all-reduce, the deferred reductions) is in
+    no tick. `backward` is 0 for a program without a backward pass."""
+
+    forward: float
+    backward: float
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Stage `stage` running its layers on microbatch `microbatch` in the forward or
+    `backward` pass, from `start` to `end` seconds after the forward tick loop begins."""
+
+    stage: int
+    microbatch: int
+    backward: bool
+    start: float
+    end: float
+
+
+def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes) -> tuple[Slot, ...]:
+    """Which stage runs which microbatch when under GPipe, as the lowering runs it: one
+    loop of M + S - 1 ticks per pass, the backward loop after the forward one; every
+    tick lasts as long on every stage (the stages hold as many layers, and each tick
+    ends in a send the next one reads). Forward, stage s runs microbatch m in tick
+    m + s; backward, the layers run in reverse, so stage s runs microbatch m in tick
+    m + S - 1 - s. A stage is idle in S - 1 ticks of each loop: the bubble, (S-1)/(M+S-1)
+    of the time."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"a pipeline of {stages} stages and {microbatches} microbatches: give positive counts")
+    loop = (microbatches + stages - 1) * ticks.forward
+    out = [Slot(s, m, False, (m + s) * ticks.forward, (m + s + 1) * ticks.forward)
+           for s in range(stages) for m in range(microbatches)]
+    if ticks.backward > 0:
+        out += [Slot(s, m, True, loop + (m + stages - 1 - s) * ticks.backward,
+                     loop + (m + stages - s) * ticks.backward) for s in range(stages) for m in range(microbatches)]
+    return tuple(out)
 
 
 def _block_bytes(prog, v: int, t: Tiling, mesh, shape=None) -> float:
@@ -84,9 +131,28 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
                                        prog.producer[w], out))
     stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in prog.inputs
                 if prog.values[v].rank and part.tiling(v).dims[0][:1] == (pipe.axis,))
-    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0)
+    gone, extra = _recomputing(part, pipe)
+    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0 and v not in gone)
+    layers = (pipe.scans.forward.length,)
+    kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
+                             layers + tuple(prog.values[s].shape)) for s in extra)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
                         stage, kept)
+
+
+def _recomputing(part, pipe) -> tuple[set, list]:
+    """(the stacks of the forward layers' residuals the plan recomputes, which the
+    forward loop no longer keeps; the layer inputs it stacks instead for recomputing
+    them: its carries in, `_remat`)."""
+    prog = part.program
+    body = pipe.scans.forward.body
+    rec = partir.recompute(prog, part.rematerialized) if part.rematerialized else None
+    if rec is None:
+        return set(), []
+    stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == partir.Link.SCAN_YS}
+    mine = [r for r in rec.sources if prog.values[r].region == body]
+    extra = {s: None for r in mine for s in rec.sources[r] if s not in stacked and _is_invar(prog, s)}
+    return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 
 def _without(t: Tiling, axes) -> Tiling:
@@ -109,11 +175,13 @@ class PipelinePricing:
     def __init__(self, part, links: LinkModel, device):
         self.part, self.links = part, links
         self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
+        self.stages: dict[int, int] = {}  # a pipelined scan's body region -> its stage count
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
             stages, m = part.mesh.size(pipe.axis), pipe.microbatches
             for lay in layouts:
+                self.stages[lay.call.body] = stages
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
@@ -137,6 +205,20 @@ class PipelinePricing:
             for v, val in enumerate(prog.values):
                 if val.region in inside and partir.MICROBATCH in ext.tiling(v).axes():
                     out[v] = pipe.microbatches
+        return out
+
+    def stacks(self, entries, value_div) -> list:
+        """`entries`, buffers `(start, end, value, scale)` (`_remat.extra_buffers`), with
+        each stack a pipelined layer's loop makes of one of its values (`scale`: the
+        loop's trips) sized as a stage holds it: its L/S layers' blocks, of every
+        microbatch (`value_div`: the microbatches a value's block is cut into at once)."""
+        prog, out = self.part.program, []
+        for start, end, v, scale in entries:
+            region = prog.values[v].region
+            stages = self.stages.get(region)
+            if stages is not None and scale == prog.regions[region].trip_count:
+                scale = scale * float(value_div[v]) / stages
+            out.append((start, end, v, scale))
         return out
 
     @property
@@ -178,6 +260,31 @@ class PipelinePricing:
             out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
                         cols, buf))
         return div, moved, tuple(out), 1.0
+
+    def tick_times(self, model, times) -> tuple[TickTimes, ...]:
+        """Per pipeline, the seconds of one tick of each pass (`TickTimes`), from `model`'s
+        seconds per op per step `times`: each pipelined scan's ops and their moves over
+        its M + S - 1 ticks, plus one send of its carries."""
+        firsts = [(min(e), e[min(e)][1]) for key, e in model._moves() if key[0] != "pipeline"]
+        view = model._view()
+        again = set(view.ops.tolist()) if view is not None else set()
+        again_cols = model._recomputed(times)[1] if view is not None else []
+        out = []
+        for _, _, layouts, cost in self.costs:
+            per = []
+            for lay in layouts:
+                ops = {o for o, (_, at, _) in self.layouts.items() if at is lay}
+                comm = sum(c.time * c.count for o, cols in firsts if o in ops for c in cols)
+                carries = set(self.part.program.regions[lay.call.body].invars)
+                send = sum(c.time for c in cost.collectives
+                           if c.kind == Kind.COLLECTIVE_PERMUTE and c.value in carries)
+                per.append((float(times[sorted(ops)].sum()) + comm) / cost.ticks + send)
+            if len(per) > 1:  # the forward ops recomputed run in the backward ticks
+                redo = again & {o for o, (_, at, _) in self.layouts.items() if at is layouts[0]}
+                per[1] += (float(times[sorted(redo)].sum())
+                           + sum(c.time * c.count for o, c, _ in again_cols if o in redo)) / cost.ticks
+            out.append(TickTimes(per[0], per[1] if len(per) > 1 else 0.0))
+        return tuple(out)
 
     def collectives(self, model) -> list:
         """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
