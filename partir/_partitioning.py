@@ -441,6 +441,7 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
                 h ^= hash((_ORD, entry[1], self._orders.pop(entry[1])))
             elif kind == _RNG:
                 h ^= hash((_RNG, entry[1], self._rings.pop(entry[1])))
+                self._touched_classes.add(self._of[entry[1]])
             else:
                 self._decisions.pop()
         self._hash = h if known is None else known

@@ -92,6 +92,7 @@ class Replay:
             log.append((_ORD, s))
         for v, entry in delta.rings:
             self._rings[v] = entry
+            self._touched_classes.add(self._of[v])
             log.append((_RNG, v))
         self._decisions.extend(delta.decisions)
         log.extend((_DEC,) for _ in delta.decisions)

@@ -50,6 +50,13 @@ class RingMove:
     dim: int
     axis: str
 
+    def made(self, produced: Tiling) -> Tiling:
+        """The layout a scatter ring makes its value in, from the one the dot makes it in
+        (`produced`, partial over the ring axis): split over the axis on `dim`, no longer
+        partial over it."""
+        dims = tuple(d + (self.axis,) if i == self.dim else d for i, d in enumerate(produced.dims))
+        return Tiling(dims, tuple(a for a in produced.partial if a != self.axis), produced.reduce_kind)
+
 
 class Rings:
     """Mixin of `Partitioning`: the values it moves round rings (module docstring)."""
@@ -77,6 +84,7 @@ class Rings:
             raise PartitioningError(f"cannot ring {prog.name(v)} over {axis!r} along dim {dim}: it is ringed over "
                                     f"{old[1]!r} along dim {old[0]} already")
         self._rings[v] = entry
+        self._touched_classes.add(self._of[v])  # what reads it is priced anew
         self._log.append((_RNG, v))
         self._hash ^= hash((_RNG, v, entry))
         self._decide(Decision("ring", v, dim, axis, source))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._tiling import Tiling
 from ._eval import bind_equation
 
 
@@ -101,17 +100,10 @@ def scatter_ring(eqn, operands: list, dim: int, axis: str, n: int):
 def run_ring(ring, eqn, operands: list, mesh, again: bool = False) -> list:
     """The results of dot `eqn` as `ring` (a `partir.RingMove`) moves its value: read
     as this device's block at rest ('gather'), or made as its block of the sum over the
-    ring axis ('scatter', `made_by_ring`). `again`: the read is of a forward value in
+    ring axis ('scatter', `RingMove.made`). `again`: the read is of a forward value in
     the backward pass (`_next`)."""
     n = mesh.size(ring.axis)
     if ring.kind == "gather":
         return [gather_ring(eqn, operands, ring.slot, ring.dim, ring.axis, n, again)]
     return [scatter_ring(eqn, operands, ring.dim, ring.axis, n)]
 
-
-def made_by_ring(ring, made: Tiling) -> Tiling:
-    """The layout a scatter ring makes its result in, from the one the dot makes it in
-    (`made`, partial over the ring axis): split over the axis on the ring's dim, no
-    longer partial over it."""
-    dims = tuple(d + (ring.axis,) if i == ring.dim else d for i, d in enumerate(made.dims))
-    return Tiling(dims, tuple(a for a in made.partial if a != ring.axis), made.reduce_kind)

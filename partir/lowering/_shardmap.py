@@ -43,7 +43,7 @@ from ._frame import Frame, _Blocks
 from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
 from ._order import Reordering
-from ._ring import made_by_ring, run_ring
+from ._ring import run_ring
 from ._shardmap_pipeline import run_pipelined
 from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
@@ -185,7 +185,7 @@ class Interpreter:
                 left = self.left_partial.get(v, ())
                 made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
                 if ring is not None and ring.kind == "scatter" and k == ring.slot:
-                    made_k = made_by_ring(ring, made_k)
+                    made_k = ring.made(made_k)
                 frame.put(v, move(outs[k], made_k, part.tiling(v), self.move_mesh))
         if backward and outs:
             frame.last = outs[0]
