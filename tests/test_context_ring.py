@@ -107,9 +107,12 @@ def test_a_ring_is_a_decision_a_plan_replays_and_a_rollback_undoes():
     part.constrain(a.key, tuple(("cp",) if d == a.key_dim else () for d in range(prog.values[a.key].rank)))
     key, mark = part.key(), part.mark()
     part.ring(a.key, a.key_dim, "cp")
-    assert part.key() != key and part.decisions[-1].action == "ring"
+    ringed, delta = part.key(), part.delta(mark, key)
+    assert ringed != key and part.decisions[-1].action == "ring"
     part.rollback(mark)
     assert part.rings == {} and part.key() == key
+    part.replay(delta)  # as the search takes an action again
+    assert part.rings == {a.key: (a.key_dim, "cp")} and part.key() == ringed
 
 
 def test_a_ring_needs_the_value_split_over_its_axis():

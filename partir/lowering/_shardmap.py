@@ -17,7 +17,9 @@ Nested jaxprs (calls, `jax.checkpoint`, `scan`, `while`, `cond`) are evaluated b
 `partir._nested` entries with this interpreter for their bodies; a value crossing a
 region boundary is moved as the link op joining the two sides says
 (`_boundaries`). Residuals the plan rematerializes are recomputed, block by
-block, where the backward pass first reads them (`_shardmap_remat`).
+block, where the backward pass first reads them (`_shardmap_remat`). A dot that moves
+a value round a ring (`partir.ring_moves`) reads it as its block at rest, or makes its
+block of the sum, and runs block by block as the blocks travel (`_ring`).
 """
 
 from __future__ import annotations
