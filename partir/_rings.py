@@ -76,18 +76,10 @@ class Rings:
             raise PartitioningError(f"cannot ring {prog.name(v)} over {axis!r} along dim {dim}: it is split "
                                     f"{dims or 'by no axis'} there at rest; split it over {axis!r} first "
                                     "(constrain it), then ring it")
-        entry = (dim, axis)
-        old = self._rings.get(v)
-        if old == entry:
-            return
-        if old is not None:
-            raise PartitioningError(f"cannot ring {prog.name(v)} over {axis!r} along dim {dim}: it is ringed over "
-                                    f"{old[1]!r} along dim {old[0]} already")
-        self._rings[v] = entry
+        self._keep(_RNG, self._rings, v, (dim, axis), Decision("ring", v, dim, axis, source),
+                   lambda old: f"cannot ring {prog.name(v)} over {axis!r} along dim {dim}: it is ringed over "
+                               f"{old[1]!r} along dim {old[0]} already")
         self._touched_classes.add(self._of[v])  # what reads it is priced anew
-        self._log.append((_RNG, v))
-        self._hash ^= hash((_RNG, v, entry))
-        self._decide(Decision("ring", v, dim, axis, source))
 
     @property
     def rings(self) -> dict[int, tuple[int, str]]:
