@@ -44,8 +44,8 @@ class ContextParallel(Tactic):
     the keys and values stay split along the sequence at rest, and each dot that reads
     them whole (`Q K^T` and `P V`, and in the backward pass `dO V^T` and `dS K`) runs
     as a collective matmul over `axis`: every device computes with the block it holds
-    while `jax.lax.ppermute` passes the block on, so no device holds more than two
-    blocks of them. The keys' and values' gradients (`dS^T Q`, `P^T dO`) are summed
+    while `jax.lax.ppermute` passes the block on, so no device holds more of them than
+    its own block, the one it computes with and the one in flight. The keys' and values' gradients (`dS^T Q`, `P^T dO`) are summed
     round the ring the other way (a matmul-reduce-scatter). This is the ring's
     communication only: the softmax stays as the program writes it (each device's
     block of score rows is still whole along the keys), not an online softmax; what
@@ -81,7 +81,8 @@ class ContextParallel(Tactic):
             for v, d in ((a.key, a.key_dim), (a.value, a.value_dim)):
                 if self.axis in part.tiling(v).axes():
                     raise TacticError(f"{self}: {prog.name(v)} is already split over {self.axis!r}; the keys and "
-                                      "values of attention are gathered whole over the context axis")
+                                      "values of attention are laid out over the context axis by this tactic: "
+                                      "apply ContextParallel first")
                 if self.strategy == "ring":  # kept split at rest, and read whole round the ring
                     for u, e in _linked(prog, classes, v, d):
                         _split_at_rest(part, u, e, self.axis, str(self))
@@ -135,12 +136,13 @@ def _linked(prog, classes, v: int, dim: int) -> list[tuple[int, int]]:
     as (through link ops, e.g. the stack a layer scan keeps it in for the backward pass
     and the backward body's slice of it), with the dim of each in `dim`'s class."""
     label = classes.label(v, dim)
-    out, stack = [], [v]
+    out, seen, stack = [], set(), [v]
     while stack:
         u = stack.pop()
         dims = classes.dims_in(u, prog.values[u].rank, label)
-        if len(dims) != 1 or any(u == w for w, _ in out):
-            continue
+        if len(dims) != 1 or u in seen:
+            continue  # (a value holding the sequence in two dims moves as its layouts say)
+        seen.add(u)
         out.append((u, dims[0]))
         stack += [r for o in prog.users[u] if prog.ops[o].link for r in prog.ops[o].results if r >= 0]
     return out
