@@ -86,6 +86,7 @@ class Options:
             raise AutomapError(f"best_effort={self.best_effort!r} is not a bool: give True or False")
         check_lowering(self.lowering)
         put("schedule", schedule_of(self.schedule, mesh_spec))
+        _check_rings(self.schedule, self.lowering)
         put("memory_limit", check.number("memory_limit", self.memory_limit, optional=True, error=AutomapError,
                                          example="memory_limit=80e9 (bytes per device)"))
         put("budget_s", check.number("budget_s", self.budget_s, example="budget_s=30", error=AutomapError))
@@ -200,6 +201,18 @@ def argnums(name: str, value) -> tuple[int, ...]:
     if len(set(nums)) != len(nums):
         raise AutomapError(f"{name}={value!r} repeats a position: give each once")
     return tuple(int(i) for i in nums)
+
+
+def _check_rings(schedule, lowering: str) -> None:
+    """A ring (`ContextParallel(strategy='ring')`) runs under the shard_map lowering only
+    (XLA's partitioner does not emit it from layouts): refused with 'jit' before any work."""
+    if lowering != "jit" or schedule is None:
+        return
+    for i, t in enumerate(schedule):
+        if isinstance(t, tactics.ContextParallel) and t.strategy == "ring":
+            raise AutomapError(f"schedule[{i}] {t} moves keys and values round a ring, which only "
+                               "lowering='shard_map' runs (the jit lowering's XLA partitioner does not emit it): "
+                               "pass lowering='shard_map', or use strategy='allgather'")
 
 
 def schedule_of(schedule, mesh: MeshSpec) -> tuple | None:

@@ -11,7 +11,7 @@ from ._tiling import Tiling
 
 
 #: The actions a `Decision` records (the `Partitioning` methods that take them).
-ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse", "reorder")
+ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse", "reorder", "ring")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +30,9 @@ class Decision:
     def to_json(self, program: Program) -> dict:
         """The decision as JSON (a plan file's entry): `action`, `value` (id) and its
         `name` in `program`, `source`, and `dim` and `axis` (tile), `axes` (pin),
-        `tiling` (constrain), `dim`, `axis` and `order` (reorder)."""
+        `tiling` (constrain), `dim`, `axis` and `order` (reorder), `dim` and `axis` (ring)."""
         out = {"action": self.action, "value": self.value, "name": program.name(self.value), "source": self.source}
-        if self.action in ("tile", "reorder"):
+        if self.action in ("tile", "reorder", "ring"):
             out.update(dim=self.dim, axis=self.axis)
         if self.order is not None:
             out["order"] = self.order
@@ -49,7 +49,7 @@ class Decision:
         field or a value id the program does not have."""
         action = data.get("action")
         _check_action(action)
-        need = {"tile": ("value", "dim", "axis"), "constrain": ("value", "tiling"),
+        need = {"tile": ("value", "dim", "axis"), "ring": ("value", "dim", "axis"), "constrain": ("value", "tiling"),
                 "reorder": ("value", "dim", "axis", "order")}.get(action, ("value",))
         missing = [k for k in need if data.get(k) is None]
         if missing:

@@ -153,17 +153,9 @@ class Orders:
         token_order(val.shape[dim], self.mesh.size(axis), order)  # a clear error for a length it does not fit
         label = dim_classes(prog).label(v, dim)
         order_sites(prog, label)
-        entry = (axis, order)
-        old = self._orders.get(label)
-        if old == entry:
-            return
-        if old is not None:
-            raise PartitioningError(f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence "
-                                    f"is already laid out {old[1]!r} over {old[0]!r}")
-        self._orders[label] = entry
-        self._log.append((_ORD, label))
-        self._hash ^= hash((_ORD, label, entry))
-        self._decide(Decision("reorder", v, dim, axis, source, order=order))
+        self._keep(_ORD, self._orders, label, (axis, order), Decision("reorder", v, dim, axis, source, order=order),
+                   lambda old: f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence is "
+                               f"already laid out {old[1]!r} over {old[0]!r}")
 
     @property
     def orders(self) -> dict[int, tuple[str, str]]:

@@ -27,14 +27,15 @@ from ._ir import Program
 from ._mesh import MeshSpec
 from ._order import Orders
 from ._pipelines import Pipelines
-from ._propagate import _BND, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _VAL, Propagation, _fhash, _vhash
+from ._propagate import _BND, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _RNG, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
+from ._rings import Rings
 from .rules._manual import check_fixed_regions
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
 
 
-class Partitioning(Propagation, Replay, Orders, Pipelines):
+class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
@@ -68,6 +69,8 @@ class Partitioning(Propagation, Replay, Orders, Pipelines):
         # Per sequence (a class of `partir.dim_classes`), the token order it is laid out
         # in (`reorder`): (mesh axis, balance).
         self._orders: dict[int, tuple[str, str]] = {}
+        # Per value moved round a ring (`ring`): (dim, mesh axis).
+        self._rings: dict[int, tuple[int, str]] = {}
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
         self._inq = bytearray(len(program.ops))
         self._log: list[tuple] = []
@@ -282,6 +285,8 @@ class Partitioning(Propagation, Replay, Orders, Pipelines):
             self.reuse(v, source=d.source)
         elif d.action == "reorder":
             self.reorder(v, d.dim, d.axis, d.order, source=d.source)
+        elif d.action == "ring":
+            self.ring(v, d.dim, d.axis, source=d.source)
         else:
             self.pin(v, axes=d.axes, source=d.source)
 
@@ -434,6 +439,9 @@ class Partitioning(Propagation, Replay, Orders, Pipelines):
                 h ^= hash((_PIP, entry[1]))
             elif kind == _ORD:
                 h ^= hash((_ORD, entry[1], self._orders.pop(entry[1])))
+            elif kind == _RNG:
+                h ^= hash((_RNG, entry[1], self._rings.pop(entry[1])))
+                self._touched_classes.add(self._of[entry[1]])
             else:
                 self._decisions.pop()
         self._hash = h if known is None else known
@@ -484,6 +492,7 @@ class Partitioning(Propagation, Replay, Orders, Pipelines):
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
         c._remat, c._reuse, c._orders = set(self._remat), set(self._reuse), dict(self._orders)
+        c._rings = dict(self._rings)
         c._log, c._marks, c._decisions = [], [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()
         return c

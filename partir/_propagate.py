@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ._errors import PartitioningError
+
 
 class Propagation:
     """Mixin with the hot loops of propagation; `Partitioning` holds the state they use
@@ -20,6 +22,20 @@ class Propagation:
     def _decide(self, d) -> None:
         self._decisions.append(d)
         self._log.append((_DEC,))
+
+    def _keep(self, kind: int, table: dict, key, entry, decision, clash) -> None:
+        """`table[key] = entry` (a token order, a ring), undone as `kind` on rollback and
+        taken as `decision`: a no-op when it is there already, a `PartitioningError`
+        saying `clash(entry there)` when another is."""
+        old = table.get(key)
+        if old == entry:
+            return
+        if old is not None:
+            raise PartitioningError(clash(old))
+        table[key] = entry
+        self._log.append((kind, key))
+        self._hash ^= hash((kind, key, entry))
+        self._decide(decision)
 
     def _partial_axes(self, op, F) -> tuple[str, ...]:
         if not op.rule.reduction:
@@ -178,7 +194,7 @@ class Propagation:
         dims[d] = w
 
 
-_VAL, _FAC, _PIN, _DEC, _BND, _REM, _REU, _PIP, _ORD = range(9)
+_VAL, _FAC, _PIN, _DEC, _BND, _REM, _REU, _PIP, _ORD, _RNG = range(10)
 
 
 def _vhash(v: int, dims: tuple) -> int:

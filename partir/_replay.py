@@ -1,6 +1,6 @@
 """Taking a change to a partitioning again without working it out again: `delta(mark)`
 records what every action since `mark` changed (final tilings, factor tilings, pins,
-boundaries, rematerialized and reused values, token orders, decisions, pipelines), and `replay(delta)` sets a
+boundaries, rematerialized and reused values, token orders, rings, decisions, pipelines), and `replay(delta)` sets a
 partitioning in the state the delta started from to the state it ended in, logged as
 one step per entry so that `rollback` undoes it as it would the actions. A search that
 applies the same action to the same state again and again (episodes retracing a tree
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
-from ._propagate import _BND, _DEC, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _VAL
+from ._propagate import _BND, _DEC, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _RNG, _VAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class Delta:
     ended, the classes made boundaries, the values rematerialized and reused, the
     token orders set (`(sequence, (axis, balance))`), the decisions taken; the state's key
     before and after them (`Partitioning.key`); and the pipelines added
-    (`Partitioning.pipeline`)."""
+    (`Partitioning.pipeline`) and the values ringed (`Partitioning.ring`)."""
 
     classes: tuple
     ops: tuple
@@ -35,6 +35,7 @@ class Delta:
     before: int
     after: int
     pipelines: tuple = ()  # the `Pipelining`s added
+    rings: tuple = ()  # `(value, (dim, axis))` of each value ringed (`Partitioning.ring`)
 
     @property
     def size(self) -> int:
@@ -57,12 +58,12 @@ class Replay:
                 pipelines.append(entry[1])
             else:
                 first.setdefault((entry[0], entry[1]), None)
-        of = {kind: [i for k, i in first if k == kind] for kind in (_VAL, _FAC, _PIN, _BND, _REM, _REU, _ORD)}
+        of = {kind: [i for k, i in first if k == kind] for kind in (_VAL, _FAC, _PIN, _BND, _REM, _REU, _ORD, _RNG)}
         return Delta(tuple((c, self._d[c]) for c in of[_VAL]), tuple((o, self._f[o]) for o in of[_FAC]),
                      tuple((c, self._forbid[c]) for c in of[_PIN]), tuple(of[_BND]), tuple(of[_REM]),
                      tuple(of[_REU]), tuple((s, self._orders[s]) for s in of[_ORD]),
                      tuple(self._decisions[len(self._decisions) - decisions:]), before, self._hash,
-                     tuple(pipelines))
+                     tuple(pipelines), tuple((v, self._rings[v]) for v in of[_RNG]))
 
     def replay(self, delta: Delta) -> None:
         """Take `delta` again, from the state it started in (the same `key()`)."""
@@ -89,6 +90,10 @@ class Replay:
         for s, entry in delta.orders:
             self._orders[s] = entry
             log.append((_ORD, s))
+        for v, entry in delta.rings:
+            self._rings[v] = entry
+            self._touched_classes.add(self._of[v])
+            log.append((_RNG, v))
         self._decisions.extend(delta.decisions)
         log.extend((_DEC,) for _ in delta.decisions)
         self._pipelines += delta.pipelines

@@ -12,8 +12,10 @@ from ._roles import roles
 
 #: How attention computes on a split sequence. 'allgather': each device keeps its block
 #: of queries and all-gathers the keys and values (MaxText's context parallelism),
-#: expressed through layouts alone, so both lowerings realise it.
-STRATEGIES = ("allgather",)
+#: expressed through layouts alone, so both lowerings realise it. 'ring': the keys and
+#: values stay split, and the dots reading them whole take them block by block as the
+#: blocks rotate round the axis (`partir.Partitioning.ring`; shard_map lowering only).
+STRATEGIES = ("allgather", "ring")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,19 @@ class ContextParallel(Tactic):
     along the sequence are permuted on the way in, the outputs back on the way out, and
     the iotas along it (rotary positions, causal masks) hold the permuted positions, so
     the numbers are still the unsplit program's (`Partitioning.reorder`).
+
+    `strategy='ring'` moves the same data in a ring instead (`partir.Partitioning.ring`):
+    the keys and values stay split along the sequence at rest, and each dot that reads
+    them whole (`Q K^T` and `P V`, and in the backward pass `dO V^T` and `dS K`) runs
+    as a collective matmul over `axis`: every device computes with the block it holds
+    while `jax.lax.ppermute` passes the block on, so no device holds more of them than
+    its own block, the one it computes with and the one in flight. The keys' and values' gradients (`dS^T Q`, `P^T dO`) are summed
+    round the ring the other way (a matmul-reduce-scatter). This is the ring's
+    communication only: the softmax stays as the program writes it (each device's
+    block of score rows is still whole along the keys), not an online softmax; what
+    the scores cost in memory is priced by the fused-attention model on GPU presets.
+    XLA's partitioner cannot be made to emit the ring from layouts: the plan lowers
+    with `lowering='shard_map'` only (the `jit` lowering refuses it before any work).
     """
 
     axis: str
@@ -63,17 +78,25 @@ class ContextParallel(Tactic):
                                   "balanced token order lays out one")
             part.reorder(inputs[0][0], inputs[0][1], self.axis, self.balance, source=str(self))
         for a in found:
-            for v in (a.key, a.value):
+            for v, d in ((a.key, a.key_dim), (a.value, a.value_dim)):
                 if self.axis in part.tiling(v).axes():
                     raise TacticError(f"{self}: {prog.name(v)} is already split over {self.axis!r}; the keys and "
-                                      "values of attention are gathered whole over the context axis")
-                part.pin(v, axes=(self.axis,), source=str(self))
+                                      "values of attention are laid out over the context axis by this tactic: "
+                                      "apply ContextParallel first")
+                if self.strategy == "ring":  # kept split at rest, and read whole round the ring
+                    for u, e in _linked(prog, classes, v, d):
+                        _split_at_rest(part, u, e, self.axis, str(self))
+                        part.ring(u, e, self.axis, source=str(self))
+                else:
+                    part.pin(v, axes=(self.axis,), source=str(self))
         for a in found:
             # The keys' gradients split along the sequence, but as boundaries: each is
             # summed over the queries (a reduce-scatter), and propagation from them
             # would otherwise reach the softmax's gradient first and split it by keys.
             for v, d in a.key_grads:
                 _split_at_rest(part, v, d, self.axis, str(self))
+                if self.strategy == "ring":
+                    part.ring(v, d, self.axis, source=str(self))
         for v, d in inputs:
             part.tile(v, d, self.axis, source=str(self))
         unsplit = [a for a in found if self.axis not in part.factor_tiling(a.score)[_query_factor(prog, a)]]
@@ -82,7 +105,8 @@ class ContextParallel(Tactic):
             raise TacticError(f"{self}: the queries of {names} are not split over {self.axis!r} after propagation "
                               "(an earlier tactic holds that axis on their path); apply ContextParallel first")
         masked = sum(a.masked for a in found)
-        notes = [f"attentions: {len(found)} ({masked} causal), keys and values gathered over {self.axis!r}",
+        moved = "rotated round a ring" if self.strategy == "ring" else "gathered"
+        notes = [f"attentions: {len(found)} ({masked} causal), keys and values {moved} over {self.axis!r}",
                  "sequence split on: " + ", ".join(f"{prog.name(v)} dim {d}" for v, d in inputs)]
         if self.balance is not None:
             notes.append(f"tokens laid out {self.balance!r}: inputs and iotas along the sequence permuted")
@@ -104,6 +128,23 @@ def _sequence_inputs(part, classes, sequence: set, axis: str) -> list[tuple[int,
     if bad:
         raise TacticError(f"ContextParallel({axis!r}): the {size} devices of {axis!r} do not divide the sequence of "
                           f"{', '.join(bad)}; pick an axis whose size divides the sequence length")
+    return out
+
+
+def _linked(prog, classes, v: int, dim: int) -> list[tuple[int, int]]:
+    """(value, dim) of `v` along `dim` and of every value it crosses region boundaries
+    as (through link ops, e.g. the stack a layer scan keeps it in for the backward pass
+    and the backward body's slice of it), with the dim of each in `dim`'s class."""
+    label = classes.label(v, dim)
+    out, seen, stack = [], set(), [v]
+    while stack:
+        u = stack.pop()
+        dims = classes.dims_in(u, prog.values[u].rank, label)
+        if len(dims) != 1 or u in seen:
+            continue  # (a value holding the sequence in two dims moves as its layouts say)
+        seen.add(u)
+        out.append((u, dims[0]))
+        stack += [r for o in prog.users[u] if prog.ops[o].link for r in prog.ops[o].results if r >= 0]
     return out
 
 

@@ -6,7 +6,9 @@ the collectives) and `shard_map` (`_shardmap`: each device's program, with exact
 modeled collectives). What they share is in `_common` (the jitted callable with the
 plan's layouts), `_eval` (binding equations), `_hooks` and `_recompute` (how values are
 read and residuals recomputed), `_spmd` (moving blocks between layouts), `_local` (one
-op on a device's blocks) and `_boundaries` (values crossing region boundaries).
+op on a device's blocks), `_ring` (the dots that move a value round a ring, shard_map
+only: the jit lowering refuses them) and `_boundaries` (values crossing region
+boundaries).
 """
 
 from __future__ import annotations

@@ -35,10 +35,22 @@ def _numeric(dtype) -> bool:
     return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
+def _refuse_rings(part: Partitioning) -> None:
+    """XLA's partitioner places collectives from layouts, and no layout makes it rotate
+    blocks round a ring (`partir.Partitioning.ring`): a plan with rings is refused."""
+    if part.rings:
+        names = ", ".join(sorted({axis for _, axis in part.rings.values()}))
+        raise PartitioningError(f"the jit lowering cannot run this plan: it moves values round a ring over {names} "
+                                "(ContextParallel(strategy='ring')), which XLA's partitioner does not emit from "
+                                "layouts; lower it with backend='shard_map' (lowering='shard_map'), or use "
+                                "strategy='allgather'")
+
+
 def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnums=()):
     """`jax.jit` with in/out shardings and sharding constraints on the plan's values."""
     if constrain not in CONSTRAIN_MODES:
         raise PartitioningError(f"constrain={constrain!r} is not one of {CONSTRAIN_MODES}")
+    _refuse_rings(part)
     prog = part.program
     user_mesh, mesh = mesh, lowering_mesh(mesh)
     shardings: dict[int, NamedSharding] = {}

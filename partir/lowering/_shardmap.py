@@ -17,7 +17,9 @@ Nested jaxprs (calls, `jax.checkpoint`, `scan`, `while`, `cond`) are evaluated b
 `partir._nested` entries with this interpreter for their bodies; a value crossing a
 region boundary is moved as the link op joining the two sides says
 (`_boundaries`). Residuals the plan rematerializes are recomputed, block by
-block, where the backward pass first reads them (`_shardmap_remat`).
+block, where the backward pass first reads them (`_shardmap_remat`). A dot that moves
+a value round a ring (`partir.ring_moves`) reads it as its block at rest, or makes its
+block of the sum, and runs block by block as the blocks travel (`_ring`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .._graph import made_from_scalars
 from .._mesh import MeshSpec, lowering_mesh
 from .._partitioning import Partitioning
 from .._pipeline import MICROBATCH, microbatched
+from .._rings import ring_moves
 from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import BOUNDARIES, call
@@ -42,6 +45,7 @@ from ._frame import Frame, _Blocks
 from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
 from ._order import Reordering
+from ._ring import run_ring
 from ._shardmap_pipeline import run_pipelined
 from ._pipeline_remat import StageRemat
 from ._shardmap_remat import BlockRecomputation
@@ -120,6 +124,7 @@ class Interpreter:
         self.left_partial: dict[int, tuple[str, ...]] = {}
         self.free = free
         self.order = Reordering(part)
+        self.rings = ring_moves(part)  # the dots that move a value round a ring (`_ring`)
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
@@ -164,12 +169,17 @@ class Interpreter:
         made = {k: d for side, k, _, d in slots if side == "result"}
         backward = self.backward[oid]
         after = self._anchor(frame, op) if backward else None
+        ring = self.rings.get(oid)
+        if ring is not None and ring.kind == "gather":
+            need.pop(ring.slot)  # read as the block at rest: the ring brings the others
         operands = []
         for k, (x, v) in enumerate(zip(eqn.invars, op.operands)):
             again = backward and v >= 0 and made_in_forward(self.prog, v)
             operands.append(x.val if v < 0 else frame.read(v, need.get(k), backward, again, after if again else None))
         if eqn.primitive.name in LAYOUT_ONLY:
             outs = operands  # the identity: the plan's layouts replace the program's requests
+        elif ring is not None:
+            outs = self._ring(ring, eqn, op, operands, after if backward else None)
         else:
             local = LocalOp(eqn, tuple(need.get(k) for k in range(len(eqn.invars))),
                             tuple(Tiling(made[k]) if k in made else None for k in range(len(eqn.outvars))),
@@ -181,9 +191,22 @@ class Interpreter:
             if v >= 0:
                 left = self.left_partial.get(v, ())
                 made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
+                if ring is not None and ring.kind == "scatter" and k == ring.slot:
+                    made_k = ring.made(made_k)
                 frame.put(v, move(outs[k], made_k, part.tiling(v), self.move_mesh))
         if backward and outs:
             frame.last = outs[0]
+
+    def _ring(self, ring, eqn, op, operands, after) -> list:
+        """Op `op` run as `ring` moves its value (`_ring`); `after`: a value of the
+        backward pass, when it runs there."""
+        again = ring.kind == "gather" and after is not None and made_in_forward(self.prog, ring.value)
+        if again:
+            # A forward value read again: rotated after the backward value and apart from
+            # the forward's ring, not merged with it (which would keep every block alive).
+            operands[ring.slot], _ = jax.lax.optimization_barrier((operands[ring.slot], after))
+        outs = run_ring(ring, eqn, operands, self.mesh, again)
+        return [self.order.made(v, o) for v, o in zip(op.results, outs)]
 
     def _anchor(self, frame: Frame, op):
         """A value of the backward pass that op `op` reads (else the latest one made)."""

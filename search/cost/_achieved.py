@@ -143,7 +143,7 @@ def time_parts(device, links, compute: float, bucket_compute: dict, moves, paren
     listed first; `links` the `LinkModel` that times collectives."""
     if not device.overlap:
         return TimeParts(compute, links.total_time([c for _, c, _ in moves]))
-    exposed = links.total_time([c for _, c, over in moves if not over])
+    exposed = links.exposed_time([c for _, c, over in moves if not over])
     hidden: dict = {}
     for key, c, over in moves:
         if over:
@@ -152,8 +152,8 @@ def time_parts(device, links, compute: float, bucket_compute: dict, moves, paren
     order = list(parents) + [p for p in dict.fromkeys(parents.values()) if p is not None and p not in parents]
     index = {key: i for i, key in enumerate(order)}
     windows = tuple(float(bucket_compute.get(key, 0.0)) for key in order)
-    comm = tuple(links.total_time(hidden.pop(key, [])) for key in order)
+    comm = tuple(links.exposed_time(hidden.pop(key, [])) for key in order)
     for cols in hidden.values():  # a computation without compute of its own
-        exposed += links.total_time(cols)
+        exposed += links.exposed_time(cols)
     ups = tuple(None if parents.get(key) is None else index[parents[key]] for key in order)
     return TimeParts(compute, exposed, windows, comm, ups)

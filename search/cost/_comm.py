@@ -70,8 +70,10 @@ GRADIENT_COMBINE_BYTES = 30 * 2**20
 class CollectiveCost:
     """One modeled collective: kind, mesh axes, bytes per device, seconds, where it is
     (op, value), how often it runs per step (loop trips), whether it reduces a gradient
-    (it may then overlap the backward pass), and the flops of its reduction (one per
-    element reduced, as XLA counts them)."""
+    (it may then overlap the backward pass), the flops of its reduction (one per
+    element reduced, as XLA counts them), and the seconds of it that the op issuing it
+    hides behind its own compute on a backend that overlaps (`behind`: a ring's
+    permutes, `search.cost._rings`)."""
 
     kind: str
     axes: tuple[str, ...]
@@ -82,6 +84,7 @@ class CollectiveCost:
     count: float = 1.0
     gradient: bool = False
     flops: float = 0.0
+    behind: float = 0.0  # seconds of each run hidden behind the dot it overlaps (a ring's, `_rings`)
 
 
 def gradient_groups(grads, region) -> list[list]:
@@ -153,6 +156,12 @@ class LinkModel:
             return alpha + nbytes / bw
         traffic = (2.0 if kind == Kind.ALL_REDUCE else 1.0) * (n - 1) / n * nbytes
         return _steps(kind, n) * alpha + traffic / bw
+
+    def exposed_time(self, cols) -> float:
+        """`total_time(cols)` less what each collective's own op hides (`behind`), as a
+        backend that overlaps runs them."""
+        cols = list(cols)
+        return self.total_time(cols) - sum(c.behind * c.count for c in cols)
 
     def latency(self, kind: str, axes: tuple[str, ...]) -> float:
         """The latency part of one collective: `steps * alpha`."""

@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-from partir import Kind
+from partir import Kind, ring_moves
 
 from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel, per_contracted_dim
@@ -55,6 +55,7 @@ from ._fusion import materialization
 from ._manual import body_collectives
 from ._memory import Liveness
 from ._move_buffers import MoveBuffers
+from ._rings import is_ring_reshard, ring_collectives, ring_signature
 from ._achieved import dot_efficiency, shard_shape
 
 __all__ = ["Cost", "CostModel", "bytes_str", "time_str"]
@@ -181,9 +182,11 @@ class CostModel(CostTime, CostMemory):
         memo = self._memo
         if len(memo) > _MEMO_LIMIT:
             memo.clear()
+        self._rings = ring_moves(part)
         for o in ops:
             slot_values = self._slot_values[o]
-            key = (self._sig[o], part.factor_tiling(o), tuple(D[of[v]] for v in slot_values))
+            key = (self._sig[o], part.factor_tiling(o), tuple(D[of[v]] for v in slot_values),
+                   ring_signature(self._rings.get(o)))
             entry = memo.get(key)
             if entry is None:
                 entry = memo[key] = self._pipeline.price(self, o) if self._piped[o] else self._price(o)
@@ -205,8 +208,10 @@ class CostModel(CostTime, CostMemory):
                 # read it there (XLA reuses the gathered buffer, which stays live from the
                 # first reader to the last; the backward pass gathers again, as FSDP and
                 # sequence parallelism do, and the lowering makes XLA do); it is
-                # attributed to the first such op.
-                if side == "operand":
+                # attributed to the first such op. A ring is each dot's own.
+                if side == "ring":
+                    dkey = ("ring", o, index)
+                elif side == "operand":
                     dkey = ("read", v, dst, bool(self._backward[o]))
                 elif side == "inside":  # a hand-partitioned region's own collectives
                     dkey = ("inside", o)
@@ -229,9 +234,17 @@ class CostModel(CostTime, CostMemory):
                     if not self._virtual[v])
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
+        eff = self._shard_efficiency(o, layout[0])
+        ring = self._rings.get(o)
         for r in part.layout_reshards(o, layout):
             if r.value in self._free and not r.src.partial:
                 continue
+            if ring is not None and is_ring_reshard(ring, r):
+                slot = slot_of[(r.side, r.index)]
+                cols, buf, r = ring_collectives(self, o, ring, r, div, eff)
+                out.append((slot, "ring", ring.slot, None, cols, buf))
+                if r is None:  # all the ring does
+                    continue
             cols = tuple(self._collectives(o, r))
             full = float(self._nbytes[r.value])
             if r.side == "operand":
@@ -243,7 +256,7 @@ class CostModel(CostTime, CostMemory):
         inside = self._inside(o)
         if inside:
             out.append((0, "inside", 0, None, inside, 0.0))
-        return div, moved, tuple(out), self._shard_efficiency(o, layout[0])
+        return div, moved, tuple(out), eff
 
     def _shard_efficiency(self, o: int, slots) -> float:
         """A matmul's efficiency on the shards the op computes (`_achieved`)."""

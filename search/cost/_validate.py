@@ -47,10 +47,11 @@ class Fidelity:
         return [(k, *v, self.bytes_error(k)) for k, v in sorted(self.kinds.items())]
 
 
-def compare_with_xla(part, args, *, device="cpu", mesh=None) -> Fidelity:
-    """Compile `part`'s plan for `args` (arrays or ShapeDtypeStructs) and compare."""
+def compare_with_xla(part, args, *, device="cpu", mesh=None, backend="jit") -> Fidelity:
+    """Compile `part`'s plan for `args` (arrays or ShapeDtypeStructs), lowered by
+    `backend` (`partir.lower`'s), and compare."""
     mesh = mesh if mesh is not None else part.mesh.jax_mesh()
-    compiled = partir.lower(part, mesh).lower(*args).compile()
+    compiled = partir.lower(part, mesh, backend=backend).lower(*args).compile()
     cols = partir.collectives(compiled.as_text(), mesh)
     cost = CostModel(part, device).cost()
     kinds: dict[str, list] = {}
