@@ -102,7 +102,7 @@ class Plan:
 
             self._cost = search.CostModel(self.partitioning.copy(), self.device,
                                           memory_limit=self.memory_limit,
-                                          donate_argnums=self.donate_argnums).cost()
+                                          donate_argnums=self.donate_argnums, backend=self.lowering).cost()
         return self._cost
 
     # -- running ----------------------------------------------------------------------

@@ -63,6 +63,12 @@ __all__ = ["Cost", "CostModel", "bytes_str", "time_str"]
 
 #: Memoised op prices kept before the memo is cleared (bounds memory in long searches).
 _MEMO_LIMIT = 200_000
+#: The lowerings the model prices (`partir.lower`'s backends). Under 'jit' XLA's SPMD
+#: partitioner writes the collectives: a dot summed over several split dims is
+#: all-reduced once per dim (`per_contracted_dim`), and a backend without a native
+#: reduce-scatter all-reduces and slices. Under 'shard_map' the program writes them: one
+#: `psum` over every axis a sum is partial over, and `psum_scatter` a reduce-scatter.
+BACKENDS = ("jit", "shard_map")
 
 
 class CostModel(CostTime, CostMemory):
@@ -71,14 +77,19 @@ class CostModel(CostTime, CostMemory):
     `device` is a preset name, a `DeviceSpec` or a JSON/TOML path; `memory_limit`
     defaults to the device's HBM; `donate_argnums` lists donated (non-static) arguments;
     `links` overrides the link level ('intra'/'inter') of mesh axes; `while_trips` is
-    the trip count assumed for `while` loops (unknown statically).
+    the trip count assumed for `while` loops (unknown statically); `backend` is the
+    lowering the plan runs under (`BACKENDS`).
     """
 
     def __init__(self, part, device=DEFAULT_DEVICE, *, memory_limit: float | None = None, donate_argnums=(),
-                 links: dict[str, str] | None = None, while_trips: int = 1):
+                 links: dict[str, str] | None = None, while_trips: int = 1, backend: str = "jit"):
+        if backend not in BACKENDS:
+            raise ValueError(f"CostModel backend={backend!r}: choose one of {BACKENDS}")
         prog = part.program
-        self.part, self.program = part, prog
+        self.part, self.program, self.backend = part, prog, backend
         self.device = get_device(device)
+        if backend == "shard_map" and not self.device.reduce_scatter:
+            self.device = dataclasses.replace(self.device, reduce_scatter=True)
         self.memory_limit = float(memory_limit if memory_limit is not None else self.device.hbm_bytes)
         self.levels = link_levels(part.mesh.axes, self.device, links)
         self.links = LinkModel(part.mesh, self.device, self.levels)
@@ -288,7 +299,8 @@ class CostModel(CostTime, CostMemory):
         item = full / max(1, math.prod(val.shape))
         grad = bool(r.src.partial) and self._backward[o] and not self._feeds_backward[r.value]
         cols = self.links.reshard(r.src, r.dst, full, self.part.mesh)
-        if r.side == "result" and r.src.partial and self.program.ops[o].primitive == "dot_general":
+        if (self.backend == "jit" and r.side == "result" and r.src.partial
+                and self.program.ops[o].primitive == "dot_general"):
             cols = per_contracted_dim(cols, self._contracted_axes(o), self.links)
         return [CollectiveCost(kind, axes, nbytes, t, o, r.value, float(self._mult[o]), bool(grad),
                                nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
@@ -328,7 +340,7 @@ class CostModel(CostTime, CostMemory):
     def _sync(self) -> None:
         if self.part.pipelines != self._pipelines:  # what every op's price rests on changed
             self.__init__(self.part, self.device, memory_limit=self.memory_limit, donate_argnums=self._donated,
-                          links=self._links_given, while_trips=self._while_trips)
+                          links=self._links_given, while_trips=self._while_trips, backend=self.backend)
             return
         classes, ops = self.part.take_touched()
         if not classes and not ops:

@@ -49,11 +49,12 @@ class Fidelity:
 
 def compare_with_xla(part, args, *, device="cpu", mesh=None, backend="jit") -> Fidelity:
     """Compile `part`'s plan for `args` (arrays or ShapeDtypeStructs), lowered by
-    `backend` (`partir.lower`'s), and compare."""
+    `backend` (`partir.lower`'s), and compare with the model of that lowering
+    (`CostModel`'s `backend`)."""
     mesh = mesh if mesh is not None else part.mesh.jax_mesh()
     compiled = partir.lower(part, mesh, backend=backend).lower(*args).compile()
     cols = partir.collectives(compiled.as_text(), mesh)
-    cost = CostModel(part, device).cost()
+    cost = CostModel(part, device, backend=backend).cost()
     kinds: dict[str, list] = {}
     for c in cost.collectives:
         e = kinds.setdefault(c.kind, [0, 0.0, 0, 0.0])
