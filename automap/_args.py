@@ -99,14 +99,16 @@ class Options:
 
     def tactics(self) -> list:
         """The schedule to apply: the one given, or the automatic search."""
-        if self.schedule is not None:
-            return list(self.schedule)
         import search
 
+        if self.schedule is not None:
+            # A search that leaves its lowering open prices the one this plan runs under.
+            return [dataclasses.replace(t, lowering=self.lowering)
+                    if isinstance(t, search.AutomaticPartition) and t.lowering is None else t for t in self.schedule]
         # The search returns its best plan even over the limit: whether a plan may be
         # over it is this layer's verdict (`MemoryLimitError` unless best_effort).
         return [search.AutomaticPartition(budget_s=self.budget_s, seed=self.seed, device=self.device,
-                                          memory_limit=self.memory_limit, best_effort=True)]
+                                          memory_limit=self.memory_limit, best_effort=True, lowering=self.lowering)]
 
     def donated(self) -> tuple[int, ...]:
         """`donate_argnums` as positions among the non-static arguments (what the lowered

@@ -12,7 +12,7 @@ from tactics import Context, Tactic, TacticError, check, roles
 
 from . import _seeds
 from ._actions import apply_action, input_groups
-from .cost import DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
+from .cost import BACKENDS as LOWERINGS, DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
 from ._mcts import mcts
 from ._result import SearchResult
 from ._state import SearchState
@@ -52,7 +52,11 @@ class AutomaticPartition(Tactic):
     `pipelines` lists microbatch counts the search may also pipeline a layer scan with
     (`Pipeline(axis, m)` as a macro on each searched axis; none by default): it then
     weighs stages, their bubble and their point-to-point sends against the other
-    tactics on the same cost model.
+    tactics on the same cost model. `lowering` is the one the plan will run under
+    ('jit' or 'shard_map'; `automap` fills in its own where it is None, 'jit' when the
+    tactic is applied alone): the cost model prices its collectives (`CostModel`'s
+    `backend`), and under 'shard_map' context parallelism is offered as a ring too
+    (`ContextParallel(strategy='ring')`, which only that lowering runs).
 
     A model with a list of 8 or more alike layers in its arguments is searched on two
     shallow twins with costs extrapolated to its depth (`search._twins`), so
@@ -70,6 +74,7 @@ class AutomaticPartition(Tactic):
     max_episodes: int | None = None
     best_effort: bool = False
     pipelines: tuple[int, ...] = ()
+    lowering: str | None = None
     progress: Callable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -95,6 +100,9 @@ class AutomaticPartition(Tactic):
         object.__setattr__(self, "pipelines", tuple(
             check.number(where + "pipelines", m, integer=True, example="pipelines=(4, 8)", error=TacticError)
             for m in self.pipelines))
+        if self.lowering not in (None, *LOWERINGS):
+            raise TacticError(f"AutomaticPartition lowering={self.lowering!r}: choose one of {LOWERINGS}, or None "
+                              "for the one the plan runs under")
         get_device(self.device)  # an unknown device fails now, not after the search
         if self.progress is not None and not callable(self.progress):
             raise TacticError(f"AutomaticPartition progress={self.progress!r} is not callable: pass "
@@ -146,11 +154,11 @@ class AutomaticPartition(Tactic):
         if not self.group:
             return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
         state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
-                                source=str(self), ctx=ctx)
+                                source=str(self), ctx=ctx, backend=self.backend)
         return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
 
     def _program_state(self, part, groups, axes, ctx) -> SearchState:
-        return SearchState(part, CostModel(part, self.device, memory_limit=self.memory_limit), groups, axes,
+        return SearchState(part, self._model(part), groups, axes,
                            str(self), ctx)
 
     def _setup(self, part):
@@ -160,7 +168,7 @@ class AutomaticPartition(Tactic):
             part.mesh.size(a)
         r = roles(part.program)
         groups = input_groups(part.program, r.params + r.batch, group=self.group)
-        macros = _seeds.macros(part, axes, self.pipelines) if self.macros else ()
+        macros = _seeds.macros(part, axes, self.pipelines, ring=self.backend == "shard_map") if self.macros else ()
         return axes, groups, macros
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
@@ -189,7 +197,7 @@ class AutomaticPartition(Tactic):
         actions, _, _ = result.alternatives[0]
         trial = part.copy()
         self._apply_plan(trial, groups, actions, Context())
-        split = CostModel(trial, self.device, memory_limit=self.memory_limit).cost(top=0)
+        split = self._model(trial).cost(top=0)
         whole = self._exact(part, costs)
         what = ", ".join(a.describe(groups) for a in actions)
         head = (f"kept everything replicated: the best split found ({what}) models {time_str(split.step_time)} "
@@ -204,12 +212,21 @@ class AutomaticPartition(Tactic):
                 f"collectives add {time_str(added)}, so at this size splitting does not pay (a larger model or "
                 "batch does)")
 
+    @property
+    def backend(self) -> str:
+        """The lowering the search prices plans under (`lowering`, else 'jit')."""
+        return self.lowering or "jit"
+
+    def _model(self, part) -> CostModel:
+        """The cost model of `part` on the search's device, limit and lowering."""
+        return CostModel(part, self.device, memory_limit=self.memory_limit, backend=self.backend)
+
     def _exact(self, part, costs: dict):
         """The exact cost of `part` (with the buffers live at its peak, for an error),
         kept in `costs` by its key: a deep program's takes seconds."""
         key = part.key()
         if key not in costs:
-            costs[key] = CostModel(part.copy(), self.device, memory_limit=self.memory_limit).cost(top=PEAK_BUFFERS)
+            costs[key] = self._model(part.copy()).cost(top=PEAK_BUFFERS)
         return costs[key]
 
     def _check_fits(self, part, result, costs) -> None:

@@ -27,17 +27,18 @@ ONCE = ("tensor", "context", "pipeline")
 ORDER = ("data", "tensor", "context", "fsdp", "pipeline", "remat")
 
 
-def macros(part, axes, pipelines) -> tuple:
+def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
     """The tactics the search may apply as one action on `part`'s program: on each
     searched axis of more than one device data parallelism, Megatron, sequence
-    parallelism and FSDP, context parallelism where there is self-attention, pipeline
-    stages with each microbatch count of `pipelines` where there is a layer scan; and
-    each remat policy where there are layers to recompute."""
+    parallelism and FSDP, context parallelism where there is self-attention (as a ring
+    too with `ring`, for a plan the shard_map lowering runs), pipeline stages with each
+    microbatch count of `pipelines` where there is a layer scan; and each remat policy
+    where there are layers to recompute."""
     out = tuple(m for a in _split(part, axes)
                 for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
     if partir.remat_layers(part.program):
         out += tuple(Remat(p) for p in REMAT_MACROS)
-    out += context_macros(part, axes)
+    out += context_macros(part, axes, ring=ring)
     if partir.layer_scans(part.program):
         out += tuple(Pipeline(a, m) for a in _split(part, axes) for m in pipelines)
     return out
@@ -90,10 +91,11 @@ def _roles(axis, offered) -> list[tuple]:
     return out
 
 
-def context_macros(part, axes) -> tuple:
+def context_macros(part, axes, *, ring: bool = False) -> tuple:
     """Context parallelism on each axis, where the program has self-attention: in the
     original token order, and balanced ('zigzag') where a causal attention's work
-    depends on it and the program permits the permutation."""
+    depends on it and the program permits the permutation; each with the keys and
+    values all-gathered, and with `ring` also ringed."""
     found = partir.attentions(part.program)
     if not found:
         return ()
@@ -105,7 +107,9 @@ def context_macros(part, axes) -> tuple:
             balance.append("zigzag")
         except partir.PartitioningError:
             pass  # an op that does not commute with a permutation: the original order only
-    return tuple(ContextParallel(a, balance=b) for a in _split(part, axes) for b in balance)
+    strategies = ("allgather", "ring") if ring else ("allgather",)
+    return tuple(ContextParallel(a, strategy=s, balance=b) for a in _split(part, axes) for s in strategies
+                 for b in balance)
 
 
 def _split(part, axes) -> list[str]:

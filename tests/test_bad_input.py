@@ -187,6 +187,8 @@ TACTICS = [
     ("search episodes 0", lambda c: search.AutomaticPartition(max_episodes=0), TacticError, "max_episodes=0 is out of range"),
     ("search device", lambda c: search.AutomaticPartition(device="h900"), search.DeviceError, "unknown device"),
     ("search progress 5", lambda c: search.AutomaticPartition(progress=5), TacticError, "is not callable"),
+    ("search lowering pmap", lambda c: search.AutomaticPartition(lowering="pmap"), TacticError,
+     "lowering='pmap': choose one of"),
     ("search axes repeated", lambda c: search.AutomaticPartition(axes=("data", "data")), TacticError,
      "names 'data' twice"),
     ("search budget 10**400", lambda c: search.AutomaticPartition(budget_s=HUGE), TacticError, "too large for a float"),

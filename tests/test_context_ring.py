@@ -194,3 +194,36 @@ def test_a_long_sequence_rings_in_less_memory_and_sends_behind_its_block_dots():
     sends = [c for c in costs["ring"].collectives if c.kind == Kind.COLLECTIVE_PERMUTE]
     assert len(sends) == 7 * (GATHERS + SCATTERS) * len(partir.attentions(prog))
     assert all(0 < c.behind < c.time for c in sends)
+
+
+def test_a_search_for_the_shard_map_lowering_rings_where_memory_asks():
+    # At 8K tokens over 8 devices the ring holds no gathered keys and values: a search
+    # pricing the shard_map lowering takes it under a limit the all-gathered plan
+    # misses; one pricing jit (which cannot run a ring) is never offered it.
+    import search
+
+    prog = _abstract("gpt", seq_len=8192, batch=1, d_model=256, n_heads=4, d_ff=512)
+    mesh = MeshSpec.of(cp=8)
+    limit = 80e6
+    plain = tactics.apply_schedule(prog, mesh, [tactics.ContextParallel("cp")]).partitioning
+    assert search.CostModel(plain, "h100", memory_limit=limit, backend="shard_map").cost().memory_peak > limit
+    found = {}
+    for lowering in ("jit", "shard_map"):
+        auto = search.AutomaticPartition(device="h100", memory_limit=limit, max_episodes=120, lowering=lowering)
+        (result,) = tactics.apply_schedule(prog, mesh, [auto]).context.search
+        found[lowering] = [a.tactic for a in result.actions if a.kind == "macro"]
+        assert result.fits
+    assert any(isinstance(t, tactics.ContextParallel) and t.strategy == "ring" for t in found["shard_map"])
+    assert not any(getattr(t, "strategy", None) == "ring" for t in found["jit"])
+
+
+def test_automap_tells_a_search_the_lowering_its_plan_runs_under():
+    import automap
+    import search
+
+    module, config = MODELS["gpt"]
+    step, args = module.make_train_step(dataclasses.replace(config, seq_len=8192, batch=1, d_model=256, n_heads=4,
+                                                            d_ff=512), abstract=True)
+    auto = search.AutomaticPartition(device="h100", memory_limit=80e6, max_episodes=120)
+    plan = automap.partition(step, mesh="cp=8", schedule=[auto], lowering="shard_map")(*args)
+    assert partir.ring_moves(plan.partitioning)  # the search priced the shard_map lowering, which runs rings
