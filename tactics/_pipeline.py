@@ -28,12 +28,14 @@ class Pipeline(Tactic):
     axis: str
     microbatches: int = 1
     schedule: str = "gpipe"
+    repeats: int = 1
     batch_argnums: tuple[int, ...] | int | None = None
 
     def __post_init__(self):
         check.text("Pipeline axis", self.axis, example="axis='stage'", error=TacticError)
         check.number("Pipeline microbatches", self.microbatches, integer=True, example="microbatches=4",
                      error=TacticError)
+        check.number("Pipeline repeats", self.repeats, integer=True, example="repeats=2", error=TacticError)
         check.one_of("Pipeline schedule", self.schedule, partir.PIPELINE_SCHEDULES, error=TacticError)
 
     def apply(self, part, ctx: Context):
@@ -58,7 +60,7 @@ class Pipeline(Tactic):
                 raise TacticError(f"{self.microbatches} microbatches of the {part.tiling(v).dims[0] or 'whole'} "
                                   f"blocks of {prog.name(v)} (batch {prog.values[v].shape[0]}) are not whole: "
                                   "pick microbatches that divide each device's batch")
-        pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule)
+        pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule, self.repeats)
         mark = part.mark()
         try:
             for v in pipe.stacked():
@@ -68,7 +70,8 @@ class Pipeline(Tactic):
         except partir.PartitioningError as e:
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
-        per = length // stages
-        return part, [f"{length} layers in {stages} stages of {per} over {self.axis!r}, "
+        per, units = length // stages, self.microbatches * self.repeats
+        chunks = f" in {self.repeats} chunks of {per // self.repeats} (circular)" if self.repeats > 1 else ""
+        return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
-                      f"{(stages - 1) / (self.microbatches + stages - 1):.0%}"]
+                      f"{(stages - 1) / (units + stages - 1):.0%}"]
