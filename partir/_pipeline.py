@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
+from ._graph import call_roots
 from ._mesh import MeshSpec
+from ._nested import Link
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._tiling import Tiling
 
@@ -159,6 +161,39 @@ def _check_circular(part, pipe: Pipelining) -> None:
         raise PartitioningError(f"Remat inside pipelined layers runs only with repeats=1 (the circular schedule, "
                                 f"repeats={pipe.repeats}, does not keep the recomputing inputs yet): leave Remat out "
                                 "or use repeats=1")
+
+
+def kept_in_slots(part, pipe: Pipelining) -> frozenset:
+    """Under the circular schedule, the values the stages keep in their slot order (the
+    chunks they run, `lowering/_circular`) rather than in contiguous layers: the forward
+    scan's stacked outputs that nothing but the backward scan reads (across call
+    boundaries), split over the stage axis on their layer dim wherever they are, so that
+    neither scan exchanges them. Every value id of each such residual; empty with one
+    repeat or no backward scan."""
+    back = pipe.scans.backward
+    if pipe.repeats == 1 or back is None:
+        return frozenset()
+    prog, roots = part.program, call_roots(part.program)
+    links = (Link.CALL_IN, Link.CALL_OUT)
+    read = {v for v in back.xs if v >= 0}
+    members: dict[int, list[int]] = {}
+    for v in range(len(prog.values)):
+        members.setdefault(roots[v], []).append(v)
+    out = set()
+    for y in (v for v in pipe.scans.forward.ys if v >= 0):
+        group = members[roots[y]]
+        readers = [prog.ops[o] for v in group for o in prog.users[v]]
+        if (read & set(group) and not set(group) & set(prog.outputs)
+                and all(op.link and op.primitive in links or op.id == _xs_link(prog, back, op) for op in readers)
+                and all(part.tiling(v).dims[0] == (pipe.axis,) for v in group)):
+            out.update(group)
+    return frozenset(out)
+
+
+def _xs_link(prog, call: ScanCall, op) -> int:
+    """`op`'s id if it is a link handing scan `call`'s body a stacked input, else -1."""
+    hands = op.link and op.primitive == Link.SCAN_XS and prog.values[op.results[0]].region == call.body
+    return op.id if hands else -1
 
 
 def check_pipelines(part) -> None:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from .._errors import PartitioningError
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, SUM
+from .._pipeline import SAME, SPLIT, SUM, kept_in_slots
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
@@ -85,15 +85,18 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims),
                            interp.move_mesh) for a, u, v, h in zip(x.xs, g.xs, w.xs, held)]
     stages, repeats = interp.mesh.size(pipe.axis), pipe.repeats
-    if repeats > 1:  # the circular schedule's chunks: one exchange in, one out (`_circular`)
-        xs = [to_slots(a, pipe.axis, stages, repeats) for a in xs]
+    # The circular schedule's chunks: one exchange in, one out (`_circular`), but for the
+    # residuals the stages keep in their slot order from one scan to the other.
+    slots = kept_in_slots(interp.part, pipe)
+    if repeats > 1:
+        xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
         remat.keep_inputs(g, w, xs, consts)
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
     if repeats > 1:
-        ys_kept = [y if r < 0 or dropped else from_slots(y, pipe.axis, stages, repeats)
+        ys_kept = [y if r < 0 or dropped or r in slots else from_slots(y, pipe.axis, stages, repeats)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),

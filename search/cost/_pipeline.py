@@ -35,7 +35,8 @@ class PipelineCost:
     schedule; the bubble fraction; the tick loop's trips per pass; the collectives it
     adds (a permute's `count` is its trips per step); the bytes one microbatch's carries
     take across one stage boundary per pass (`p2p_bytes`); per device, the stage's
-    stacked inputs (`stage_bytes`) and the residuals in flight between the passes."""
+    stacked inputs (`stage_bytes`) and the residuals in flight between the passes; the
+    circular schedule's `repeats` (1: GPipe)."""
 
     axis: str
     stages: int
@@ -47,6 +48,7 @@ class PipelineCost:
     p2p_bytes: tuple[float, ...]
     stage_bytes: float
     in_flight_bytes: float
+    repeats: int = 1
 
     @property
     def p2p_time(self) -> float:
@@ -110,9 +112,9 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     dev = get_device(device)
     link = LinkModel(mesh, dev, link_levels(mesh.axes, dev, links))
     stages, m = mesh.size(pipe.axis), pipe.microbatches
-    ticks = m + stages - 1
+    ticks = m * pipe.repeats + stages - 1
     ext, layouts = partir.microbatched(part, pipe)
-    cols, p2p = [], []
+    cols, p2p = list(_exchanges(part, pipe, link)), []
     for layout in layouts:
         call = layout.call
         body = prog.regions[call.body]
@@ -137,7 +139,38 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
-                        stage, kept)
+                        stage, kept, pipe.repeats)
+
+
+def _exchanges(part, pipe, link: LinkModel) -> list:
+    """The circular schedule's all-to-alls over the stage axis (`lowering/_circular`):
+    one per stacked input of each scan, in the layout its body reads, and one per
+    stacked output, but none for the residuals kept in slot order
+    (`partir.kept_in_slots`). Each sends the stage's block padded to S*ceil(R/S)
+    chunks. A stacked input both scans read alike is exchanged once: XLA computes the
+    two identical exchanges of the same value once."""
+    stages, repeats = part.mesh.size(pipe.axis), pipe.repeats
+    if repeats == 1:
+        return []
+    prog, slots = part.program, partir.kept_in_slots(part, pipe)
+    roots, pad = partir.call_roots(prog), stages * -(-repeats // stages) / repeats
+    seen, out = set(), []
+    for call in pipe.scans.calls:
+        body = prog.regions[call.body]
+        ins = body.invars[len(call.consts) + len(call.carry):]
+        outs = body.outvars[len(call.carry_out):]
+        for outer, inner in [*zip(call.xs, ins), *zip(call.ys, outs)]:
+            if outer < 0 or outer in slots:
+                continue
+            t = Tiling(((pipe.axis,),) + part.tiling(inner).dims)
+            nbytes = pad * _block_bytes(prog, inner, t, part.mesh, (call.length,) + tuple(prog.values[inner].shape))
+            key = (roots[outer], t, outer in call.xs)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(CollectiveCost(Kind.ALL_TO_ALL, (pipe.axis,), nbytes,
+                                      link.time(Kind.ALL_TO_ALL, (pipe.axis,), nbytes), prog.producer[inner], inner))
+    return out
 
 
 def _recomputing(part, pipe) -> tuple[set, list]:
@@ -185,7 +218,7 @@ class PipelinePricing:
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
-                        self.scale[op.id] = (m + stages - 1) / stages
+                        self.scale[op.id] = (m * pipe.repeats + stages - 1) / (stages * pipe.repeats)
                         self.layouts[op.id] = (ext, lay, pipe)
             self.stacked.update((v, pipe.axis) for v in pipe.stacked())
             for v in pipe.stacked():  # the links reading and making the stacked values, once a step
