@@ -72,31 +72,39 @@ class TickTimes:
 @dataclass(frozen=True)
 class Slot:
     """Stage `stage` running its layers on microbatch `microbatch` in the forward or
-    `backward` pass, from `start` to `end` seconds after the forward tick loop begins."""
+    `backward` pass, from `start` to `end` seconds after the forward tick loop begins;
+    under the circular schedule, in round `repeat` (0 .. R-1) of the microbatch through
+    the stages, on one chunk of its layers."""
 
     stage: int
     microbatch: int
     backward: bool
     start: float
     end: float
+    repeat: int = 0
 
 
-def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes) -> tuple[Slot, ...]:
+def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes, repeats: int = 1) -> tuple[Slot, ...]:
     """Which stage runs which microbatch when under GPipe, as the lowering runs it: one
-    loop of M + S - 1 ticks per pass, the backward loop after the forward one; every
+    loop of M*R + S - 1 ticks per pass, the backward loop after the forward one; every
     tick lasts as long on every stage (the stages hold as many layers, and each tick
-    ends in a send the next one reads). Forward, stage s runs microbatch m in tick
-    m + s; backward, the layers run in reverse, so stage s runs microbatch m in tick
-    m + S - 1 - s. A stage is idle in S - 1 ticks of each loop: the bubble, (S-1)/(M+S-1)
-    of the time."""
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"a pipeline of {stages} stages and {microbatches} microbatches: give positive counts")
-    loop = (microbatches + stages - 1) * ticks.forward
-    out = [Slot(s, m, False, (m + s) * ticks.forward, (m + s + 1) * ticks.forward)
-           for s in range(stages) for m in range(microbatches)]
+    ends in a send the next one reads). Forward, stage s runs unit u (microbatch u % M
+    in round u // M; one round with `repeats` R = 1) in tick u + s; backward, the layers
+    run in reverse, so stage s runs it in tick u + S - 1 - s. With R > 1 (the circular
+    schedule) a tick runs one of the stage's R chunks of layers, so `ticks` are 1/R as
+    long as GPipe's. A stage is idle in S - 1 ticks of each loop: the bubble,
+    (S-1)/(M*R+S-1) of the time."""
+    if stages < 1 or microbatches < 1 or repeats < 1:
+        raise ValueError(f"a pipeline of {stages} stages, {microbatches} microbatches and {repeats} repeats: give "
+                         "positive counts")
+    units = microbatches * repeats
+    loop = (units + stages - 1) * ticks.forward
+    out = [Slot(s, u % microbatches, False, (u + s) * ticks.forward, (u + s + 1) * ticks.forward, u // microbatches)
+           for s in range(stages) for u in range(units)]
     if ticks.backward > 0:
-        out += [Slot(s, m, True, loop + (m + stages - 1 - s) * ticks.backward,
-                     loop + (m + stages - s) * ticks.backward) for s in range(stages) for m in range(microbatches)]
+        out += [Slot(s, u % microbatches, True, loop + (u + stages - 1 - s) * ticks.backward,
+                     loop + (u + stages - s) * ticks.backward, u // microbatches)
+                for s in range(stages) for u in range(units)]
     return tuple(out)
 
 
