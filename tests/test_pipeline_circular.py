@@ -211,3 +211,13 @@ def test_a_saved_circular_plan_plots_its_rounds(tmp_path):
     (panel,) = [ax for ax in fig.axes if "pipeline over 'stage'" in ax.get_title()]
     assert "2 microbatches going round 2 times" in panel.get_title() and "idle 20%" in panel.get_title()
     assert len(panel.patches) == 2 * 2 * 2 * 2
+
+
+# -- the search ----------------------------------------------------------------------------
+@pytest.mark.parametrize("microbatches,layers,offered", [(2, 4, (1, 2)), (1, 4, (1,)), (2, 2, (1,))])
+def test_the_search_offers_the_circular_schedule_where_it_can_run(microbatches, layers, offered):
+    """Beside GPipe, two repeats: only with whole chunks and a microbatch per stage."""
+    _, _, prog = _gpt(dataclasses.replace(TINY, n_layers=layers))
+    part = partir.Partitioning(prog, _mesh(2))
+    found = [m.repeats for m in search._seeds.macros(part, ("stage",), (microbatches,)) if isinstance(m, T.Pipeline)]
+    assert tuple(found) == offered
