@@ -23,6 +23,13 @@ class Pipeline(Tactic):
     head, loss) runs as the rest of the plan places it, whole along `axis`. With `Remat`
     (before or after), each stage recomputes in the backward pass what the policy does
     not keep, per microbatch.
+
+    With `repeats` R > 1 (the circular schedule) the layers are cut into S*R chunks and
+    stage s runs chunks s, s+S, ..., s+(R-1)*S: a microbatch goes round the stages R
+    times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
+    values stay in contiguous blocks at rest; each step exchanges the stage's
+    parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
+    `microbatches` >= S, S*R dividing the layers, and no Remat.
     """
 
     axis: str

@@ -12,6 +12,13 @@ block of its split dim, summed over microbatches, or kept once (`partir.ScanLayo
 the last position's final carries are sent to every stage (one all-reduce over the
 stage axis of the carry, zeros elsewhere), whole along it as the plan keeps them.
 
+With `repeats` R > 1 (the circular schedule) the loop has M*R + S - 1 ticks of one
+chunk of L/(S*R) layers each, the sends form a ring (the last position sends to the
+first, where a microbatch's carry waits for its next round), and the stacked values are
+exchanged for the chunks the stage runs on the way in and back on the way out
+(`_circular`), but for the residuals kept in that order between the two scans
+(`partir.kept_in_slots`).
+
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
 completed by the accumulation here, not by a collective. Where the plan recomputes the

@@ -10,6 +10,10 @@ Each device keeps its stage's share of the stacked values (parameters, gradients
 optimizer state: `stage_bytes`) and, under GPipe, the residuals of all M microbatches
 of its layers from the forward pass to the backward (`in_flight_bytes`).
 
+With R repeats (the circular schedule) the loop has M*R + S - 1 ticks of one chunk of
+L/(S*R) layers, so the bubble is (S-1)/(M*R+S-1), and the stacked values are exchanged
+over the stage axis in and out of the stage program (one all-to-all each: `_exchanges`).
+
 `gpipe_timeline` says which stage runs which microbatch when (what `Plan.plot` draws),
 from the seconds of one tick of each pass that `CostModel` prices (`TickTimes`).
 """
@@ -206,8 +210,8 @@ class PipelinePricing:
     """How `CostModel` prices the ops of pipelined layers (`part.pipelines`): on the
     microbatched partitioning (`partir.microbatched`), as the shard_map lowering runs
     them. An op's work is divided over the microbatch axis too (a microbatch's share),
-    and it runs (L/S)·(M+S-1) times a step instead of L (`scale`: its stage's layers in
-    every tick, bubble included); its moves are the plan's on a microbatch's blocks, the
+    and it runs (L/(S·R))·(M·R+S-1) times a step instead of L (`scale`: its stage's
+    chunk in every tick, bubble included; R = 1 but for the circular schedule); its moves are the plan's on a microbatch's blocks, the
     microbatch axis left out (a sum over it is the accumulation), less the reductions
     left for after the loop; the stacked values are read where their stage holds them
     (no gather along the layer dim). The pipeline's own collectives are `pipeline_cost`'s
