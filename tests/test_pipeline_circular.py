@@ -70,6 +70,18 @@ def test_circular_llama_composes_with_data_parallel_and_megatron(backend):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config,others", [(TINY, [T.FSDP("data")]), (dataclasses.replace(TINY, remat=True), None)],
+                         ids=["fsdp", "user-checkpoint"])
+def test_circular_gpt_composes_with_fsdp_and_the_users_checkpoint(config, others):
+    """FSDP's parameters are gathered over 'data' before their chunks are exchanged over
+    'stage'; the user's jax.checkpoint recomputes inside each chunk."""
+    part = _plan(2, 2, 2, config, others)
+    _same_step(part, config, "jit")
+    compiled, modeled = _collectives(part, config, "jit")
+    assert compiled == modeled
+
+
+@pytest.mark.slow
 def test_circular_llama_over_four_stages():
     _same_step(_plan(4, 4, 2, DEEP_LLAMA), DEEP_LLAMA, "shard_map")
 
