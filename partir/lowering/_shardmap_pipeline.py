@@ -170,12 +170,26 @@ def _first_input(fresh, recv, held, k, mc, ticks: _Ticks):
     return jnp.where(k == 0, fresh, back)
 
 
+def _initial(interp, pipe, call, carry, d, drop, extra, waits: bool) -> tuple:
+    """The tick loop's state before the first tick: zeros for the received carries, the
+    carries waiting for their next round (`waits`: one per microbatch), the final
+    carries, the per-layer outputs and what recomputing needs."""
+    prog, body, nk = interp.prog, interp.prog.regions[call.body], len(carry)
+    M, S = pipe.microbatches, interp.mesh.size(pipe.axis)
+    recv = tuple(jnp.zeros_like(_micro(a, i, 0, M)) for a, i in zip(carry, d.carry))
+    back = tuple(jnp.zeros((M,) + r.shape, r.dtype) for r in recv) if waits else ()
+    kept = tuple(_block(interp, v) for v in body.outvars[:nk])
+    ys_kept = tuple(jnp.zeros((call.length // S,), prog.values[v].dtype) if dropped else
+                    _block(interp, v, call.length, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
+    made_kept = tuple(_block(interp, s, call.length, pipe.axis) for s in extra)
+    return recv, back, kept, ys_kept, made_kept
+
+
 def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, drop):
     """The stage's M*R + S - 1 ticks: (the final carries kept by the last position, the
     per-layer outputs kept over the microbatches). `held[k]`: stacked input k is a
     recomputed residual's placeholder; `drop[k]`: per-layer output k is."""
-    prog, call = interp.prog, layout.call
-    body = prog.regions[call.body]
+    call = layout.call
     nk, M, S, forward = len(carry), pipe.microbatches, interp.mesh.size(pipe.axis), not call.reverse
     ticks = _Ticks(S, M, pipe.repeats, forward)
     chunk = call.length // (S * pipe.repeats)
@@ -222,13 +236,7 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         recv = tuple(jax.lax.ppermute(c, pipe.axis, perm) for c in c_out)
         return (recv, back, kept, ys_kept, made_kept), None
 
-    recv = tuple(jnp.zeros_like(_micro(a, i, 0, M)) for a, i in zip(carry, d.carry))
-    back = tuple(jnp.zeros((M,) + r.shape, r.dtype) for r in recv) if waits else ()
-    kept = tuple(_block(interp, v) for v in body.outvars[:nk])
-    ys_kept = tuple(jnp.zeros((call.length // S,), prog.values[v].dtype) if dropped else
-                    _block(interp, v, call.length, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
-    made_kept = tuple(_block(interp, s, call.length, pipe.axis) for s in extra)
-    state = (recv, back, kept, ys_kept, made_kept)
+    state = _initial(interp, pipe, call, carry, d, drop, extra, waits)
     (_, _, kept, ys_kept, made_kept), _ = jax.lax.scan(tick, state, jnp.arange(ticks.count))
     if saving:
         remat.keep_made(made_kept)
