@@ -82,15 +82,17 @@ def pipeline_tables(plan) -> list:
     part, out = plan.partitioning, []
     for pipe in part.pipelines:
         c = search.pipeline_cost(part, pipe, plan.device)
-        per = pipe.scans.forward.length // c.stages
+        per = pipe.scans.forward.length // (c.stages * pipe.repeats)  # layers per chunk
         table = Table(title=f"pipeline stages over {pipe.axis!r}")
         for col in ("stage", "layers", "devices"):
             table.add_column(col, justify="right" if col == "stage" else "left")
         names, sizes = part.mesh.names, part.mesh.shape
-        for s in range(c.stages):
+        for s, chunks in enumerate(pipe.chunks(c.stages)):
             devices = [d for d in range(part.mesh.num_devices) if _coord(d, names, sizes, pipe.axis) == s]
-            table.add_row(str(s), f"{s * per}..{(s + 1) * per - 1}", ", ".join(map(str, devices)))
-        out += [table, f"schedule {pipe.schedule}, {c.microbatches} microbatches, modeled bubble {c.bubble:.0%}; "
+            layers = ", ".join(f"{k * per}..{(k + 1) * per - 1}" for k in chunks)
+            table.add_row(str(s), layers, ", ".join(map(str, devices)))
+        rounds = f", {pipe.repeats} repeats (circular)" if pipe.repeats > 1 else ""
+        out += [table, f"schedule {pipe.schedule}{rounds}, {c.microbatches} microbatches, modeled bubble {c.bubble:.0%}; "
                        f"{bytes_str(c.p2p_bytes[0])} per microbatch per stage boundary; per device "
                        f"{bytes_str(c.stage_bytes)} of layer state, {bytes_str(c.in_flight_bytes)} of residuals"]
     return out
@@ -166,7 +168,9 @@ def explain_saved(data: dict, console=None) -> None:
         console.print(f"       search: {a}", markup=False, highlight=False)
     for p in data.get("pipelines", []):
         console.print(f"  pipeline: the layer scan reading {p['layers']} in stages over {p['axis']!r}, "
-                      f"{p['microbatches']} microbatches, schedule {p['schedule']}", markup=False, highlight=False)
+                      f"{p['microbatches']} microbatches, schedule {p['schedule']}"
+                      + (f", {p['repeats']} repeats (circular)" if p.get("repeats", 1) > 1 else ""),
+                      markup=False, highlight=False)
     params = Table(title="inputs and their layouts")
     params.add_column("input", no_wrap=True)
     params.add_column("shape", justify="right")

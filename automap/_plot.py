@@ -96,9 +96,9 @@ def _timeline(ax, data: dict, index: int) -> None:
             f"no timeline is drawn for schedule {entry['schedule']!r}" if draw is None else
             "the plan file holds no modeled tick times (saved by an older automap): save the plan again"))
         return
-    stages, m = int(data["mesh"][entry["axis"]]), int(entry["microbatches"])
+    stages, m, repeats = int(data["mesh"][entry["axis"]]), int(entry["microbatches"]), int(entry.get("repeats", 1))
     tick = search.TickTimes(ticks[index]["forward_tick_s"], ticks[index]["backward_tick_s"])
-    slots = draw(stages, m, tick)
+    slots = draw(stages, m, tick, repeats)
     end = max(s.end for s in slots)
     idle = 1 - sum(s.end - s.start for s in slots) / (stages * end) if end > 0 else 0.0
     for s in slots:
@@ -109,7 +109,8 @@ def _timeline(ax, data: dict, index: int) -> None:
     ax.set_yticks(range(stages), labels=[f"stage {s}" for s in range(stages)])
     ax.set_ylim(stages - 0.5, -0.5)  # stage 0 on top
     ax.set_xlabel("modeled time from the start of the forward tick loop (ms)")
-    ax.set_title(f"{entry['schedule']} pipeline over {entry['axis']!r}: {stages} stages, {m} microbatches "
+    rounds = f" going round {repeats} times" if repeats > 1 else ""
+    ax.set_title(f"{entry['schedule']} pipeline over {entry['axis']!r}: {stages} stages, {m} microbatches{rounds} "
                  f"(box: microbatch), idle {idle:.0%} of each stage's time (the bubble)")
     ax.legend(handles=[Patch(color=PASS_COLOURS[b], label=label) for b, label in ((False, "forward"),
                                                                                   (True, "backward"))],

@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
+from ._graph import call_roots
 from ._mesh import MeshSpec
+from ._nested import Link
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._tiling import Tiling
 
@@ -52,26 +54,35 @@ SPLIT, SAME, SUM = "split", "same", "sum"
 @dataclass(frozen=True)
 class Pipelining:
     """Stages of `scans` over mesh `axis`, `microbatches` cut from the leading dim of the
-    `batch` inputs (value ids), run by `schedule` (one of `SCHEDULES`)."""
+    `batch` inputs (value ids), run by `schedule` (one of `SCHEDULES`). With `repeats`
+    R > 1 (the circular schedule) the layers are cut into S*R chunks, chunk c running on
+    stage c mod S, so that a microbatch goes round the stages R times."""
 
     axis: str
     microbatches: int
     scans: LayerScans
     batch: tuple[int, ...]
     schedule: str = "gpipe"
+    repeats: int = 1
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise PartitioningError(f"pipeline schedule {self.schedule!r} is not known; allowed: {list(SCHEDULES)}")
         if self.microbatches < 1:
             raise PartitioningError(f"pipeline microbatches={self.microbatches}: give a positive count")
+        if self.repeats < 1:
+            raise PartitioningError(f"pipeline repeats={self.repeats}: give a positive count")
 
     def to_json(self, program) -> dict:
         """The plan file's entry: the settings, the layer scan named by its first stacked
-        input, the batch inputs by name."""
+        input, the batch inputs by name (`repeats` only when above 1, so that plan files
+        of one-repeat pipelines are unchanged)."""
         first = next(v for v in self.scans.forward.xs if v >= 0)
-        return {"axis": self.axis, "microbatches": self.microbatches, "schedule": self.schedule,
-                "layers": program.name(first), "batch": [program.name(v) for v in self.batch]}
+        out = {"axis": self.axis, "microbatches": self.microbatches, "schedule": self.schedule,
+               "layers": program.name(first), "batch": [program.name(v) for v in self.batch]}
+        if self.repeats > 1:
+            out["repeats"] = self.repeats
+        return out
 
     @staticmethod
     def from_json(data: dict, program) -> "Pipelining":
@@ -81,7 +92,13 @@ class Pipelining:
         if not scans:
             raise PartitioningError(f"no layer scan of this program reads {data['layers']!r}")
         batch = tuple(program.resolve(name) for name in data["batch"])
-        return Pipelining(data["axis"], int(data["microbatches"]), scans[0], batch, data["schedule"])
+        return Pipelining(data["axis"], int(data["microbatches"]), scans[0], batch, data["schedule"],
+                          int(data.get("repeats", 1)))
+
+    def chunks(self, stages: int) -> tuple[tuple[int, ...], ...]:
+        """Per stage, the layer chunks it runs in order (chunk c: layers
+        [c*L/(S*R), (c+1)*L/(S*R)) of the forward scan), S the stage count."""
+        return tuple(tuple(k * stages + s for k in range(self.repeats)) for s in range(stages))
 
     @property
     def bodies(self) -> tuple[int, ...]:
@@ -118,6 +135,8 @@ def microbatched(part, pipe: Pipelining):
 
     if MICROBATCH in part.mesh.names:
         raise PartitioningError(f"mesh axis {MICROBATCH!r} is reserved for pipeline microbatches: rename it")
+    if pipe.repeats > 1:
+        _check_circular(part, pipe)
     mesh = MeshSpec(part.mesh.axes + ((MICROBATCH, pipe.microbatches),))
     ext = Partitioning(part.program, mesh, detached=part.detached)
     for d in part.decisions:
@@ -125,6 +144,56 @@ def microbatched(part, pipe: Pipelining):
     for v in pipe.batch:
         ext.tile(v, 0, MICROBATCH, source="pipeline")
     return ext, tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
+
+
+def _check_circular(part, pipe: Pipelining) -> None:
+    """The circular schedule's conditions: whole chunks, a microbatch back at the first
+    stage no later than it is needed there, no recomputed layers."""
+    stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
+    if length % (stages * pipe.repeats):
+        raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
+                                "layer scan into whole chunks: pick repeats so that stages*repeats divides them")
+    if pipe.microbatches < stages:
+        raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) needs at least as many microbatches "
+                                f"as stages ({stages}); {pipe.microbatches} microbatches would reach the first stage "
+                                f"again before it is free: give microbatches >= {stages}, or repeats=1")
+    if part.rematerialized:
+        raise PartitioningError(f"Remat inside pipelined layers runs only with repeats=1 (the circular schedule, "
+                                f"repeats={pipe.repeats}, does not keep the recomputing inputs yet): leave Remat out "
+                                "or use repeats=1")
+
+
+def kept_in_slots(part, pipe: Pipelining) -> frozenset:
+    """Under the circular schedule, the values the stages keep in their slot order (the
+    chunks they run, `lowering/_circular`) rather than in contiguous layers: the forward
+    scan's stacked outputs that nothing but the backward scan reads (across call
+    boundaries), split over the stage axis on their layer dim wherever they are, so that
+    neither scan exchanges them. Every value id of each such residual; empty with one
+    repeat or no backward scan."""
+    back = pipe.scans.backward
+    if pipe.repeats == 1 or back is None:
+        return frozenset()
+    prog, roots = part.program, call_roots(part.program)
+    links = (Link.CALL_IN, Link.CALL_OUT)
+    read = {v for v in back.xs if v >= 0}
+    members: dict[int, list[int]] = {}
+    for v in range(len(prog.values)):
+        members.setdefault(roots[v], []).append(v)
+    out = set()
+    for y in (v for v in pipe.scans.forward.ys if v >= 0):
+        group = members[roots[y]]
+        readers = [prog.ops[o] for v in group for o in prog.users[v]]
+        if (read & set(group) and not set(group) & set(prog.outputs)
+                and all(op.link and op.primitive in links or op.id == _xs_link(prog, back, op) for op in readers)
+                and all(part.tiling(v).dims[0] == (pipe.axis,) for v in group)):
+            out.update(group)
+    return frozenset(out)
+
+
+def _xs_link(prog, call: ScanCall, op) -> int:
+    """`op`'s id if it is a link handing scan `call`'s body a stacked input, else -1."""
+    hands = op.link and op.primitive == Link.SCAN_XS and prog.values[op.results[0]].region == call.body
+    return op.id if hands else -1
 
 
 def check_pipelines(part) -> None:

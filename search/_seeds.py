@@ -25,6 +25,10 @@ ONCE = ("tensor", "context", "pipeline")
 #: blocks first, then the sequence, FSDP last (it shards what the others left whole),
 #: pipeline stages over the layer scan and remat over what all of them made.
 ORDER = ("data", "tensor", "context", "fsdp", "pipeline", "remat")
+#: The circular schedule's repeats the search offers beside GPipe: 2 halves the bubble
+#: of small microbatch counts; more repeats exchange the same weights for less bubble
+#: still, at the price of a search twice as wide per count offered.
+CIRCULAR_REPEATS = 2
 
 
 def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
@@ -32,16 +36,28 @@ def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
     searched axis of more than one device data parallelism, Megatron, sequence
     parallelism and FSDP, context parallelism where there is self-attention (as a ring
     too with `ring`, for a plan the shard_map lowering runs), pipeline stages with each
-    microbatch count of `pipelines` where there is a layer scan; and each remat policy
-    where there are layers to recompute."""
+    microbatch count of `pipelines` where there is a layer scan (GPipe, and the circular
+    schedule where it can run: `_repeats`); and each remat policy where there are
+    layers to recompute."""
     out = tuple(m for a in _split(part, axes)
                 for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
     if partir.remat_layers(part.program):
         out += tuple(Remat(p) for p in REMAT_MACROS)
     out += context_macros(part, axes, ring=ring)
-    if partir.layer_scans(part.program):
-        out += tuple(Pipeline(a, m) for a in _split(part, axes) for m in pipelines)
+    scans = partir.layer_scans(part.program)
+    if scans:
+        out += tuple(Pipeline(a, m, repeats=r) for a in _split(part, axes) for m in pipelines
+                     for r in _repeats(part, a, m, scans[0].forward.length))
     return out
+
+
+def _repeats(part, axis: str, microbatches: int, layers: int) -> tuple[int, ...]:
+    """The repeat counts the search offers a pipeline over `axis` with: GPipe's 1, and
+    the circular schedule's `CIRCULAR_REPEATS` where it can run (whole chunks of the
+    `layers`, at least a microbatch per stage)."""
+    stages = part.mesh.size(axis)
+    circular = layers % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages
+    return (1, CIRCULAR_REPEATS) if circular else (1,)
 
 
 def compositions(offered) -> tuple[tuple, ...]:

@@ -23,17 +23,26 @@ class Pipeline(Tactic):
     head, loss) runs as the rest of the plan places it, whole along `axis`. With `Remat`
     (before or after), each stage recomputes in the backward pass what the policy does
     not keep, per microbatch.
+
+    With `repeats` R > 1 (the circular schedule) the layers are cut into S*R chunks and
+    stage s runs chunks s, s+S, ..., s+(R-1)*S: a microbatch goes round the stages R
+    times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
+    values stay in contiguous blocks at rest; each step exchanges the stage's
+    parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
+    `microbatches` >= S, S*R dividing the layers, and no Remat.
     """
 
     axis: str
     microbatches: int = 1
     schedule: str = "gpipe"
+    repeats: int = 1
     batch_argnums: tuple[int, ...] | int | None = None
 
     def __post_init__(self):
         check.text("Pipeline axis", self.axis, example="axis='stage'", error=TacticError)
         check.number("Pipeline microbatches", self.microbatches, integer=True, example="microbatches=4",
                      error=TacticError)
+        check.number("Pipeline repeats", self.repeats, integer=True, example="repeats=2", error=TacticError)
         check.one_of("Pipeline schedule", self.schedule, partir.PIPELINE_SCHEDULES, error=TacticError)
 
     def apply(self, part, ctx: Context):
@@ -58,7 +67,7 @@ class Pipeline(Tactic):
                 raise TacticError(f"{self.microbatches} microbatches of the {part.tiling(v).dims[0] or 'whole'} "
                                   f"blocks of {prog.name(v)} (batch {prog.values[v].shape[0]}) are not whole: "
                                   "pick microbatches that divide each device's batch")
-        pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule)
+        pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule, self.repeats)
         mark = part.mark()
         try:
             for v in pipe.stacked():
@@ -68,7 +77,8 @@ class Pipeline(Tactic):
         except partir.PartitioningError as e:
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
-        per = length // stages
-        return part, [f"{length} layers in {stages} stages of {per} over {self.axis!r}, "
+        per, units = length // stages, self.microbatches * self.repeats
+        chunks = f" in {self.repeats} chunks of {per // self.repeats} (circular)" if self.repeats > 1 else ""
+        return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
-                      f"{(stages - 1) / (self.microbatches + stages - 1):.0%}"]
+                      f"{(stages - 1) / (units + stages - 1):.0%}"]

@@ -12,6 +12,13 @@ block of its split dim, summed over microbatches, or kept once (`partir.ScanLayo
 the last position's final carries are sent to every stage (one all-reduce over the
 stage axis of the carry, zeros elsewhere), whole along it as the plan keeps them.
 
+With `repeats` R > 1 (the circular schedule) the loop has M*R + S - 1 ticks of one
+chunk of L/(S*R) layers each, the sends form a ring (the last position sends to the
+first, where a microbatch's carry waits for its next round), and the stacked values are
+exchanged for the chunks the stage runs on the way in and back on the way out
+(`_circular`), but for the residuals kept in that order between the two scans
+(`partir.kept_in_slots`).
+
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
 completed by the accumulation here, not by a collective. Where the plan recomputes the
@@ -21,14 +28,17 @@ the backward ticks hand it to the body (`_pipeline_remat.StageRemat`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
 from .._errors import PartitioningError
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, SUM
+from .._pipeline import SAME, SPLIT, SUM, kept_in_slots
 from .._tiling import Tiling
 from ._boundaries import cross
+from ._circular import from_slots, to_slots
 from ._spmd import move
 
 
@@ -81,11 +91,20 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     held = [remat is not None and u >= 0 and remat.placeholder(u) for u in g.xs]
     xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims),
                            interp.move_mesh) for a, u, v, h in zip(x.xs, g.xs, w.xs, held)]
+    stages, repeats = interp.mesh.size(pipe.axis), pipe.repeats
+    # The circular schedule's chunks: one exchange in, one out (`_circular`), but for the
+    # residuals the stages keep in their slot order from one scan to the other.
+    slots = kept_in_slots(interp.part, pipe)
+    if repeats > 1:
+        xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
         remat.keep_inputs(g, w, xs, consts)
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
+    if repeats > 1:
+        ys_kept = [y if r < 0 or dropped or r in slots else from_slots(y, pipe.axis, stages, repeats)
+                   for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
@@ -96,21 +115,92 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     return finals + stacked
 
 
+@dataclass(frozen=True)
+class _Ticks:
+    """Where a stage is in the tick loop: S stages, M microbatches, R repeats. The stage
+    at position `pos` along the flow runs unit u = t - pos at tick t (M*R units: repeat
+    u // M of microbatch u % M), on its chunk slot u // M (forward) or R-1 - u // M (the
+    backward scan, which runs the chunks in reverse)."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    forward: bool
+
+    @property
+    def count(self) -> int:
+        """Ticks of the loop: M*R + S - 1."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    def perm(self) -> list:
+        """The sends after each tick, position p to p+1 (and, circular, the last back to
+        the first), as stage pairs."""
+        step, n = (1 if self.forward else -1), self.stages
+        if self.repeats == 1:
+            return [(i, i + step) for i in range(n) if 0 <= i + step < n]
+        return [(i, (i + step) % n) for i in range(n)]
+
+    def unit(self, t, pos):
+        """(valid, microbatch, repeat, slot) of the unit position `pos` runs at tick `t`."""
+        u = t - pos
+        units = self.microbatches * self.repeats
+        valid = (u >= 0) & (u < units)
+        u = jnp.clip(u, 0, units - 1)
+        k = u // self.microbatches
+        return valid, u % self.microbatches, k, k if self.forward else self.repeats - 1 - k
+
+
+def _rows(buf, y, slot, fn):
+    """`buf` with `fn(rows, y)` written back in place of the rows of chunk `slot` (as
+    many rows as `y`'s leading dim), or `fn(buf, y)` when `y` covers `buf`."""
+    n = y.shape[0]
+    if n == buf.shape[0]:
+        return fn(buf, y)
+    rows = jax.lax.dynamic_slice_in_dim(buf, slot * n, n, 0)
+    return jax.lax.dynamic_update_slice_in_dim(buf, fn(rows, y), slot * n, 0)
+
+
+def _first_input(fresh, recv, held, k, mc, ticks: _Ticks):
+    """The carry the first position runs: a fresh microbatch in the first repeat, then
+    the last position's output of the same microbatch's previous repeat (`recv` this
+    very tick when M == S, else kept in `held`, one slot per microbatch)."""
+    if ticks.repeats == 1:
+        return fresh
+    back = recv if held is None else jax.lax.dynamic_index_in_dim(held, mc, 0, keepdims=False)
+    return jnp.where(k == 0, fresh, back)
+
+
+def _initial(interp, pipe, call, carry, d, drop, extra, waits: bool) -> tuple:
+    """The tick loop's state before the first tick: zeros for the received carries, the
+    carries waiting for their next round (`waits`: one per microbatch), the final
+    carries, the per-layer outputs and what recomputing needs."""
+    prog, body, nk = interp.prog, interp.prog.regions[call.body], len(carry)
+    M, S = pipe.microbatches, interp.mesh.size(pipe.axis)
+    recv = tuple(jnp.zeros_like(_micro(a, i, 0, M)) for a, i in zip(carry, d.carry))
+    back = tuple(jnp.zeros((M,) + r.shape, r.dtype) for r in recv) if waits else ()
+    kept = tuple(_block(interp, v) for v in body.outvars[:nk])
+    ys_kept = tuple(jnp.zeros((call.length // S,), prog.values[v].dtype) if dropped else
+                    _block(interp, v, call.length, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
+    made_kept = tuple(_block(interp, s, call.length, pipe.axis) for s in extra)
+    return recv, back, kept, ys_kept, made_kept
+
+
 def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, drop):
-    """The stage's M + S - 1 ticks: (the final carries kept by the last position, the
+    """The stage's M*R + S - 1 ticks: (the final carries kept by the last position, the
     per-layer outputs kept over the microbatches). `held[k]`: stacked input k is a
     recomputed residual's placeholder; `drop[k]`: per-layer output k is."""
-    prog, call = interp.prog, layout.call
-    body = prog.regions[call.body]
+    call = layout.call
     nk, M, S, forward = len(carry), pipe.microbatches, interp.mesh.size(pipe.axis), not call.reverse
+    ticks = _Ticks(S, M, pipe.repeats, forward)
+    chunk = call.length // (S * pipe.repeats)
     saving = remat is not None and call.body == remat.fwd and bool(remat.extra)
     reading = remat is not None and call.body == remat.bwd
     extra = remat.extra if saving else ()
     pos = jax.lax.axis_index(pipe.axis) if forward else S - 1 - jax.lax.axis_index(pipe.axis)
     first, last = pos == 0, pos == S - 1
-    step = 1 if forward else -1
-    perm = [(i, i + step) for i in range(S) if 0 <= i + step < S]
+    perm = ticks.perm()
     kinds, dims = layout.out_kinds, layout.out_dims
+    waits = pipe.repeats > 1 and M > S  # the first position keeps returning carries until their turn
 
     def layer(c, xl, consts_m, more):
         if reading:
@@ -120,32 +210,34 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         return tuple(outs[:nk]), (ys, remat.made() if saving else ())
 
     def tick(state, t):
-        recv, kept, ys_kept, made_kept = state
-        m = t - pos
-        valid = (m >= 0) & (m < M)
-        mc = jnp.clip(m, 0, M - 1)
-        c_in = tuple(jnp.where(first, _micro(a, k, mc, M), r) for a, k, r in zip(carry, d.carry, recv))
-        consts_m = [_micro(a, k, mc, M) for a, k in zip(consts, d.consts)]
-        xs_m = tuple(a if h else _micro(a, None if k is None else k + 1, mc, M) for a, k, h in zip(xs, d.xs, held))
+        recv, back, kept, ys_kept, made_kept = state
+        valid, mc, k, slot = ticks.unit(t, pos)
+        if waits:  # the last position's output of unit t - S, kept by microbatch
+            back = tuple(jnp.where(t >= S, jax.lax.dynamic_update_index_in_dim(b, r, (t - S) % M, 0), b)
+                         for b, r in zip(back, recv))
+        c_in = tuple(jnp.where(first, _first_input(_micro(a, i, mc, M), r, b if waits else None, k, mc, ticks), r)
+                     for a, i, r, b in zip(carry, d.carry, recv, back or recv))
+        consts_m = [_micro(a, i, mc, M) for a, i in zip(consts, d.consts)]
+        xs_m = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
+        if chunk * S != call.length:  # the circular schedule: this unit's chunk of the stage's layers
+            xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
         more = remat.per_tick(mc, M, _micro) if reading else {}
         xs_m += remat.per_layer(mc, M, _micro) if reading else ()
         c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
                                          reverse=not forward)
-        kept = tuple(_keep(b, c, kinds[i], dims[i], mc, valid & last) for i, (b, c) in enumerate(zip(kept, c_out)))
-        ys_kept = tuple(b if drop[i] else _keep(b, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1,
-                                                 mc, valid) for i, (b, y) in enumerate(zip(ys_kept, ys)))
+        done = valid & last & (k == pipe.repeats - 1)
+        kept = tuple(_keep(b, c, kinds[i], dims[i], mc, done) for i, (b, c) in enumerate(zip(kept, c_out)))
+        ys_kept = tuple(b if drop[i] else _rows(b, y, slot, lambda rows, y, i=i: _keep(
+            rows, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid))
+            for i, (b, y) in enumerate(zip(ys_kept, ys)))
         made_kept = tuple(_keep(b, y, SAME if remat.dims[s] is None else SPLIT,
                                 None if remat.dims[s] is None else remat.dims[s] + 1, mc, valid)
                           for s, b, y in zip(extra, made_kept, made))
         recv = tuple(jax.lax.ppermute(c, pipe.axis, perm) for c in c_out)
-        return (recv, kept, ys_kept, made_kept), None
+        return (recv, back, kept, ys_kept, made_kept), None
 
-    recv = tuple(jnp.zeros_like(_micro(a, k, 0, M)) for a, k in zip(carry, d.carry))
-    kept = tuple(_block(interp, v) for v in body.outvars[:nk])
-    ys_kept = tuple(jnp.zeros((call.length // S,), prog.values[v].dtype) if dropped else
-                    _block(interp, v, call.length, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
-    made_kept = tuple(_block(interp, s, call.length, pipe.axis) for s in extra)
-    (_, kept, ys_kept, made_kept), _ = jax.lax.scan(tick, (recv, kept, ys_kept, made_kept), jnp.arange(M + S - 1))
+    state = _initial(interp, pipe, call, carry, d, drop, extra, waits)
+    (_, _, kept, ys_kept, made_kept), _ = jax.lax.scan(tick, state, jnp.arange(ticks.count))
     if saving:
         remat.keep_made(made_kept)
     return kept, ys_kept

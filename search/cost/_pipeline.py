@@ -10,6 +10,10 @@ Each device keeps its stage's share of the stacked values (parameters, gradients
 optimizer state: `stage_bytes`) and, under GPipe, the residuals of all M microbatches
 of its layers from the forward pass to the backward (`in_flight_bytes`).
 
+With R repeats (the circular schedule) the loop has M*R + S - 1 ticks of one chunk of
+L/(S*R) layers, so the bubble is (S-1)/(M*R+S-1), and the stacked values are exchanged
+over the stage axis in and out of the stage program (one all-to-all each: `_exchanges`).
+
 `gpipe_timeline` says which stage runs which microbatch when (what `Plan.plot` draws),
 from the seconds of one tick of each pass that `CostModel` prices (`TickTimes`).
 """
@@ -35,7 +39,8 @@ class PipelineCost:
     schedule; the bubble fraction; the tick loop's trips per pass; the collectives it
     adds (a permute's `count` is its trips per step); the bytes one microbatch's carries
     take across one stage boundary per pass (`p2p_bytes`); per device, the stage's
-    stacked inputs (`stage_bytes`) and the residuals in flight between the passes."""
+    stacked inputs (`stage_bytes`) and the residuals in flight between the passes; the
+    circular schedule's `repeats` (1: GPipe)."""
 
     axis: str
     stages: int
@@ -47,6 +52,7 @@ class PipelineCost:
     p2p_bytes: tuple[float, ...]
     stage_bytes: float
     in_flight_bytes: float
+    repeats: int = 1
 
     @property
     def p2p_time(self) -> float:
@@ -70,31 +76,39 @@ class TickTimes:
 @dataclass(frozen=True)
 class Slot:
     """Stage `stage` running its layers on microbatch `microbatch` in the forward or
-    `backward` pass, from `start` to `end` seconds after the forward tick loop begins."""
+    `backward` pass, from `start` to `end` seconds after the forward tick loop begins;
+    under the circular schedule, in round `repeat` (0 .. R-1) of the microbatch through
+    the stages, on one chunk of its layers."""
 
     stage: int
     microbatch: int
     backward: bool
     start: float
     end: float
+    repeat: int = 0
 
 
-def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes) -> tuple[Slot, ...]:
+def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes, repeats: int = 1) -> tuple[Slot, ...]:
     """Which stage runs which microbatch when under GPipe, as the lowering runs it: one
-    loop of M + S - 1 ticks per pass, the backward loop after the forward one; every
+    loop of M*R + S - 1 ticks per pass, the backward loop after the forward one; every
     tick lasts as long on every stage (the stages hold as many layers, and each tick
-    ends in a send the next one reads). Forward, stage s runs microbatch m in tick
-    m + s; backward, the layers run in reverse, so stage s runs microbatch m in tick
-    m + S - 1 - s. A stage is idle in S - 1 ticks of each loop: the bubble, (S-1)/(M+S-1)
-    of the time."""
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"a pipeline of {stages} stages and {microbatches} microbatches: give positive counts")
-    loop = (microbatches + stages - 1) * ticks.forward
-    out = [Slot(s, m, False, (m + s) * ticks.forward, (m + s + 1) * ticks.forward)
-           for s in range(stages) for m in range(microbatches)]
+    ends in a send the next one reads). Forward, stage s runs unit u (microbatch u % M
+    in round u // M; one round with `repeats` R = 1) in tick u + s; backward, the layers
+    run in reverse, so stage s runs it in tick u + S - 1 - s. With R > 1 (the circular
+    schedule) a tick runs one of the stage's R chunks of layers, so `ticks` are 1/R as
+    long as GPipe's. A stage is idle in S - 1 ticks of each loop: the bubble,
+    (S-1)/(M*R+S-1) of the time."""
+    if stages < 1 or microbatches < 1 or repeats < 1:
+        raise ValueError(f"a pipeline of {stages} stages, {microbatches} microbatches and {repeats} repeats: give "
+                         "positive counts")
+    units = microbatches * repeats
+    loop = (units + stages - 1) * ticks.forward
+    out = [Slot(s, u % microbatches, False, (u + s) * ticks.forward, (u + s + 1) * ticks.forward, u // microbatches)
+           for s in range(stages) for u in range(units)]
     if ticks.backward > 0:
-        out += [Slot(s, m, True, loop + (m + stages - 1 - s) * ticks.backward,
-                     loop + (m + stages - s) * ticks.backward) for s in range(stages) for m in range(microbatches)]
+        out += [Slot(s, u % microbatches, True, loop + (u + stages - 1 - s) * ticks.backward,
+                     loop + (u + stages - s) * ticks.backward, u // microbatches)
+                for s in range(stages) for u in range(units)]
     return tuple(out)
 
 
@@ -110,9 +124,9 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     dev = get_device(device)
     link = LinkModel(mesh, dev, link_levels(mesh.axes, dev, links))
     stages, m = mesh.size(pipe.axis), pipe.microbatches
-    ticks = m + stages - 1
+    ticks = m * pipe.repeats + stages - 1
     ext, layouts = partir.microbatched(part, pipe)
-    cols, p2p = [], []
+    cols, p2p = list(_exchanges(part, pipe, link)), []
     for layout in layouts:
         call = layout.call
         body = prog.regions[call.body]
@@ -137,7 +151,38 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
-                        stage, kept)
+                        stage, kept, pipe.repeats)
+
+
+def _exchanges(part, pipe, link: LinkModel) -> list:
+    """The circular schedule's all-to-alls over the stage axis (`lowering/_circular`):
+    one per stacked input of each scan, in the layout its body reads, and one per
+    stacked output, but none for the residuals kept in slot order
+    (`partir.kept_in_slots`). Each sends the stage's block padded to S*ceil(R/S)
+    chunks. A stacked input both scans read alike is exchanged once: XLA computes the
+    two identical exchanges of the same value once."""
+    stages, repeats = part.mesh.size(pipe.axis), pipe.repeats
+    if repeats == 1:
+        return []
+    prog, slots = part.program, partir.kept_in_slots(part, pipe)
+    roots, pad = partir.call_roots(prog), stages * -(-repeats // stages) / repeats
+    seen, out = set(), []
+    for call in pipe.scans.calls:
+        body = prog.regions[call.body]
+        ins = body.invars[len(call.consts) + len(call.carry):]
+        outs = body.outvars[len(call.carry_out):]
+        for outer, inner in [*zip(call.xs, ins), *zip(call.ys, outs)]:
+            if outer < 0 or outer in slots:
+                continue
+            t = Tiling(((pipe.axis,),) + part.tiling(inner).dims)
+            nbytes = pad * _block_bytes(prog, inner, t, part.mesh, (call.length,) + tuple(prog.values[inner].shape))
+            key = (roots[outer], t, outer in call.xs)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(CollectiveCost(Kind.ALL_TO_ALL, (pipe.axis,), nbytes,
+                                      link.time(Kind.ALL_TO_ALL, (pipe.axis,), nbytes), prog.producer[inner], inner))
+    return out
 
 
 def _recomputing(part, pipe) -> tuple[set, list]:
@@ -165,8 +210,8 @@ class PipelinePricing:
     """How `CostModel` prices the ops of pipelined layers (`part.pipelines`): on the
     microbatched partitioning (`partir.microbatched`), as the shard_map lowering runs
     them. An op's work is divided over the microbatch axis too (a microbatch's share),
-    and it runs (L/S)·(M+S-1) times a step instead of L (`scale`: its stage's layers in
-    every tick, bubble included); its moves are the plan's on a microbatch's blocks, the
+    and it runs (L/(S·R))·(M·R+S-1) times a step instead of L (`scale`: its stage's
+    chunk in every tick, bubble included; R = 1 but for the circular schedule); its moves are the plan's on a microbatch's blocks, the
     microbatch axis left out (a sum over it is the accumulation), less the reductions
     left for after the loop; the stacked values are read where their stage holds them
     (no gather along the layer dim). The pipeline's own collectives are `pipeline_cost`'s
@@ -185,7 +230,7 @@ class PipelinePricing:
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
-                        self.scale[op.id] = (m + stages - 1) / stages
+                        self.scale[op.id] = (m * pipe.repeats + stages - 1) / (stages * pipe.repeats)
                         self.layouts[op.id] = (ext, lay, pipe)
             self.stacked.update((v, pipe.axis) for v in pipe.stacked())
             for v in pipe.stacked():  # the links reading and making the stacked values, once a step
