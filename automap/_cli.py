@@ -36,8 +36,9 @@ from tactics import WORDS, check
 from ._args import LOWERINGS, Options
 
 #: --schedule words (AXIS is a mesh axis name): the tactics' (`tactics.WORDS`), pipeline
-#: stages over AXIS with M microbatches, and the search on all axes or some.
-SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("pp:AXIS:M", "auto", "auto:AXIS+AXIS")
+#: stages over AXIS with M microbatches (R repeats: the circular schedule), and the
+#: search on all axes or some.
+SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("pp:AXIS:M[:R]", "auto", "auto:AXIS+AXIS")
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -122,17 +123,22 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
 
 
 def _pipeline(word: str, arg: str, mesh):
-    """The `Pipeline` of schedule word `word` ('pp:AXIS:M'), whose text after 'pp:' is `arg`."""
-    from tactics import Pipeline
+    """The `Pipeline` of schedule word `word` ('pp:AXIS:M' or 'pp:AXIS:M:R', R the
+    circular schedule's repeats), whose text after 'pp:' is `arg`."""
+    from tactics import Pipeline, TacticError
 
-    axis, _, count = arg.partition(":")
+    axis, _, counts = arg.partition(":")
     if axis not in mesh.names:
         raise CliError(f"--schedule {word!r}: name a mesh axis after 'pp:' (one of {list(mesh.names)}), "
                        "e.g. pp:stage:8")
-    if not count.isdigit() or int(count) < 1:
-        raise CliError(f"--schedule {word!r}: give the microbatch count after the axis, a whole number >= 1, "
-                       f"e.g. pp:{axis}:8")
-    return Pipeline(axis, microbatches=int(count))
+    parts = counts.split(":")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise CliError(f"--schedule {word!r}: give the microbatch count after the axis, and optionally the "
+                       f"circular schedule's repeats, whole numbers >= 1, e.g. pp:{axis}:8 or pp:{axis}:8:2")
+    try:
+        return Pipeline(axis, microbatches=int(parts[0]), repeats=int(parts[1]) if len(parts) == 2 else 1)
+    except TacticError as e:
+        raise CliError(f"--schedule {word!r}: {e}") from None
 
 
 def parse_pipelines(text: str) -> tuple[int, ...]:

@@ -83,6 +83,8 @@ BAD = [
      "invalid choice: 'pmap'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data", "--out", "p.json"],
      "give the microbatch count after the axis"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data:4:2:1", "--out", "p.json"],
+     "optionally the circular schedule's repeats"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:stage:4", "--out", "p.json"],
      "name a mesh axis after 'pp:'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "four", "--out", "p.json"],
@@ -180,3 +182,14 @@ def test_a_schedule_word_pipelines_a_layer_scan_and_show_prints_its_stages(tmp_p
     assert main(["show", str(plan)]) == 0
     shown = capsys.readouterr().out
     assert "in stages over 'stage', 2 microbatches, schedule gpipe" in shown
+
+
+def test_a_pipeline_word_takes_the_circular_schedules_repeats():
+    from automap._cli import parse_schedule
+    from partir import MeshSpec
+    from tactics import Pipeline
+
+    mesh = MeshSpec.of(data=4, stage=2)
+    words = parse_schedule("dp:data,pp:stage:4:2", mesh, budget=1, seed=0, device="cpu", memory=None)
+    assert words[1] == Pipeline("stage", microbatches=4, repeats=2)
+    assert parse_schedule("pp:stage:4", mesh, budget=1, seed=0, device="cpu", memory=None) == [Pipeline("stage", 4)]
