@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.table import Table
 
 import tactics
@@ -82,20 +84,47 @@ def pipeline_tables(plan) -> list:
     part, out = plan.partitioning, []
     for pipe in part.pipelines:
         c = search.pipeline_cost(part, pipe, plan.device)
-        per = pipe.scans.forward.length // (c.stages * pipe.repeats)  # layers per chunk
-        table = Table(title=f"pipeline stages over {pipe.axis!r}")
-        for col in ("stage", "layers", "devices"):
-            table.add_column(col, justify="right" if col == "stage" else "left")
-        names, sizes = part.mesh.names, part.mesh.shape
-        for s, chunks in enumerate(pipe.chunks(c.stages)):
-            devices = [d for d in range(part.mesh.num_devices) if _coord(d, names, sizes, pipe.axis) == s]
-            layers = ", ".join(f"{k * per}..{(k + 1) * per - 1}" for k in chunks)
-            table.add_row(str(s), layers, ", ".join(map(str, devices)))
-        rounds = f", {pipe.repeats} repeats (circular)" if pipe.repeats > 1 else ""
-        out += [table, f"schedule {pipe.schedule}{rounds}, {c.microbatches} microbatches, modeled bubble {c.bubble:.0%}; "
+        table = stage_table(pipe.axis, pipe.scans.forward.length, pipe.repeats, part.mesh.names, part.mesh.shape)
+        out += [table, f"{_schedule_text(pipe.schedule, pipe.repeats, c.microbatches, c.bubble)}; "
                        f"{bytes_str(c.p2p_bytes[0])} per microbatch per stage boundary; per device "
                        f"{bytes_str(c.stage_bytes)} of layer state, {bytes_str(c.in_flight_bytes)} of residuals"]
     return out
+
+
+def saved_pipeline_tables(data: dict) -> list:
+    """`pipeline_tables` from a plan file's content alone: the stages, the schedule,
+    microbatches and bubble (the layer count read off the stacked input's shape)."""
+    import search
+
+    names, sizes = list(data["mesh"]), list(data["mesh"].values())
+    shapes = {i["name"]: i["shape"] for i in data["inputs"]}
+    out = []
+    for p in data.get("pipelines", []):
+        stages, repeats, m = data["mesh"][p["axis"]], int(p.get("repeats", 1)), int(p["microbatches"])
+        out += [stage_table(p["axis"], shapes[p["layers"]][0], repeats, names, sizes),
+                _schedule_text(p["schedule"], repeats, m, search.pipeline_bubble(stages, m, repeats))]
+    return out
+
+
+def stage_table(axis: str, layers: int, repeats: int, names, sizes) -> Table:
+    """Which layers each stage over `axis` runs (`partir.stage_chunks`), and its devices."""
+    import partir
+
+    stages = dict(zip(names, sizes))[axis]
+    per = layers // (stages * repeats)  # layers per chunk
+    table = Table(title=f"pipeline stages over {axis!r}")
+    for col in ("stage", "layers", "devices"):
+        table.add_column(col, justify="right" if col == "stage" else "left")
+    for s, chunks in enumerate(partir.stage_chunks(stages, repeats)):
+        devices = [d for d in range(math.prod(sizes)) if _coord(d, names, sizes, axis) == s]
+        table.add_row(str(s), ", ".join(f"{k * per}..{(k + 1) * per - 1}" for k in chunks),
+                      ", ".join(map(str, devices)))
+    return table
+
+
+def _schedule_text(schedule: str, repeats: int, microbatches: int, bubble: float) -> str:
+    rounds = f", {repeats} repeats (circular)" if repeats > 1 else ""
+    return f"schedule {schedule}{rounds}, {microbatches} microbatches, modeled bubble {bubble:.0%}"
 
 
 def _coord(device: int, names, sizes, axis: str) -> int:
@@ -171,6 +200,8 @@ def explain_saved(data: dict, console=None) -> None:
                       f"{p['microbatches']} microbatches, schedule {p['schedule']}"
                       + (f", {p['repeats']} repeats (circular)" if p.get("repeats", 1) > 1 else ""),
                       markup=False, highlight=False)
+    for item in saved_pipeline_tables(data):
+        console.print(item, highlight=False)
     params = Table(title="inputs and their layouts")
     params.add_column("input", no_wrap=True)
     params.add_column("shape", justify="right")

@@ -96,9 +96,8 @@ class Pipelining:
                           int(data.get("repeats", 1)))
 
     def chunks(self, stages: int) -> tuple[tuple[int, ...], ...]:
-        """Per stage, the layer chunks it runs in order (chunk c: layers
-        [c*L/(S*R), (c+1)*L/(S*R)) of the forward scan), S the stage count."""
-        return tuple(tuple(k * stages + s for k in range(self.repeats)) for s in range(stages))
+        """Per stage, the layer chunks it runs in order (`stage_chunks`), S the stage count."""
+        return stage_chunks(stages, self.repeats)
 
     @property
     def bodies(self) -> tuple[int, ...]:
@@ -331,3 +330,9 @@ def _check_body(part, ext, pipe: Pipelining, inside: set) -> None:
             raise PartitioningError(f"the plan moves {prog.name(r.value)} across microbatches ({r.src} -> {r.dst}) "
                                     "inside the pipelined layers; the pipeline cannot run it")
 
+
+def stage_chunks(stages: int, repeats: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the layer chunks it runs in order: chunk c (layers [c*L/(S*R),
+    (c+1)*L/(S*R)) of the forward scan) runs on stage c mod S, so with R = 1 stage s
+    holds chunk s alone (GPipe's contiguous stages)."""
+    return tuple(tuple(k * stages + s for k in range(repeats)) for s in range(stages))

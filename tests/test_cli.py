@@ -182,6 +182,9 @@ def test_a_schedule_word_pipelines_a_layer_scan_and_show_prints_its_stages(tmp_p
     assert main(["show", str(plan)]) == 0
     shown = capsys.readouterr().out
     assert "in stages over 'stage', 2 microbatches, schedule gpipe" in shown
+    # From the file alone: which layers each stage's devices run, and the modeled bubble.
+    assert "pipeline stages over 'stage'" in shown and "modeled bubble 33%" in shown
+    assert any(line.split("│")[1:4] == ["     1 ", " 2..3   ", " 1, 3, 5, 7 "] for line in shown.splitlines())
 
 
 def test_a_pipeline_word_takes_the_circular_schedules_repeats():

@@ -118,6 +118,12 @@ def _block_bytes(prog, v: int, t: Tiling, mesh, shape=None) -> float:
     return float(math.prod(t.shard_shape(tuple(shape), mesh))) * np.dtype(val.dtype).itemsize
 
 
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of a pass's ticks a stage has no microbatch: (S-1)/(M*R+S-1) (GPipe
+    with R = 1, the circular schedule with R repeats)."""
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
 def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | None = None) -> PipelineCost:
     """The terms of pipelining `pipe` (a `partir.Pipelining` of `part`) on `device`."""
     prog, mesh = part.program, part.mesh
@@ -150,7 +156,8 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     layers = (pipe.scans.forward.length,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
-    return PipelineCost(pipe.axis, stages, m, pipe.schedule, (stages - 1) / ticks, ticks, tuple(cols), tuple(p2p),
+    return PipelineCost(pipe.axis, stages, m, pipe.schedule, bubble(stages, m, pipe.repeats), ticks, tuple(cols),
+                        tuple(p2p),
                         stage, kept, pipe.repeats)
 
 
