@@ -142,14 +142,16 @@ def test_balanced_orders_even_out_the_causal_work(parts):
 
 BALANCED = [
     # model, balance, mesh, schedule head, lowering, config changes
-    ("gpt", "zigzag", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "jit", {}),
+    pytest.param("gpt", "zigzag", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "jit", {},
+                 marks=pytest.mark.slow),  # the Llama zigzag case below shows the order under jit
     ("llama", "striped", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "shard_map", {}),
     ("llama", "zigzag", MeshSpec.of(model=2, cp=4), [tactics.Megatron("model")], "jit", {"scan_layers": True}),
 ]
 
 
 @pytest.mark.parametrize("model,balance,mesh,head,backend,changes", BALANCED,
-                         ids=[f"{m}-{b}-{'+'.join(map(str, h))}-{be}" for m, b, _, h, be, _ in BALANCED])
+                         ids=[f"{m}-{b}-{'+'.join(map(str, h))}-{be}"
+                              for m, b, _, h, be, _ in (getattr(c, "values", c) for c in BALANCED)])
 def test_a_balanced_plan_matches_jit(model, balance, mesh, head, backend, changes):
     # GPT's learned positions, Llama's rotary table and both causal masks follow the
     # permuted order: without it the numbers differ.

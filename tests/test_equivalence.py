@@ -34,9 +34,13 @@ CASES = [(m, s) for m in MODELS for s in STRATEGIES if s != "dp+megatron" or m.s
 
 # The scan and remat variants under DP and FSDP repeat what their DP + Megatron cases
 # show about nested jaxprs, and each GPT form's DP and Megatron cases are the halves of
-# its DP + Megatron case; they run in `make test-all`.
+# its DP + Megatron case; the remat form's DP + Megatron is tests/test_remat.py's subject,
+# the scanned one tests/test_megatron_corpus.py's (llama_scan), and FSDP on the GPT
+# tests/test_pipeline.py's and tests/test_llama.py's.
+# They run in `make test-all`.
 SLOW = {("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp"),
-        ("gpt", "dp"), ("gpt", "megatron"), ("gpt-scan", "megatron"), ("gpt-remat", "megatron")}
+        ("gpt", "dp"), ("gpt", "megatron"), ("gpt-scan", "megatron"), ("gpt-remat", "megatron"),
+        ("gpt-remat", "dp+megatron"), ("gpt-scan", "dp+megatron"), ("gpt", "fsdp")}
 
 
 @pytest.mark.parametrize("model,strategy", [pytest.param(m, s, marks=pytest.mark.slow if (m, s) in SLOW else ())

@@ -177,6 +177,7 @@ def test_megatron_splits_scanned_layers_as_unrolled_ones():
         assert [d for d, axes in enumerate(scanned["params['layers']" + leaf]) if "model" in axes] == [dim + 1], leaf
 
 
+@pytest.mark.slow  # float32 scanned Megatron runs by default in tests/test_megatron_corpus.py[llama_scan]
 def test_megatron_scanned_plan_matches_jit():
     """The scanned bfloat16 layers' plan (heads and MLP split over 'model') runs as plain
     jit does."""

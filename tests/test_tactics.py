@@ -225,9 +225,9 @@ MESHES = {
     "ep+dp": [MeshSpec.of(expert=4, data=2), MeshSpec.of(pod=2, expert=2, data=2)],
 }
 CASES = [(name, i) for name in COMPOSITIONS for i in range(2)]
-#: Three-axis meshes of the compositions that the other two show on three axes: in
+#: Three-axis meshes of the compositions that the others show on three axes: in
 #: `make test-all`.
-SLOW_CASES = {("dp+megatron", 1), ("megatron+sp", 1)}
+SLOW_CASES = {("dp+megatron", 1), ("megatron+sp", 1), ("dp+zero3+megatron", 1)}
 
 
 @pytest.mark.parametrize("name,mesh_index", [pytest.param(*c, marks=pytest.mark.slow if c in SLOW_CASES else ())
