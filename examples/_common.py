@@ -42,11 +42,11 @@ def optimizer(config: Config) -> optax.GradientTransformation:
     return optax.adam(config.learning_rate, eps=config.adam_eps)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def _make_args(init_fn: InitFn, config: Config, key: jax.Array):
-    # Jitted with the (module-level) init function and the hashable config static,
-    # so every make_train_step call with an equal config reuses one compiled init
-    # (XLA:CPU takes seconds to compile the random generators; tests call this a lot).
+    # Run op by op, not jitted: XLA:CPU takes seconds to compile a whole model's random
+    # generators as one program, once per config, where each op's small program is
+    # compiled once per shape and then serves every config (measured: six example
+    # configs 7.5 s jitted, 3.7 s op by op, the later ones in a fraction of a second).
     params, batch = init_fn(config, key)
     return params, optimizer(config).init(params), batch
 

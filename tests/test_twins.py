@@ -101,10 +101,14 @@ def test_the_exact_baseline_walks_the_twins_to_the_programs_optimum():
     assert not part.decisions
 
 
-def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
+# The plan's numbers against jax.jit (an 8-layer program to compile twice) in
+# `make test-all`; the tilings it asserts are those of DP + Megatron, whose run is
+# checked by default in tests/test_equivalence.py.
+@pytest.mark.parametrize("run", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plan", "run"])
+def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent(run):
     # The config of the recovery tests in test_search.py, 8 layers deep.
     cfg = gpt.GPTConfig(n_layers=8, d_model=256, n_heads=8, d_ff=1024, vocab=1024, seq_len=64, batch=4, adam_eps=1e-3)
-    step, args = gpt.make_train_step(cfg)
+    step, args = gpt.make_train_step(cfg, abstract=not run)
     res, result = _searched(partir.lift(step, *args),
                             [search.AutomaticPartition(budget_s=600, max_episodes=300, device="cpu")])
     assert result.twins is not None and max(result.twins) < 8 and result.why == ""
@@ -122,7 +126,8 @@ def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent():
     STRATEGIES["dp+megatron"](hand, "gpt", "data", "model")
     found = search.CostModel(part.copy(), "cpu").cost().step_time
     assert found <= search.CostModel(hand, "cpu").cost().step_time * (1 + 1e-9)
-    partir.check_equivalence(step, args, part, rtol=2e-5, atol=2e-6)
+    if run:
+        partir.check_equivalence(step, args, part, rtol=2e-5, atol=2e-6)
 
 
 def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
