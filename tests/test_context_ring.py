@@ -76,6 +76,14 @@ def test_ring_matrix_matches_jit(model, cp, balance, rest):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_ring_plan_with_fsdp_matches_jit(model):
+    # FSDP gathers each layer's weights over the other axis while the keys and values go
+    # round the context axis.
+    _check(model, MeshSpec.of(fsdp=2, cp=4), [tactics.FSDP("fsdp"), _ring(balance="zigzag")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_a_ring_plan_with_remat_under_scan_matches_jit(model):
     # The backward body reads the keys and values from the stacks the forward scan kept
     # (split, and ringed too); Remat recomputes the forward's dots with their rings.
