@@ -87,12 +87,7 @@ class CostModel(CostTime, CostMemory):
             raise ValueError(f"CostModel backend={backend!r}: choose one of {BACKENDS}")
         prog = part.program
         self.part, self.program, self.backend = part, prog, backend
-        self.device = get_device(device)
-        if backend == "shard_map" and not self.device.reduce_scatter:
-            self.device = dataclasses.replace(self.device, reduce_scatter=True)
-        self.memory_limit = float(memory_limit if memory_limit is not None else self.device.hbm_bytes)
-        self.levels = link_levels(part.mesh.axes, self.device, links)
-        self.links = LinkModel(part.mesh, self.device, self.levels)
+        self._device_and_links(device, memory_limit, links)
         cls = part.classes
         self._cls = cls
         n_ops = len(prog.ops)
@@ -107,30 +102,11 @@ class CostModel(CostTime, CostMemory):
         self._op_region = [op.region for op in prog.ops]
         self._trivial = np.array(cls.trivial, dtype=bool) & ~piped
         self._op_class = np.array([s[0][0] if (t and s) else 0 for s, t in zip(cls.single, cls.trivial)], dtype=np.int64)
-        vals = prog.values
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
         # (broadcasts, iotas, what is made from them) are no buffer and no memory traffic.
         self.materialization = mat = materialization(prog, self.device.fused_attention, self.device.priority_fusion)
         self._timing_setup(prog, mat)
-        self._virtual = mat.virtual
-        # Ops that take time: live, not fused away, not a link (links only rename buffers;
-        # a scan's per-iteration slices and stacked outputs are read and written by the
-        # ops that use them, which pay for those bytes).
-        self._runs = mat.live_op & ~np.array([op.link or (bool(op.results) and all(v < 0 or mat.virtual[v]
-                                                                                 for v in op.results))
-                                              for op in prog.ops], dtype=bool)
-        self._nbytes = np.array([v.nbytes for v in vals], dtype=float)
-        # A pipelined layer's values hold one microbatch (`PipelinePricing.value_div`).
-        self._value_div = self._pipeline.value_div(len(vals)) if self._pipeline else np.ones(len(vals))
-        self._value_class = np.array(cls.of, dtype=np.int64)
-        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results
-                                            if v >= 0 and not mat.virtual[v]) for op in prog.ops], dtype=float)
-        self._class_div = np.ones(len(cls))
-        self._op_div = np.ones(n_ops)
-        self._op_bytes = self._op_bytes_full.copy()
-        # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
-        # be made in any layout where they are needed: XLA makes them, never moves them.
-        self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
+        self._bytes_setup(prog, mat)
         heavy = np.array([op.primitive in WEIGHT_GRADIENT_OPS for op in prog.ops], dtype=bool)
         self._feeds_backward = feeds_backward(prog, self._backward & heavy)
         self._donated = tuple(donate_argnums)
@@ -146,6 +122,40 @@ class CostModel(CostTime, CostMemory):
         self._refresh_classes(range(len(cls)))
         self._refresh_ops([o for o in range(n_ops) if not self._trivial[o] and mat.live_op[o]])
         self._add_pipeline_collectives()
+
+    def _device_and_links(self, device, memory_limit, links) -> None:
+        """The device (with a native reduce-scatter under shard_map, whose program writes
+        one), the memory limit, and each mesh axis's link level and model."""
+        self.device = get_device(device)
+        if self.backend == "shard_map" and not self.device.reduce_scatter:
+            self.device = dataclasses.replace(self.device, reduce_scatter=True)
+        self.memory_limit = float(memory_limit if memory_limit is not None else self.device.hbm_bytes)
+        self.levels = link_levels(self.part.mesh.axes, self.device, links)
+        self.links = LinkModel(self.part.mesh, self.device, self.levels)
+
+    def _bytes_setup(self, prog, mat) -> None:
+        """Which ops take time, and the bytes of values and of ops' operands and results
+        as XLA keeps them (`mat`), whole and per device."""
+        vals, cls = prog.values, self._cls
+        self._virtual = mat.virtual
+        # Ops that take time: live, not fused away, not a link (links only rename buffers;
+        # a scan's per-iteration slices and stacked outputs are read and written by the
+        # ops that use them, which pay for those bytes).
+        self._runs = mat.live_op & ~np.array([op.link or (bool(op.results) and all(v < 0 or mat.virtual[v]
+                                                                                 for v in op.results))
+                                              for op in prog.ops], dtype=bool)
+        self._nbytes = np.array([v.nbytes for v in vals], dtype=float)
+        # A pipelined layer's values hold one microbatch (`PipelinePricing.value_div`).
+        self._value_div = self._pipeline.value_div(len(vals)) if self._pipeline else np.ones(len(vals))
+        self._value_class = np.array(cls.of, dtype=np.int64)
+        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results
+                                            if v >= 0 and not mat.virtual[v]) for op in prog.ops], dtype=float)
+        self._class_div = np.ones(len(cls))
+        self._op_div = np.ones(len(prog.ops))
+        self._op_bytes = self._op_bytes_full.copy()
+        # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
+        # be made in any layout where they are needed: XLA makes them, never moves them.
+        self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
 
     def _price_pipelines(self, n_ops: int) -> np.ndarray:
         """Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often
