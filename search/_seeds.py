@@ -21,6 +21,8 @@ REMAT_MACROS = ("dots", "full")
 #: The roles an axis may take once per plan (two tensor-parallel axes or two context
 #: axes are moves of the tree search, not textbook plans).
 ONCE = ("tensor", "context", "pipeline")
+#: The role each macro tactic gives its axis in a composition.
+ROLE = {DataParallel: "data", FSDP: "fsdp", Megatron: "tensor", ContextParallel: "context", Pipeline: "pipeline"}
 #: The order a composition's tactics apply in, by role: what splits weights by their
 #: blocks first, then the sequence, FSDP last (it shards what the others left whole),
 #: pipeline stages over the layer scan and remat over what all of them made.
@@ -68,15 +70,11 @@ def compositions(offered) -> tuple[tuple, ...]:
     axis each (`ONCE`), then each remat policy offered or none. Plans of fewer than
     three tactics are left out (the search seeds every pair anyway); the tactics of
     each apply in `ORDER`."""
-    by_axis: dict[str, list] = {}
-    for m in offered:
-        if not isinstance(m, Remat):
-            by_axis.setdefault(m.axis, [])
-    for a in by_axis:
-        by_axis[a] = [()] + [r for r in _roles(a, offered)]
+    axes = dict.fromkeys(m.axis for m in offered if not isinstance(m, Remat))
+    by_axis = [[(), *_roles(a, offered)] for a in axes]
     remats = [()] + [(("remat", m),) for m in offered if isinstance(m, Remat)]
     out = []
-    for per_axis in itertools.product(*by_axis.values()):
+    for per_axis in itertools.product(*by_axis):
         kinds = [k for role in per_axis for k, _ in role[:1]]
         if any(kinds.count(k) > 1 for k in ONCE):
             continue
@@ -89,21 +87,17 @@ def compositions(offered) -> tuple[tuple, ...]:
 
 def _roles(axis, offered) -> list[tuple]:
     """The roles `axis` may take among the `offered` macros, each a tuple of
-    `(kind, tactic)` pairs."""
+    `(kind, tactic)` pairs: one per macro on it (`ROLE`), and Megatron with sequence
+    parallelism after it."""
     mine = [m for m in offered if getattr(m, "axis", None) == axis]
     out = []
     for m in mine:
-        if isinstance(m, DataParallel):
-            out.append((("data", m),))
-        elif isinstance(m, FSDP):
-            out.append((("fsdp", m),))
-        elif isinstance(m, Megatron):
-            out.append((("tensor", m),))
-            out += [(("tensor", m), ("tensor", s)) for s in mine if isinstance(s, SequenceParallel)]
-        elif isinstance(m, ContextParallel):
-            out.append((("context", m),))
-        elif isinstance(m, Pipeline):
-            out.append((("pipeline", m),))
+        kind = ROLE.get(type(m))
+        if kind is None:
+            continue  # sequence parallelism: a role only beside its Megatron
+        out.append(((kind, m),))
+        if isinstance(m, Megatron):
+            out += [((kind, m), (kind, s)) for s in mine if isinstance(s, SequenceParallel)]
     return out
 
 
