@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import partir
 from tactics import Context, Tactic, TacticError, check, roles
 
 from . import _seeds
@@ -111,11 +110,12 @@ class AutomaticPartition(Tactic):
     def apply(self, part, ctx: Context):
         start = time.perf_counter()
         axes, groups, macros = self._setup(part)
+        seeds = _seeds.compositions(macros)
         state, why = self._state(part, groups, axes, ctx)
         while True:
             result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
                                         max_episodes=self.max_episodes, macros=macros, progress=self.progress,
-                                        start=start, seeds=_seeds.compositions(macros))
+                                        start=start, seeds=seeds)
             mark, ctx_mark = part.mark(), ctx.mark()
             said = self._apply_plan(part, groups, result.actions, ctx)
             differs = state.mismatch(part, result.actions)
@@ -158,8 +158,7 @@ class AutomaticPartition(Tactic):
         return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
 
     def _program_state(self, part, groups, axes, ctx) -> SearchState:
-        return SearchState(part, self._model(part), groups, axes,
-                           str(self), ctx)
+        return SearchState(part, self._model(part), groups, axes, str(self), ctx)
 
     def _setup(self, part):
         """The axes searched, the input groups and the macro tactics; checks the settings."""
