@@ -19,7 +19,7 @@ import partir
 import search
 import tactics as T
 from examples import gpt, llama
-from partir import MeshSpec, PartitioningError
+from partir import MeshSpec
 from automap._explain import explain_saved
 from rich.console import Console
 

@@ -17,7 +17,6 @@ import automap
 import partir
 import search
 import tactics as T
-from examples import llama
 from automap._explain import explain_saved
 from automap._plot import figure
 from partir import MeshSpec

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 from jax.extend.core import Literal
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from .._errors import PartitioningError
 from .._mesh import lowering_mesh
