@@ -71,13 +71,19 @@ def parse_budget(text: str) -> float:
 
 def parse_episodes(text: str) -> int:
     """A positive number of episodes."""
+    value = _positive(text)
+    if value is None:
+        raise CliError(f"--episodes {_cut(text)!r}: give a positive integer like 200")
+    return value
+
+
+def _positive(text: str) -> int | None:
+    """The positive integer `text` writes, or None."""
     try:
         value = int(text) if text.strip().isdigit() else 0
     except ValueError:  # more digits than Python reads (sys.get_int_max_str_digits)
         value = 0
-    if value < 1:
-        raise CliError(f"--episodes {_cut(text)!r}: give a positive integer like 200")
-    return value
+    return value if value >= 1 else None
 
 
 def _cut(text: str) -> str:
@@ -131,23 +137,23 @@ def _pipeline(word: str, arg: str, mesh):
     if axis not in mesh.names:
         raise CliError(f"--schedule {word!r}: name a mesh axis after 'pp:' (one of {list(mesh.names)}), "
                        "e.g. pp:stage:8")
-    parts = counts.split(":")
-    if not 1 <= len(parts) <= 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise CliError(f"--schedule {word!r}: give the microbatch count after the axis, and optionally the "
+    parts = [_positive(p) for p in counts.split(":")]
+    if not 1 <= len(parts) <= 2 or None in parts:
+        raise CliError(f"--schedule {_cut(word)!r}: give the microbatch count after the axis, and optionally the "
                        f"circular schedule's repeats, whole numbers >= 1, e.g. pp:{axis}:8 or pp:{axis}:8:2")
     try:
-        return Pipeline(axis, microbatches=int(parts[0]), repeats=int(parts[1]) if len(parts) == 2 else 1)
+        return Pipeline(axis, microbatches=parts[0], repeats=parts[1] if len(parts) == 2 else 1)
     except TacticError as e:
         raise CliError(f"--schedule {word!r}: {e}") from None
 
 
 def parse_pipelines(text: str) -> tuple[int, ...]:
     """'4,8' -> (4, 8): the microbatch counts `--pipelines` lets the search pipeline with."""
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if not words or not all(w.isdigit() and int(w) >= 1 for w in words):
-        raise CliError(f"--pipelines {text!r}: give microbatch counts, whole numbers >= 1 separated by commas, "
-                       "e.g. --pipelines 4,8")
-    return tuple(int(w) for w in words)
+    counts = [_positive(w) for w in text.split(",") if w.strip()]
+    if not counts or None in counts:
+        raise CliError(f"--pipelines {_cut(text)!r}: give microbatch counts, whole numbers >= 1 separated by "
+                       "commas, e.g. --pipelines 4,8")
+    return tuple(counts)
 
 
 def load_target(target: str):

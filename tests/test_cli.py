@@ -89,6 +89,10 @@ BAD = [
      "name a mesh axis after 'pp:'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "four", "--out", "p.json"],
      "--pipelines 'four'"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "9" * 5000, "--out", "p.json"],
+     "give microbatch counts"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data:" + "9" * 5000, "--out",
+      "p.json"], "give the microbatch count after the axis"),
     (["show", "/no/such/plan.json"], "no plan file"),
     (["search", "examples.mlp:factory"], "required"),
 ]
