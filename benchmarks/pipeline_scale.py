@@ -78,6 +78,7 @@ def run(row: Row, budget_s: float) -> None:
     """Print the row's pipelined configurations, the best practitioner schedule without
     a pipeline, and the searched plan against the best of them."""
     import partir
+    import tactics as T
     from examples import experts, llama
 
     config = dataclasses.replace(getattr(llama, row.config), **dict(row.overrides))
@@ -86,50 +87,46 @@ def run(row: Row, budget_s: float) -> None:
     mesh = partir.MeshSpec(row.mesh)
     print(f"{row.label} ({mesh}, {config.n_layers} layers, batch {config.batch})")
     links = {a: "inter" for a in row.inter}
-    priced = []
+    priced, bubbles = [], {}  # experts.Costed of each configuration; the pipelined ones' bubbles
     for name, schedule in _pipelined(config.batch // mesh.size("data")).items():
-        got = _price(prog, mesh, schedule, links)
-        if isinstance(got, str):
-            print(f"  {name:48s} does not apply: {got}")
+        try:
+            part = T.apply_schedule(prog, mesh, schedule).partitioning
+        except partir.PartitioningError as e:
+            print(f"  {name:48s} does not apply: {e}")
             continue
-        priced.append((name, *got))
-        print(f"  {name:48s} {_line(*got)}")
+        costed, bubbles[name] = _priced(name, part, links)
+        priced.append(costed)
+        print(f"  {name:48s} {_line(costed, bubbles[name])}")
     start = time.perf_counter()
     costed = experts.cost_all(prog, mesh, device=DEVICE, memory_limit=MEMORY_LIMIT)
-    best = experts.best(costed)
-    priced.append((best.name, best.step_s, best.peak_bytes, best.fits, None))
-    print(f"  {best.name:48s} {_line(*priced[-1][1:])}  (the best of {len(costed)} schedules without a pipeline, "
+    priced.append(best := experts.best(costed))
+    print(f"  {best.name:48s} {_line(best, None)}  (the best of {len(costed)} schedules without a pipeline, "
           f"examples/experts.py, {time.perf_counter() - start:.1f} s)")
-    _searched(prog, mesh, links, priced, budget_s)
+    _searched(prog, mesh, links, priced, bubbles, budget_s)
 
 
-def _price(prog, mesh, schedule, links):
-    """`(step s, peak bytes, fits, bubble)` of `schedule` on `prog`, or why it does not
-    apply."""
-    import partir
+def _priced(name: str, part, links):
+    """`(experts.Costed, bubble or None)` of the partitioning `part` under `name`."""
     import search
-    import tactics as T
+    from examples.experts import Costed
 
-    try:
-        part = T.apply_schedule(prog, mesh, schedule).partitioning
-    except partir.PartitioningError as e:
-        return str(e)
-    cost = search.CostModel(part, DEVICE, memory_limit=MEMORY_LIMIT, links=links).cost()
+    cost = search.CostModel(part.copy(), DEVICE, memory_limit=MEMORY_LIMIT, links=links).cost()
     bubble = search.pipeline_cost(part, part.pipelines[0], DEVICE).bubble if part.pipelines else None
-    return cost.step_time, cost.memory_peak, bool(cost.fits), bubble
+    return Costed(name, cost.step_time, cost.memory_peak, bool(cost.fits)), bubble
 
 
-def _line(step, peak, fits, bubble) -> str:
-    return (f"step {step:8.2f} s  peak {peak / 1e9:7.1f} GB  {'fits' if fits else 'does not fit':12s}  "
+def _line(c, bubble) -> str:
+    return (f"step {c.step_s:8.2f} s  peak {c.peak_bytes / 1e9:7.1f} GB  {'fits' if c.fits else 'does not fit':12s}  "
             f"bubble {'   -' if bubble is None else f'{bubble:4.0%}'}")
 
 
-def _searched(prog, mesh, links, priced, budget_s) -> None:
+def _searched(prog, mesh, links, priced, bubbles, budget_s) -> None:
     """Search the row with the pipeline among the actions and print the plan found
-    against the best of `priced` (`(name, step, peak, fits, bubble)`): the fastest that
-    fits, else the one of smallest peak."""
+    against the best of `priced` (`experts.best`: the fastest that fits, else the one
+    of smallest peak)."""
     import search
     import tactics as T
+    from examples import experts
 
     start = time.perf_counter()
     auto = search.AutomaticPartition(budget_s=budget_s, memory_limit=MEMORY_LIMIT, device=DEVICE,
@@ -137,29 +134,27 @@ def _searched(prog, mesh, links, priced, budget_s) -> None:
     res = T.apply_schedule(prog, mesh, [auto])
     took = time.perf_counter() - start
     (result,) = res.context.search
-    part = res.partitioning
-    cost = search.CostModel(part.copy(), DEVICE, memory_limit=MEMORY_LIMIT, links=links).cost()
-    chosen = part.pipelines[0] if part.pipelines else None
-    mine = (cost.step_time, cost.memory_peak, bool(cost.fits),
-            search.pipeline_cost(part, chosen, DEVICE).bubble if chosen else None)
-    print(f"  {'searched':48s} {_line(*mine)}  ({took:.1f} s, {result.stats.episodes} episodes)")
+    mine, bubble = _priced("searched", res.partitioning, links)
+    print(f"  {'searched':48s} {_line(mine, bubble)}  ({took:.1f} s, {result.stats.episodes} episodes)")
     print(f"    plan: {', '.join(a.describe(result.groups) for a in result.actions if a.kind == 'macro')}")
-    print(f"    pipeline: {chosen}" if chosen is not None else f"    pipeline: none ({_why_none(priced, mine)})")
-    fitting = [p for p in priced if p[3]]
-    name, step, _, fits, _ = min(fitting, key=lambda p: p[1]) if fitting else min(priced, key=lambda p: p[2])
-    print(f"    searched/expert {mine[0] / step:.2f} (best expert: {name}{'' if fits else ', which does not fit'})")
+    pipes = res.partitioning.pipelines
+    print(f"    pipeline: {pipes[0]}" if pipes else f"    pipeline: none ({_why_none(priced, bubbles, mine)})")
+    best = experts.best(priced)
+    print(f"    searched/expert {mine.step_s / best.step_s:.2f} (best expert: {best.name}"
+          f"{'' if best.fits else ', which does not fit'})")
 
 
-def _why_none(priced, mine) -> str:
-    """Why a plan without a pipeline (`mine`: step, peak, ...) is returned: the best
-    pipelined configuration of `priced` against it."""
-    piped = [p for p in priced if p[4] is not None]
+def _why_none(priced, bubbles, mine) -> str:
+    """Why a plan without a pipeline (`mine`) is returned: the best pipelined
+    configuration of `priced` (those with a bubble; the fastest, those that fit first)
+    against it."""
+    piped = [c for c in priced if c.name in bubbles]
     if not piped:
         return "no pipelined configuration applies to this model and mesh"
-    name, step, peak, fits, _ = max(piped, key=lambda p: (p[3], -p[1]))
-    fit = "fits" if fits else f"peaks at {peak / 1e9:.0f} GB, over the limit"
-    return f"the best pipelined configuration, {name}, models {step:.2f} s and {fit}, against " \
-           f"{mine[0]:.2f} s at {mine[1] / 1e9:.0f} GB"
+    best = max(piped, key=lambda c: (c.fits, -c.step_s))
+    fit = "fits" if best.fits else f"peaks at {best.peak_bytes / 1e9:.0f} GB, over the limit"
+    return (f"the best pipelined configuration, {best.name}, models {best.step_s:.2f} s and {fit}, against "
+            f"{mine.step_s:.2f} s at {mine.peak_bytes / 1e9:.0f} GB")
 
 
 def main() -> None:
