@@ -40,12 +40,15 @@ SCHEDULES = ("gpipe",)
 #: How an op passes on a sum over microbatches (a result of a reduction over the batch),
 #: by primitive: `unary` ops are linear in their one operand; `additive` ones add
 #: operands that must all be such sums; `multilinear` ones are linear in each operand,
-#: so exactly one may be a sum and the others the same for every microbatch.
+#: so exactly one may be a sum and the others the same for every microbatch;
+#: `numerator` ones are linear in their first operand alone (a mean's division by the
+#: count, which the loss between the layer scans makes).
 LINEARITY = {
     **dict.fromkeys(("convert_element_type", "reshape", "transpose", "neg", "broadcast_in_dim", "reduce_sum",
                      "squeeze", "expand_dims", "copy", "copy_p", "reduce_precision"), "unary"),
     **dict.fromkeys(("add", "add_any", "sub"), "additive"),
     **dict.fromkeys(("mul", "dot_general"), "multilinear"),
+    "div": "numerator",
 }
 #: Kinds of a body value across microbatches (`ScanLayout`).
 SPLIT, SAME, SUM = "split", "same", "sum"
@@ -142,7 +145,10 @@ def microbatched(part, pipe: Pipelining):
         ext.redo(d)
     for v in pipe.batch:
         ext.tile(v, 0, MICROBATCH, source="pipeline")
-    return ext, tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
+    layouts = tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
+    from ._pipeline_head import head_layout
+    head_layout(part, ext, pipe)  # the region between the scans runs per microbatch: refused now if it cannot
+    return ext, layouts
 
 
 def _check_circular(part, pipe: Pipelining) -> None:
@@ -307,6 +313,8 @@ def _linear_sum(primitive: str, ins: list[str]) -> bool:
         return len(ins) == 1
     if how == "additive":
         return all(k == SUM for k in ins)
+    if how == "numerator":
+        return ins[0] == SUM and ins.count(SUM) == 1
     return ins.count(SUM) == 1
 
 
@@ -314,16 +322,21 @@ def _check_body(part, ext, pipe: Pipelining, inside: set) -> None:
     """Inside the pipelined body the plan is `part`'s (the microbatch axis aside), never
     uses the stage axis, and never moves a value along the microbatch axis."""
     prog = part.program
-    for v, val in enumerate(prog.values):
-        if val.region not in inside:
-            continue
+    _check_values(part, ext, pipe, {v for v, val in enumerate(prog.values) if val.region in inside},
+                  [o.id for o in prog.ops if o.region in inside])
+
+
+def _check_values(part, ext, pipe: Pipelining, values, ops, check_stage: bool = True) -> None:
+    """`_check_body` for `values` and the ops `ops` (`check_stage`: refuse a value split
+    over the stage axis, which a stage's layers cannot be)."""
+    prog = part.program
+    for v in sorted(values):
         if _strip(ext.tiling(v)) != part.tiling(v):
             raise PartitioningError(f"cutting microbatches changes the layout of {prog.name(v)} "
                                     f"({part.tiling(v)} -> {ext.tiling(v)}); the pipeline cannot run this plan")
-        if pipe.axis in part.tiling(v).axes():
+        if check_stage and pipe.axis in part.tiling(v).axes():
             raise PartitioningError(f"{prog.name(v)} inside the pipelined layers is split over the stage axis "
                                     f"{pipe.axis!r}; use another axis for it")
-    ops = [o.id for o in prog.ops if o.region in inside]
     for r in ext.reshards(ops):
         src = tuple(MICROBATCH in d for d in r.src.dims)
         if src != tuple(MICROBATCH in d for d in r.dst.dims):

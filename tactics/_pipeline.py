@@ -20,7 +20,9 @@ class Pipeline(Tactic):
     then all backwards); activations go forward and their gradients back between
     neighbouring stages, and the gradients are summed over microbatches, so the step
     computes what the unpipelined one does. What is outside the layer stack (embedding,
-    head, loss) runs as the rest of the plan places it, whole along `axis`. With `Remat`
+    head, loss) runs as the rest of the plan places it, whole along `axis`; the head and
+    loss between the forward and backward layers run one microbatch at a time (the loss
+    must be a sum or mean over the batch's examples). With `Remat`
     (before or after), each stage recomputes in the backward pass what the policy does
     not keep, per microbatch.
 

@@ -19,6 +19,7 @@ from .._mesh import lowering_mesh
 from .._nested import evaluate_nested
 from .._partitioning import Partitioning
 from .._reshard import gathered_first
+from .._scans import var_ids
 from ._common import LAYOUT_ONLY, jit_with_layouts
 from ._eval import bind_equation, lowering_params
 from ._hooks import JitHooks
@@ -104,7 +105,21 @@ def _eval_region(prog, rid: int, args, hooks):
     def read(x):
         return x.val if isinstance(x, Literal) else env[x]
 
+    skip = 0  # the equations of a region run per microbatch (`_pipeline_head`) after its first
     for i, eqn in enumerate(jaxpr.eqns):
+        if i < skip:
+            continue
+        head = hooks.pipelines.head(rid, i) if hooks.pipelines else None
+        if head is not None:
+            skip = head.end
+            every = var_ids(prog, rid)
+            made = hooks.pipelines.run_head(head, {every[x]: a for x, a in env.items() if every.get(x) in head.reads})
+            for j in range(head.start, head.end):  # (its results come out of the region at rest)
+                for var, v in zip(jaxpr.eqns[j].outvars, region.eqn_results[j]):
+                    if v in made:
+                        env[var], ids[var] = made[v], v
+                        hooks.record(v, made[v])
+            continue
         children = region.children.get(i)
         piped = children is not None and children[0] in hooks.pipelines
         # A pipelined scan reads its stacked operands where their stages hold them.

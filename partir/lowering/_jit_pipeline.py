@@ -18,7 +18,8 @@ import jax
 from jax.sharding import PartitionSpec
 
 from .._graph import made_from_scalars
-from ._frame import _Blocks
+from ._frame import Frame, _Blocks
+from ._pipeline_head import run_head
 from ._shardmap import Interpreter
 from ._shardmap_pipeline import run_pipelined
 
@@ -36,6 +37,32 @@ class JitPipelines:
 
     def __contains__(self, body: int) -> bool:
         return body in self.interp.pipelined
+
+    def head(self, rid: int, i: int):
+        """The `partir.HeadLayout` of the region run per microbatch from equation `i` of
+        region `rid`, or None."""
+        got = self.interp.heads.get((rid, i))
+        return None if got is None else got[1]
+
+    def run_head(self, head, inputs: dict) -> dict:
+        """The values leaving `head` (global arrays by value id), from the global arrays of
+        what its equations read (`inputs`, by value id: `head.reads`), run as a
+        `shard_map` region whose operands and results are at rest."""
+        part, interp = self.part, self.interp
+        inner, _ = interp.heads[(head.region, head.start)]
+        reads, outs = list(head.reads), list(head.outputs + head.hoisted_out)
+
+        def stages(*blocks):
+            interp.values, interp.wholes = _Blocks(interp), {}
+            frame = Frame(interp)
+            for v, b in zip(reads, blocks):
+                frame.put(v, b)
+            run_head(interp, inner, head, frame)
+            return tuple(frame.read(v) for v in outs)
+
+        region_fn = jax.shard_map(stages, mesh=self.mesh, in_specs=tuple(part.tiling(v).spec() for v in reads),
+                                  out_specs=tuple(part.tiling(v).spec() for v in outs), check_vma=False)
+        return dict(zip(outs, region_fn(*(inputs[v] for v in reads))))
 
     def run(self, eqn, body: int, ins, results, operands) -> list:
         """The results (global arrays) of pipelined scan `eqn` (operand value ids `ins`,

@@ -35,6 +35,7 @@ from .._graph import made_from_scalars
 from .._mesh import MeshSpec, lowering_mesh
 from .._partitioning import Partitioning
 from .._pipeline import MICROBATCH, microbatched
+from .._pipeline_head import head_layout
 from .._rings import ring_moves
 from .._scans import var_ids
 from .._tiling import Tiling
@@ -47,6 +48,7 @@ from ._local import LocalOp, bind_local
 from ._order import Reordering
 from ._ring import run_ring
 from ._shardmap_pipeline import run_pipelined
+from ._pipeline_head import run_head
 from ._pipeline_remat import StageRemat
 from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
@@ -95,6 +97,10 @@ def _pipelined(interp) -> dict:
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
             out[lay.call.body] = (pipe, lay, inner, remat)
+        head = head_layout(part, ext, pipe)
+        if head is not None:
+            inner.left_partial.update(head.deferred)
+            interp.heads[(head.region, head.start)] = (inner, head)
     return out
 
 
@@ -128,6 +134,9 @@ class Interpreter:
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
+        # (region, first equation) -> (the interpreter of the microbatched plan, the
+        # `partir.HeadLayout`) of each region run per microbatch between two layer scans.
+        self.heads: dict = {}
         self.pipelined = _pipelined(self) if part.pipelines else {}
 
     def top(self, args) -> list:
@@ -147,16 +156,28 @@ class Interpreter:
             frame.put(v, a)
         for k, x in (whole or {}).items():
             frame.make_whole(region.invars[k], x)
+        skip = 0  # the equations of a region run per microbatch (`_pipeline_head`) after its first
         for i, eqn in enumerate(region.jaxpr.eqns):
-            with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
-                if self.remat is not None:
-                    self.remat.reads(frame, rid, i, eqn)
-                if i in region.children:
-                    self._nested(frame, rid, i, eqn)
-                else:
-                    self.op(frame, eqn, region.eqn_ops[i])
+            if i < skip:
+                continue
+            head = self.heads.get((rid, i))
+            if head is not None:
+                run_head(self, *head, frame)
+                skip = head[1].end
+                continue
+            self.eqn(frame, rid, i, eqn)
         return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v)
                 for x, v in zip(region.jaxpr.outvars, region.outvars)]
+
+    def eqn(self, frame: Frame, rid: int, i: int, eqn) -> None:
+        """Run equation `i` (`eqn`) of region `rid` on the blocks of `frame`."""
+        with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
+            if self.remat is not None:
+                self.remat.reads(frame, rid, i, eqn)
+            if i in self.prog.regions[rid].children:
+                self._nested(frame, rid, i, eqn)
+            else:
+                self.op(frame, eqn, self.prog.regions[rid].eqn_ops[i])
 
     # -- ops ---------------------------------------------------------------------------
     def op(self, frame: Frame, eqn, oid: int) -> None:

@@ -228,6 +228,7 @@ class PipelinePricing:
         self.part, self.links = part, links
         self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
         self.stages: dict[int, int] = {}  # a pipelined scan's body region -> its stage count
+        self.heads: list = []  # per pipeline, its `partir.HeadLayout` (None: the head runs on the whole batch)
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
@@ -239,6 +240,11 @@ class PipelinePricing:
                     if op.region in inside:
                         self.scale[op.id] = (m * pipe.repeats + stages - 1) / (stages * pipe.repeats)
                         self.layouts[op.id] = (ext, lay, pipe)
+            head = partir.head_layout(part, ext, pipe)
+            for o in head.looped_ops if head is not None else ():  # the head's ops, once per microbatch
+                self.scale[o] = float(m)
+                self.layouts[o] = (ext, head, pipe)
+            self.heads.append(head)
             self.stacked.update((v, pipe.axis) for v in pipe.stacked())
             for v in pipe.stacked():  # the links reading and making the stacked values, once a step
                 for o in prog.value_ops[v]:
@@ -252,10 +258,13 @@ class PipelinePricing:
         M for a value of a pipelined layer split along the microbatch axis, else 1."""
         out = np.ones(n)
         prog = self.part.program
-        for pipe, ext, layouts, _ in self.costs:
+        for (pipe, ext, layouts, _), head in zip(self.costs, self.heads):
             inside = {r for lay in layouts for r in partir.body_regions(prog, lay.call.body)}
-            for v, val in enumerate(prog.values):
-                if val.region in inside and partir.MICROBATCH in ext.tiling(v).axes():
+            mine = {v for v, val in enumerate(prog.values) if val.region in inside}
+            if head is not None:  # (what leaves the head is kept for the whole batch)
+                mine |= {v for o in head.looped_ops for v in prog.ops[o].results if v >= 0} - set(head.outputs)
+            for v in mine:
+                if partir.MICROBATCH in ext.tiling(v).axes():
                     out[v] = pipe.microbatches
         return out
 
@@ -342,6 +351,13 @@ class PipelinePricing:
         """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
         sums' reductions after the loop."""
         prog, out = self.part.program, []
+        for head in self.heads:
+            for v, axes in head.deferred if head is not None else ():
+                if v in head.outputs:
+                    nbytes = _block_bytes(prog, v, self.part.tiling(v), self.part.mesh)
+                    out.append((prog.producer[v], v, (CollectiveCost(
+                        Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
+                        prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
             for lay in layouts:

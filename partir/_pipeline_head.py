@@ -1,0 +1,165 @@
+"""The region between a pipeline's two layer scans (the final norm, the head, the loss
+and their backward) run one microbatch at a time.
+
+In a differentiated train step the forward layer scan and the backward one are two
+equations of one region; what lies between them reads the forward scan's final carry
+(the last layer's activation) and makes the backward scan's initial carry (its
+gradient), the loss, and the gradients of the head's parameters. Run on the whole
+batch, its activations (the logits above all) are the replica batch's; run per
+microbatch they are one microbatch's. The microbatched partitioning
+(`partir.microbatched`) says for every value of the region, as for a layer's, whether
+it holds a microbatch (`SPLIT`: its blocks are kept, one per microbatch, where it
+leaves the region), is the same for all (`SAME`: its equation runs once, before the
+loop), or is a sum over them (`SUM`: the loss, a weight gradient; accumulated). A
+value the region cannot make that way (a non-sum reduction over the batch, a sum
+through a non-linear op, a plan moving a value across microbatches) is refused before
+lowering, naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax.extend.core import Literal
+
+from ._errors import PartitioningError
+from ._pipeline import SAME, SPLIT, _check_values, _deferred, _kind_results, _micro_dim
+from ._scans import body_regions, var_ids
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """The equations [`start`, `end`) of region `region` (between the forward scan,
+    equation `start` - 1, and the backward scan, equation `end`), run per microbatch
+    but for the `hoisted` ones (their results are the same for every microbatch: run
+    once, before the loop). `looped_ops`: the ops of the others (nested ones and links
+    included). `inputs`: the values the looped equations read that are made before
+    them, with the dim holding the microbatch (`in_dims`, None: the same for all);
+    `outputs`: the values they make that are read after the region, with their kind
+    and split dim. `reads`: every value the region's equations read that is made before
+    it; `hoisted_out`: the values the hoisted equations make that are read after it.
+    `deferred`: sums left partial over mesh axes until accumulated
+    (`ScanLayout.deferred`)."""
+
+    region: int
+    start: int
+    end: int
+    microbatches: int
+    hoisted: tuple[int, ...]
+    looped_ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    in_dims: tuple
+    outputs: tuple[int, ...]
+    out_kinds: tuple[str, ...]
+    out_dims: tuple
+    reads: tuple[int, ...] = ()
+    hoisted_out: tuple[int, ...] = ()
+    deferred: tuple = ()
+
+    @property
+    def looped(self) -> tuple[int, ...]:
+        """The equations run per microbatch, in order."""
+        return tuple(i for i in range(self.start, self.end) if i not in self.hoisted)
+
+    def left_partial(self, v: int) -> tuple[str, ...]:
+        """The mesh axes value `v` is left partial over until the microbatches are summed."""
+        return dict(self.deferred).get(v, ())
+
+
+def head_layout(part, ext, pipe) -> HeadLayout | None:
+    """The `HeadLayout` of `pipe`'s two layer scans on `part` (`ext`: its microbatched
+    partitioning), checked; None when the program has no backward scan, or the two
+    scans are not equations of one region (the region between them is then run on
+    the whole batch, as the plan places it)."""
+    fwd, bwd = pipe.scans.forward, pipe.scans.backward
+    if bwd is None or fwd.parent != bwd.parent or bwd.index <= fwd.index + 1:
+        return None
+    prog, rid = part.program, fwd.parent
+    start, end = fwd.index + 1, bwd.index
+    region, ids = prog.regions[rid], var_ids(prog, rid)
+    eqn_of = _eqn_of_ops(prog, rid, start, end)
+    ops = sorted(eqn_of)
+    values = {v for o in ops for v in prog.ops[o].results if v >= 0}
+    what = "the region between the pipelined layer scans (head and loss), run per microbatch"
+    try:
+        _check_values(part, ext, pipe, values, ops, check_stage=False)
+        kinds = {}
+        for o in ops:
+            for v in prog.ops[o].operands:
+                if v >= 0 and v not in values:
+                    kinds.setdefault(v, SPLIT if _micro(ext, prog, v) is not None else SAME)
+            _kind_results(prog, ext, prog.ops[o], kinds)
+    except PartitioningError as e:
+        raise PartitioningError(f"{what}: {e}; make the loss a sum or mean over the batch's examples, or leave "
+                                "Pipeline out") from e
+    hoisted = _hoisted(region, ids, start, end, kinds)
+    looped = tuple(o for o in ops if eqn_of[o] not in hoisted)
+    made = {v for i in range(start, end) if i not in hoisted for v in region.eqn_results[i] if v >= 0}
+    inputs = tuple(dict.fromkeys(v for i in range(start, end) if i not in hoisted
+                                 for v in _operands(region.jaxpr.eqns[i], ids) if v not in made))
+    after = _read_after(region, ids, end)
+    outputs = tuple(v for v in after if v in made)
+    once = {v for i in hoisted for v in region.eqn_results[i] if v >= 0}
+    inside = made | once
+    reads = tuple(dict.fromkeys(v for i in range(start, end) for v in _operands(region.jaxpr.eqns[i], ids)
+                                if v not in inside))
+    return HeadLayout(rid, start, end, pipe.microbatches, hoisted, looped,
+                      inputs, tuple(_micro(ext, prog, v) for v in inputs), outputs,
+                      tuple(kinds[v] for v in outputs), tuple(_micro(ext, prog, v) for v in outputs),
+                      reads, tuple(v for v in after if v in once),
+                      _deferred(ext, [prog.ops[o] for o in looped], kinds))
+
+
+def _micro(ext, prog, v: int):
+    return _micro_dim(ext.tiling(v), f"value {prog.name(v)}")
+
+
+def _operands(eqn, ids) -> list[int]:
+    return [ids[x] for x in eqn.invars if not isinstance(x, Literal)]
+
+
+def _eqn_of_ops(prog, rid: int, start: int, end: int) -> dict[int, int]:
+    """Op id -> the equation of region `rid` in [`start`, `end`) it belongs to: the
+    equation's own op, the ops of the bodies it calls, and the links into and out of
+    them."""
+    region = prog.regions[rid]
+    owner = {}
+    for i in range(start, end):
+        if i in region.children:
+            for c in region.children[i]:
+                owner.update(dict.fromkeys(body_regions(prog, c), i))
+    out = {}
+    for i in range(start, end):
+        if region.eqn_ops[i] >= 0:
+            out[region.eqn_ops[i]] = i
+    for op in prog.ops:
+        if op.region in owner:
+            out[op.id] = owner[op.region]
+        elif op.link and op.region == rid:
+            touched = [prog.values[v].region for v in op.operands + op.results if v >= 0]
+            at = next((owner[r] for r in touched if r in owner), None)
+            if at is not None:
+                out[op.id] = at
+    return out
+
+
+def _hoisted(region, ids, start: int, end: int, kinds: dict) -> tuple[int, ...]:
+    """The equations in [`start`, `end`) whose operands and results are all the same for
+    every microbatch (made before the region, or by such an equation)."""
+    inside = {v for i in range(start, end) for v in region.eqn_results[i] if v >= 0}
+    out, ready = [], set()
+    for i in range(start, end):
+        reads = _operands(region.jaxpr.eqns[i], ids)
+        res = [v for v in region.eqn_results[i] if v >= 0]
+        if (res and all(kinds.get(v, SAME) == SAME for v in reads + res)
+                and all(v in ready or v not in inside for v in reads)):
+            out.append(i)
+            ready.update(res)
+    return tuple(out)
+
+
+def _read_after(region, ids, end: int) -> list[int]:
+    """The values equations from `end` on, or the region's outputs, read."""
+    seen = [v for eqn in region.jaxpr.eqns[end:] for v in _operands(eqn, ids)]
+    seen += [v for v in region.outvars if v >= 0]
+    return list(dict.fromkeys(seen))
