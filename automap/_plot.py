@@ -8,7 +8,7 @@ import search
 #: Box colours of the pipeline timeline: a stage's forward and backward runs.
 PASS_COLOURS = {False: "tab:blue", True: "tab:orange"}
 #: The timeline to draw for each pipeline schedule a plan file may name.
-TIMELINES = {"gpipe": search.gpipe_timeline}
+TIMELINES = {"gpipe": search.gpipe_timeline, "1f1b": search.onef_timeline}
 #: A box of the timeline is labelled with its microbatch when it is at least this share
 #: of the time axis (narrower ones would print over each other).
 LABEL_WIDTH = 1 / 60

@@ -35,8 +35,11 @@ from ._tiling import Tiling
 #: The sequential axis microbatches are cut along in `microbatched`: it is no device
 #: axis, so a plan's mesh may not name it.
 MICROBATCH = "microbatch"
-#: Schedules the lowering runs, by name.
-SCHEDULES = ("gpipe",)
+#: Schedules the lowering runs, by name: "gpipe" (all forwards, then all backwards; with
+#: repeats, the circular schedule) and "1f1b" (one tick loop in which a stage runs one
+#: microbatch's forward and an earlier one's backward, the head between them on the
+#: last stage: `lowering/_onef`).
+SCHEDULES = ("gpipe", "1f1b")
 #: How an op passes on a sum over microbatches (a result of a reduction over the batch),
 #: by primitive: `unary` ops are linear in their one operand; `additive` ones add
 #: operands that must all be such sums; `multilinear` ones are linear in each operand,
@@ -102,6 +105,21 @@ class Pipelining:
         """Per stage, the layer chunks it runs in order (`stage_chunks`), S the stage count."""
         return stage_chunks(stages, self.repeats)
 
+    def ticks(self, stages: int) -> int:
+        """Trips of a tick loop over `stages` stages: M*R + S - 1 per pass (GPipe, the
+        circular schedule), M + 2S - 2 for 1F1B's one loop running both passes."""
+        if self.schedule == "1f1b":
+            return self.microbatches + 2 * stages - 2
+        return self.microbatches * self.repeats + stages - 1
+
+    def in_flight(self, stages: int) -> int:
+        """The most microbatches whose residuals a stage keeps between their forward and
+        backward: all M under GPipe; under 1F1B the first stage's 2S-1 (stage s keeps
+        2(S-1-s)+1: `lowering/_onef`), at most M."""
+        if self.schedule == "1f1b":
+            return min(self.microbatches, 2 * stages - 1)
+        return self.microbatches
+
     @property
     def bodies(self) -> tuple[int, ...]:
         """The body regions of the pipelined scans, forward first."""
@@ -146,8 +164,10 @@ def microbatched(part, pipe: Pipelining):
     for v in pipe.batch:
         ext.tile(v, 0, MICROBATCH, source="pipeline")
     layouts = tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
-    from ._pipeline_head import head_layout
-    head_layout(part, ext, pipe)  # the region between the scans runs per microbatch: refused now if it cannot
+    from ._pipeline_head import check_onef, head_layout
+    head = head_layout(part, ext, pipe)  # the region between the scans runs per microbatch: refused now if it cannot
+    if pipe.schedule == "1f1b":
+        check_onef(part, pipe, head)
     return ext, layouts
 
 

@@ -36,9 +36,7 @@ class HeadLayout:
     included). `inputs`: the values the looped equations read that are made before
     them, with the dim holding the microbatch (`in_dims`, None: the same for all);
     `outputs`: the values they make that are read after the region, with their kind
-    and split dim. `reads`: every value the region's equations read that is made before
-    it; `hoisted_out`: the values the hoisted equations make that are read after it.
-    `deferred`: sums left partial over mesh axes until accumulated
+    and split dim. `deferred`: sums left partial over mesh axes until accumulated
     (`ScanLayout.deferred`)."""
 
     region: int
@@ -52,8 +50,6 @@ class HeadLayout:
     outputs: tuple[int, ...]
     out_kinds: tuple[str, ...]
     out_dims: tuple
-    reads: tuple[int, ...] = ()
-    hoisted_out: tuple[int, ...] = ()
     deferred: tuple = ()
 
     @property
@@ -99,14 +95,9 @@ def head_layout(part, ext, pipe) -> HeadLayout | None:
                                  for v in _operands(region.jaxpr.eqns[i], ids) if v not in made))
     after = _read_after(region, ids, end)
     outputs = tuple(v for v in after if v in made)
-    once = {v for i in hoisted for v in region.eqn_results[i] if v >= 0}
-    inside = made | once
-    reads = tuple(dict.fromkeys(v for i in range(start, end) for v in _operands(region.jaxpr.eqns[i], ids)
-                                if v not in inside))
     return HeadLayout(rid, start, end, pipe.microbatches, hoisted, looped,
                       inputs, tuple(_micro(ext, prog, v) for v in inputs), outputs,
                       tuple(kinds[v] for v in outputs), tuple(_micro(ext, prog, v) for v in outputs),
-                      reads, tuple(v for v in after if v in once),
                       _deferred(ext, [prog.ops[o] for o in looped], kinds))
 
 
@@ -163,3 +154,53 @@ def _read_after(region, ids, end: int) -> list[int]:
     seen = [v for eqn in region.jaxpr.eqns[end:] for v in _operands(eqn, ids)]
     seen += [v for v in region.outvars if v >= 0]
     return list(dict.fromkeys(seen))
+
+
+def check_onef(part, pipe, head: HeadLayout | None) -> None:
+    """The 1F1B schedule's conditions (`lowering/_onef`), refused before any work: a
+    backward scan in the region of the forward one with the head between them, one
+    repeat, no recomputed layers, and the forward scan's results read by the head (its
+    final carry) and the backward scan (its residuals) alone."""
+    fix = "or use schedule='gpipe'"
+    if head is None:
+        raise PartitioningError("the 1f1b schedule interleaves the forward and backward layer scans of a train "
+                                "step around its head; this program has no backward scan in the region of the "
+                                f"forward one: differentiate the loss in the step that scans the layers, {fix}")
+    if pipe.repeats > 1:
+        raise PartitioningError(f"the 1f1b schedule runs one repeat (repeats={pipe.repeats} is the circular "
+                                f"schedule, which runs as gpipe): give repeats=1, {fix}")
+    if part.rematerialized or part.reused:
+        raise PartitioningError("Remat inside pipelined layers runs only with the gpipe schedule (the 1f1b tick "
+                                f"loop does not keep the recomputing inputs yet): leave Remat out, {fix}")
+    prog, fwd, bwd = part.program, pipe.scans.forward, pipe.scans.backward
+    region, ids = prog.regions[fwd.parent], var_ids(prog, fwd.parent)
+    mine = set(range(head.start, head.end)) - set(head.hoisted)
+    for v in (u for u in fwd.carry_out + fwd.ys if u >= 0):
+        readers = [i for i, eqn in enumerate(region.jaxpr.eqns) if v in _operands(eqn, ids)]
+        allowed = mine if v in fwd.carry_out else {bwd.index}
+        if not set(readers) <= allowed or v in region.outvars:
+            raise PartitioningError(f"the 1f1b schedule keeps {prog.name(v)}, a result of the forward layer scan, "
+                                    "for one microbatch at a time, but the step reads it elsewhere too: read the "
+                                    f"layers' output only in the loss, {fix}")
+    for v in bwd.consts + bwd.xs:
+        if v in head.outputs:
+            raise PartitioningError(f"the backward layer scan reads {prog.name(v)}, made per microbatch by the "
+                                    f"head, as a constant or layer input; the 1f1b schedule cannot run it: {fix}")
+    fbody, bbody = prog.regions[fwd.body], prog.regions[bwd.body]
+    outs, ins = fbody.outvars[len(fwd.carry):], bbody.invars[len(bwd.consts) + len(bwd.carry):]
+    for v, w in zip(bwd.xs, ins):
+        if v in fwd.ys:
+            made = outs[fwd.ys.index(v)]
+            if not part.tiling(made).dims == part.tiling(v).dims[1:] == part.tiling(w).dims:
+                raise PartitioningError(f"the plan moves the residual {prog.name(v)} between the forward and the "
+                                        f"backward layers ({part.tiling(made)} -> {part.tiling(w)}); the 1f1b "
+                                        f"schedule keeps residuals as the forward layers make them: {fix}")
+
+
+def onef_outputs(program, pipe, head: HeadLayout) -> tuple[int, ...]:
+    """Under 1F1B, the head's outputs the step reads after the backward scan (what the
+    last stage accumulates and the stage axis then sums): all but the backward scan's
+    initial carry, unless the step reads that again too."""
+    bwd = pipe.scans.backward
+    region, ids = program.regions[bwd.parent], var_ids(program, bwd.parent)
+    return tuple(v for v in _read_after(region, ids, bwd.index + 1) if v in head.outputs)

@@ -9,7 +9,7 @@ exactly for small problems.
 
 from .cost import (DEFAULT_DEVICE, PRESETS, CollectiveCost, Cost, CostModel, DeviceError, DeviceSpec, Fidelity,
                    LinkModel, Materialization, bytes_str, collectives_table, compare_with_xla, get_device, link_levels,
-                   materialization, PipelineCost, Slot, TickTimes, gpipe_timeline, pipeline_bubble, pipeline_cost,
+                   materialization, PipelineCost, Slot, TickTimes, gpipe_timeline, onef_timeline, pipeline_bubble, pipeline_cost,
                    time_str)
 from ._actions import STOP, Action, Group, input_groups, valid_actions
 from ._state import SearchState
@@ -23,5 +23,5 @@ __all__ = ["compositions", "DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost"
            "bytes_str", "collectives_table", "get_device", "link_levels", "time_str", "Fidelity", "compare_with_xla",
            "STOP", "Action", "Group", "input_groups", "valid_actions", "SearchState", "SearchResult", "SearchStats",
            "TreeSearch", "mcts", "AutomaticPartition", "ExactResult", "exhaustive", "Materialization",
-           "materialization", "PipelineCost", "Slot", "TickTimes", "gpipe_timeline", "pipeline_bubble",
+           "materialization", "PipelineCost", "Slot", "TickTimes", "gpipe_timeline", "onef_timeline", "pipeline_bubble",
            "pipeline_cost"]

@@ -32,6 +32,12 @@ class Pipeline(Tactic):
     values stay in contiguous blocks at rest; each step exchanges the stage's
     parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
     `microbatches` >= S, S*R dividing the layers, and no Remat.
+
+    With `schedule` "1f1b" the forward layers, the head and the backward layers run as
+    one tick loop: a stage runs one microbatch's forward and an earlier one's backward
+    each tick, so it keeps the residuals of at most 2S-1 microbatches instead of all
+    of them, at GPipe's bubble (docs/pipeline.md). Needs a train step differentiated
+    where it scans the layers, one repeat and no Remat.
     """
 
     axis: str

@@ -109,16 +109,16 @@ def _eval_region(prog, rid: int, args, hooks):
     for i, eqn in enumerate(jaxpr.eqns):
         if i < skip:
             continue
-        head = hooks.pipelines.head(rid, i) if hooks.pipelines else None
-        if head is not None:
-            skip = head.end
+        end = hooks.pipelines.unit(rid, i) if hooks.pipelines else None
+        if end is not None:
             every = var_ids(prog, rid)
-            made = hooks.pipelines.run_head(head, {every[x]: a for x, a in env.items() if every.get(x) in head.reads})
-            for j in range(head.start, head.end):  # (its results come out of the region at rest)
+            made = hooks.pipelines.run_unit(rid, i, {every[x]: a for x, a in env.items() if x in every})
+            for j in range(i, end):  # (its results come out of the region at rest)
                 for var, v in zip(jaxpr.eqns[j].outvars, region.eqn_results[j]):
                     if v in made:
                         env[var], ids[var] = made[v], v
                         hooks.record(v, made[v])
+            skip = end
             continue
         children = region.children.get(i)
         piped = children is not None and children[0] in hooks.pipelines

@@ -17,9 +17,11 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
+from jax.extend.core import Literal
+
 from .._graph import made_from_scalars
+from .._scans import var_ids
 from ._frame import Frame, _Blocks
-from ._pipeline_head import run_head
 from ._shardmap import Interpreter
 from ._shardmap_pipeline import run_pipelined
 
@@ -38,31 +40,33 @@ class JitPipelines:
     def __contains__(self, body: int) -> bool:
         return body in self.interp.pipelined
 
-    def head(self, rid: int, i: int):
-        """The `partir.HeadLayout` of the region run per microbatch from equation `i` of
-        region `rid`, or None."""
+    def unit(self, rid: int, i: int):
+        """The equations of region `rid` from `i` run per microbatch (the head between the
+        layer scans, or both scans and the head under 1F1B: `Interpreter.heads`), as the
+        index of the first equation after them, or None."""
         got = self.interp.heads.get((rid, i))
-        return None if got is None else got[1]
+        return None if got is None else got[2]
 
-    def run_head(self, head, inputs: dict) -> dict:
-        """The values leaving `head` (global arrays by value id), from the global arrays of
-        what its equations read (`inputs`, by value id: `head.reads`), run as a
-        `shard_map` region whose operands and results are at rest."""
+    def run_unit(self, rid: int, i: int, inputs: dict) -> dict:
+        """The values leaving the equations of region `rid` from `i` run per microbatch
+        (global arrays by value id), from the global arrays of what they read (`inputs`,
+        by value id: `unit_reads`), run as a `shard_map` region whose operands and
+        results are at rest."""
         part, interp = self.part, self.interp
-        inner, _ = interp.heads[(head.region, head.start)]
-        reads, outs = list(head.reads), list(head.outputs + head.hoisted_out)
+        run, given, end = interp.heads[(rid, i)]
+        reads, outs = unit_values(part.program, rid, i, end)
 
         def stages(*blocks):
             interp.values, interp.wholes = _Blocks(interp), {}
             frame = Frame(interp)
             for v, b in zip(reads, blocks):
                 frame.put(v, b)
-            run_head(interp, inner, head, frame)
+            run(interp, *given, frame)
             return tuple(frame.read(v) for v in outs)
 
-        region_fn = jax.shard_map(stages, mesh=self.mesh, in_specs=tuple(part.tiling(v).spec() for v in reads),
-                                  out_specs=tuple(part.tiling(v).spec() for v in outs), check_vma=False)
-        return dict(zip(outs, region_fn(*(inputs[v] for v in reads))))
+        region = jax.shard_map(stages, mesh=self.mesh, in_specs=tuple(part.tiling(v).spec() for v in reads),
+                               out_specs=tuple(part.tiling(v).spec() for v in outs), check_vma=False)
+        return dict(zip(outs, region(*(inputs[v] for v in reads))))
 
     def run(self, eqn, body: int, ins, results, operands) -> list:
         """The results (global arrays) of pipelined scan `eqn` (operand value ids `ins`,
@@ -94,3 +98,17 @@ class JitPipelines:
         outs = region(*(operands[k] for k in passed), *(self.saved[s] for s, _ in takes))
         self.saved.update(zip([s for s, _ in gives], outs[len(results):]))
         return list(outs[:len(results)])
+
+
+def unit_values(prog, rid: int, start: int, end: int) -> tuple[list[int], list[int]]:
+    """(the values equations [`start`, `end`) of region `rid` read that are made before
+    them; the values they make that are read after them)."""
+    region, ids = prog.regions[rid], var_ids(prog, rid)
+    made = {v for i in range(start, end) for v in region.eqn_results[i] if v >= 0}
+
+    def reads(eqns):
+        return [ids[x] for eqn in eqns for x in eqn.invars if not isinstance(x, Literal)]
+
+    ins = list(dict.fromkeys(v for v in reads(region.jaxpr.eqns[start:end]) if v not in made))
+    later = set(reads(region.jaxpr.eqns[end:])) | set(region.outvars)
+    return ins, [v for i in range(start, end) for v in region.eqn_results[i] if v in made and v in later]

@@ -48,6 +48,7 @@ from ._local import LocalOp, bind_local
 from ._order import Reordering
 from ._ring import run_ring
 from ._shardmap_pipeline import run_pipelined
+from ._onef import run_onef
 from ._pipeline_head import run_head
 from ._pipeline_remat import StageRemat
 from ._shardmap_remat import BlockRecomputation
@@ -100,7 +101,11 @@ def _pipelined(interp) -> dict:
         head = head_layout(part, ext, pipe)
         if head is not None:
             inner.left_partial.update(head.deferred)
-            interp.heads[(head.region, head.start)] = (inner, head)
+            if pipe.schedule == "1f1b":  # both scans and the head between them: one tick loop
+                interp.heads[(head.region, pipe.scans.forward.index)] = (run_onef, (pipe, layouts, inner, head),
+                                                                          pipe.scans.backward.index + 1)
+            else:
+                interp.heads[(head.region, head.start)] = (run_head, (inner, head), head.end)
     return out
 
 
@@ -134,8 +139,10 @@ class Interpreter:
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
-        # (region, first equation) -> (the interpreter of the microbatched plan, the
-        # `partir.HeadLayout`) of each region run per microbatch between two layer scans.
+        # (region, first equation) -> (how, what, the equation after them) of the equations
+        # run per microbatch: the head between two layer scans (`_pipeline_head.run_head`
+        # on the microbatched plan's interpreter and the `partir.HeadLayout`), or both scans
+        # and the head as the 1F1B tick loop (`_onef.run_onef`).
         self.heads: dict = {}
         self.pipelined = _pipelined(self) if part.pipelines else {}
 
@@ -162,8 +169,8 @@ class Interpreter:
                 continue
             head = self.heads.get((rid, i))
             if head is not None:
-                run_head(self, *head, frame)
-                skip = head[1].end
+                run, given, skip = head
+                run(self, *given, frame)
                 continue
             self.eqn(frame, rid, i, eqn)
         return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v)

@@ -22,12 +22,12 @@ from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 from ._fusion import Materialization, materialization
 from ._model import BACKENDS, CostModel
-from ._pipeline import PipelineCost, Slot, TickTimes, bubble as pipeline_bubble, gpipe_timeline, pipeline_cost
+from ._pipeline import PipelineCost, Slot, TickTimes, bubble as pipeline_bubble, gpipe_timeline, onef_timeline, pipeline_cost
 from ._report import collectives_table
 from ._units import bytes_str, time_str
 from ._validate import Fidelity, compare_with_xla
 
 __all__ = ["BACKENDS", "DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "Fidelity",
            "LinkModel", "Materialization", "PipelineCost", "Slot", "TickTimes", "bytes_str", "collectives_table",
-           "compare_with_xla", "get_device", "gpipe_timeline", "link_levels", "materialization", "pipeline_bubble", "pipeline_cost",
+           "compare_with_xla", "get_device", "gpipe_timeline", "onef_timeline", "link_levels", "materialization", "pipeline_bubble", "pipeline_cost",
            "time_str"]

@@ -112,6 +112,31 @@ def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes, repeats: in
     return tuple(out)
 
 
+def onef_timeline(stages: int, microbatches: int, ticks: TickTimes, repeats: int = 1) -> tuple[Slot, ...]:
+    """Which stage runs which microbatch when under 1F1B, as the lowering runs it
+    (`lowering/_onef`): one loop of M + 2S - 2 ticks; in tick t stage s runs the forward
+    of microbatch t - s, then the backward of microbatch t - (2S-2-s) (the last stage
+    starts a microbatch's backward in the tick of its forward). A tick lasts a forward
+    where any stage runs one, plus a backward where any stage runs one (the stages wait
+    for each other at the tick's sends), so the step is (M+S-1)(F+B), GPipe's, and each
+    stage is idle (S-1)/(M+S-1) of it. One repeat only (`repeats` must be 1)."""
+    if stages < 1 or microbatches < 1 or repeats != 1:
+        raise ValueError(f"a 1f1b pipeline of {stages} stages, {microbatches} microbatches and {repeats} repeats: "
+                         "give positive counts and one repeat")
+    last, out, start = microbatches + stages - 2, [], 0.0
+    for t in range(microbatches + 2 * stages - 2):
+        forward = ticks.forward if t <= last else 0.0
+        backward = ticks.backward if t >= stages - 1 else 0.0
+        for s in range(stages):
+            f, b = t - s, t - (2 * stages - 2 - s)
+            if 0 <= f < microbatches:
+                out.append(Slot(s, f, False, start, start + ticks.forward))
+            if 0 <= b < microbatches and ticks.backward > 0:
+                out.append(Slot(s, b, True, start + forward, start + forward + ticks.backward))
+        start += forward + backward
+    return tuple(out)
+
+
 def _block_bytes(prog, v: int, t: Tiling, mesh, shape=None) -> float:
     val = prog.values[v]
     shape = val.shape if shape is None else shape
@@ -130,7 +155,7 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     dev = get_device(device)
     link = LinkModel(mesh, dev, link_levels(mesh.axes, dev, links))
     stages, m = mesh.size(pipe.axis), pipe.microbatches
-    ticks = m * pipe.repeats + stages - 1
+    ticks = pipe.ticks(stages)
     ext, layouts = partir.microbatched(part, pipe)
     cols, p2p = list(_exchanges(part, pipe, link)), []
     for layout in layouts:
@@ -146,6 +171,8 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
             cols.append(CollectiveCost(Kind.COLLECTIVE_PERMUTE, axes, nbytes,
                                        link.time(Kind.COLLECTIVE_PERMUTE, axes, nbytes), prog.producer[w], w,
                                        float(ticks)))
+            if pipe.schedule == "1f1b" and call is pipe.scans.forward:
+                continue  # (its final carry feeds the head on the last stage, not every stage)
             whole = _block_bytes(prog, out, part.tiling(out), mesh)
             cols.append(CollectiveCost(Kind.ALL_REDUCE, axes, whole, link.time(Kind.ALL_REDUCE, axes, whole),
                                        prog.producer[w], out))
@@ -156,6 +183,7 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     layers = (pipe.scans.forward.length,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
+    kept *= pipe.in_flight(stages) / m  # (1F1B: a ring of the microbatches in flight)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, bubble(stages, m, pipe.repeats), ticks, tuple(cols),
                         tuple(p2p),
                         stage, kept, pipe.repeats)
@@ -207,6 +235,19 @@ def _recomputing(part, pipe) -> tuple[set, list]:
     return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 
+def _head_sums(prog, pipe, head, mesh) -> list:
+    """(value, mesh axes) of each all-reduce completing what the head between the layer
+    scans makes once the microbatches are summed: its deferred sums, over the axes left
+    (GPipe); under 1F1B every output the step reads after the backward scan, which the
+    last stage alone makes, over those axes and the stage axis."""
+    if head is None:
+        return []
+    if pipe.schedule != "1f1b":
+        return [(v, axes) for v, axes in head.deferred if v in head.outputs]
+    return [(v, tuple(a for a in mesh.names if a in head.left_partial(v) or a == pipe.axis))
+            for v in partir.onef_outputs(prog, pipe, head)]
+
+
 def _without(t: Tiling, axes) -> Tiling:
     """`t` with mesh `axes` taken off its dims and partial axes."""
     return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims),
@@ -229,6 +270,8 @@ class PipelinePricing:
         self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
         self.stages: dict[int, int] = {}  # a pipelined scan's body region -> its stage count
         self.heads: list = []  # per pipeline, its `partir.HeadLayout` (None: the head runs on the whole batch)
+        # 1F1B's forward body region -> the share of the microbatches its stage keeps at once (its ring).
+        self.ring: dict[int, float] = {}
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
@@ -240,6 +283,8 @@ class PipelinePricing:
                     if op.region in inside:
                         self.scale[op.id] = (m * pipe.repeats + stages - 1) / (stages * pipe.repeats)
                         self.layouts[op.id] = (ext, lay, pipe)
+            if pipe.schedule == "1f1b":
+                self.ring[pipe.scans.forward.body] = pipe.in_flight(stages) / m
             head = partir.head_layout(part, ext, pipe)
             for o in head.looped_ops if head is not None else ():  # the head's ops, once per microbatch
                 self.scale[o] = float(m)
@@ -255,7 +300,9 @@ class PipelinePricing:
 
     def value_div(self, n: int):
         """Per value of the program, how many microbatches its block is cut into at once:
-        M for a value of a pipelined layer split along the microbatch axis, else 1."""
+        M for a value of a pipelined layer or of the head between the scans split along
+        the microbatch axis, M over the microbatches in flight for 1F1B's residuals
+        between the scans (its ring), else 1."""
         out = np.ones(n)
         prog = self.part.program
         for (pipe, ext, layouts, _), head in zip(self.costs, self.heads):
@@ -266,19 +313,23 @@ class PipelinePricing:
             for v in mine:
                 if partir.MICROBATCH in ext.tiling(v).axes():
                     out[v] = pipe.microbatches
+            if pipe.schedule == "1f1b":  # the residuals between the scans: the ring's microbatches
+                ys = [v for v in pipe.scans.forward.ys if v >= 0 and partir.MICROBATCH in ext.tiling(v).axes()]
+                out[ys] = pipe.microbatches / pipe.in_flight(self.part.mesh.size(pipe.axis))
         return out
 
     def stacks(self, entries, value_div) -> list:
         """`entries`, buffers `(start, end, value, scale)` (`_remat.extra_buffers`), with
         each stack a pipelined layer's loop makes of one of its values (`scale`: the
         loop's trips) sized as a stage holds it: its L/S layers' blocks, of every
-        microbatch (`value_div`: the microbatches a value's block is cut into at once)."""
+        microbatch (`value_div`: the microbatches a value's block is cut into at once),
+        or under 1F1B of the forward layers, of the microbatches in flight (`ring`)."""
         prog, out = self.part.program, []
         for start, end, v, scale in entries:
             region = prog.values[v].region
             stages = self.stages.get(region)
             if stages is not None and scale == prog.regions[region].trip_count:
-                scale = scale * float(value_div[v]) / stages
+                scale = scale * float(value_div[v]) / stages * self.ring.get(region, 1.0)
             out.append((start, end, v, scale))
         return out
 
@@ -332,18 +383,20 @@ class PipelinePricing:
         again_cols = model._recomputed(times)[1] if view is not None else []
         out = []
         for _, _, layouts, cost in self.costs:
-            per = []
+            # The ops run (M*R + S - 1)/(S*R) times a step per pass: one tick of each (1F1B:
+            # a tick with both units lasts a forward's and a backward's).
+            passes, per = cost.microbatches * cost.repeats + cost.stages - 1, []
             for lay in layouts:
                 ops = {o for o, (_, at, _) in self.layouts.items() if at is lay}
                 comm = sum(c.time * c.count for o, cols in firsts if o in ops for c in cols)
                 carries = set(self.part.program.regions[lay.call.body].invars)
                 send = sum(c.time for c in cost.collectives
                            if c.kind == Kind.COLLECTIVE_PERMUTE and c.value in carries)
-                per.append((float(times[sorted(ops)].sum()) + comm) / cost.ticks + send)
+                per.append((float(times[sorted(ops)].sum()) + comm) / passes + send)
             if len(per) > 1:  # the forward ops recomputed run in the backward ticks
                 redo = again & {o for o, (_, at, _) in self.layouts.items() if at is layouts[0]}
                 per[1] += (float(times[sorted(redo)].sum())
-                           + sum(c.time * c.count for o, c, _ in again_cols if o in redo)) / cost.ticks
+                           + sum(c.time * c.count for o, c, _ in again_cols if o in redo)) / passes
             out.append(TickTimes(per[0], per[1] if len(per) > 1 else 0.0))
         return tuple(out)
 
@@ -351,13 +404,12 @@ class PipelinePricing:
         """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
         sums' reductions after the loop."""
         prog, out = self.part.program, []
-        for head in self.heads:
-            for v, axes in head.deferred if head is not None else ():
-                if v in head.outputs:
-                    nbytes = _block_bytes(prog, v, self.part.tiling(v), self.part.mesh)
-                    out.append((prog.producer[v], v, (CollectiveCost(
-                        Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
-                        prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
+        for (pipe, *_), head in zip(self.costs, self.heads):
+            for v, axes in _head_sums(prog, pipe, head, self.part.mesh):
+                nbytes = _block_bytes(prog, v, self.part.tiling(v), self.part.mesh)
+                out.append((prog.producer[v], v, (CollectiveCost(
+                    Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
+                    prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
             for lay in layouts:

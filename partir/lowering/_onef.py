@@ -1,0 +1,246 @@
+"""The 1F1B schedule: a train step's forward layer scan, the head between the two scans
+and the backward layer scan run as one tick loop of each device's stage, for both
+lowerings (`partir.Pipelining(schedule="1f1b")`).
+
+At tick t the stage s runs the forward of microbatch t - s on its layers, then (the
+last stage only) the head region on that microbatch (`HeadLayout`: final norm, head,
+loss and their backward), then the backward of microbatch t - (2S-2-s); after the tick
+it sends the forward carry to stage s+1 and the backward one to stage s-1 (one
+`ppermute` each). A microbatch's forward reaches the last stage in tick m + S-1, and
+its backward starts there in that very tick. Each unit runs under a `lax.cond` on
+whether the stage has one this tick, rather than on masked results: a masked loop
+would compute the forward and the backward in all M + 2S-2 ticks, (M+2S-2)(F+B) a
+step against GPipe's (M+S-1)(F+B); with the conds the idle units cost nothing and
+the step is GPipe's (ticks with only forwards or only backwards are that long). The
+collectives of the plan's other axes sit inside a branch every device along them takes
+alike (the condition depends on the stage index only).
+
+A stage keeps the residuals of the microbatches between their forward and backward,
+at most 2(S-1-s)+1 of them, in a ring of min(M, 2S-1) microbatch slots instead of all
+M of GPipe. (The S-s of an asynchronous 1F1B needs ticks of one unit each, which in a
+lockstep loop last max(F, B): 2(M+S-1) max(F, B) a step, more than GPipe's when the
+backward is twice the forward.) What the head sums (the loss, the head's weight
+gradients) is accumulated on the last stage and reaches every stage by one all-reduce
+over the stage axis each (with the axes a deferred reduction left, `HeadLayout.deferred`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._nested import split_operands
+from .._pipeline import SPLIT
+from .._pipeline_head import onef_outputs
+from .._scans import var_ids
+from .._tiling import Tiling
+from ._boundaries import cross
+from ._shardmap_pipeline import _block, _keep, _micro
+from ._spmd import move
+
+
+def run_onef(interp, pipe, layouts, inner, head, frame) -> None:
+    """Run equations [forward scan, backward scan] of their region as the 1F1B tick loop
+    on the blocks of `frame` (see the module docstring), putting the backward scan's
+    results and what the head gives the rest of the step in `frame`."""
+    prog, (fcall, bcall) = interp.prog, pipe.scans.calls
+    region, ids = prog.regions[fcall.parent], var_ids(prog, fcall.parent)
+    for i in head.hoisted:
+        interp.eqn(frame, fcall.parent, i, region.jaxpr.eqns[i])
+    fwd = _stage_side(interp, pipe, layouts[0], region.jaxpr.eqns[fcall.index], ids, frame, ())
+    bwd = _stage_side(interp, pipe, layouts[1], region.jaxpr.eqns[bcall.index], ids, frame, fcall.ys)
+    after = onef_outputs(prog, pipe, head)
+    loop = _Loop(interp, pipe, layouts, inner, head, frame, fwd, bwd, after)
+    state = jax.lax.scan(loop.tick, loop.initial(), jnp.arange(loop.ticks))[0]
+    _leave(interp, pipe, layouts[1], bcall, region, frame, state, loop, after)
+
+
+def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> dict:
+    """One scan's operands in its body's layouts: constants and the initial carry on the
+    replica batch (none for the backward scan: the head makes it), the stage's blocks
+    of its stacked inputs (None for a residual, which the ring holds)."""
+    from jax.extend.core import Literal
+    call, body = layout.call, interp.prog.regions[layout.call.body]
+    ins = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
+    g, w = split_operands(eqn, ins), split_operands(eqn, list(body.invars))
+    later = set(residuals) | (set(g.carry) if residuals else set())  # made in the loop: the ring, the head
+    read = [x.val if isinstance(x, Literal) else None if v in later else frame.read(v) for x, v in zip(eqn.invars, ins)]
+    x = split_operands(eqn, read)
+    consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
+    carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)] if not residuals else []
+    xs = [None if u in residuals else move(a, Tiling(((),) + interp.rest(u).dims[1:]),
+                                           Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v in zip(x.xs, g.xs, w.xs)]
+    return {"call": call, "body": body, "g": g, "w": w, "d": split_operands(eqn, list(layout.in_dims)),
+            "consts": consts, "carry": carry, "xs": xs, "results": ins}
+
+
+class _Loop:
+    """The tick loop's state and one tick (see the module docstring)."""
+
+    def __init__(self, interp, pipe, layouts, inner, head, frame, fwd, bwd, after):
+        self.interp, self.pipe, self.layouts, self.inner, self.head = interp, pipe, layouts, inner, head
+        self.fwd, self.bwd, self.after = fwd, bwd, after
+        self.S, self.M = interp.mesh.size(pipe.axis), pipe.microbatches
+        self.ticks, self.ring = pipe.ticks(self.S), pipe.in_flight(self.S)  # the ring: one slot per microbatch in flight
+        self.stage = jax.lax.axis_index(pipe.axis)
+        fcall, bcall = pipe.scans.calls
+        # The residuals the backward scan reads, as positions in the forward's per-layer outputs.
+        self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd["g"].xs]
+        whole = {v: frame.whole[v] for v, d in zip(head.inputs, head.in_dims) if d is None and v in frame.whole}
+        self.head_whole = whole
+        self.head_blocks = {v: frame.read(v) for v in head.inputs if v not in whole and v not in fcall.carry_out}
+
+    def _micro_block(self, v: int, layers: int = 0):
+        """Zeros shaped as one microbatch's block of value `v` (stacked on `layers`)."""
+        inner = self.inner
+        val, t = inner.prog.values[v], inner.rest(v)
+        shape = t.shard_shape(val.shape, inner.mesh)
+        return jnp.zeros(((layers,) if layers else ()) + tuple(shape), val.dtype)
+
+    def initial(self):
+        per = self.fwd["call"].length // self.S
+        fbody, bbody = self.fwd["body"], self.bwd["body"]
+        nf, nb = len(self.fwd["call"].carry), len(self.bwd["call"].carry)
+        recv_f = tuple(self._micro_block(w) for w in self.fwd["w"].carry)
+        recv_b = tuple(self._micro_block(w) for w in self.bwd["w"].carry)
+        outs = fbody.outvars[nf:]
+        rings = tuple(self._ring(outs[j], per) for j in self.kept if j is not None)
+        kept = tuple(_block(self.interp, v) for v in bbody.outvars[:nb])
+        ys = tuple(_block(self.interp, v, self.bwd["call"].length, self.pipe.axis) for v in bbody.outvars[nb:])
+        heads = tuple(_block(self.interp, v) for v in self.after)
+        return recv_f, recv_b, rings, kept, ys, heads
+
+    def _ring(self, v: int, layers: int):
+        block = self._micro_block(v, layers)
+        d = self.layouts[0].out_dims[list(self.fwd["body"].outvars).index(v)]
+        if d is None:
+            return block
+        shape = list(block.shape)
+        shape[d + 1] *= self.ring
+        return jnp.zeros(shape, block.dtype)
+
+    def _units(self, t):
+        """(valid, microbatch) of the forward and the backward unit of this stage at `t`."""
+        f, b = t - self.stage, t - (2 * self.S - 2 - self.stage)
+        return ((f >= 0) & (f < self.M), jnp.clip(f, 0, self.M - 1),
+                (b >= 0) & (b < self.M), jnp.clip(b, 0, self.M - 1))
+
+    def _layers(self, side, c_in, m, xs_m, reverse: bool):
+        """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs)."""
+        inner, call, nk = self.inner, side["call"], len(side["call"].carry)
+        consts_m = [_micro(a, i, m, self.M) for a, i in zip(side["consts"], side["d"].consts)]
+
+        def layer(c, xl):
+            outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))
+            return tuple(outs[:nk]), tuple(outs[nk:])
+
+        return jax.lax.scan(layer, c_in, xs_m, reverse=reverse)
+
+    def tick(self, state, t):
+        recv_f, recv_b, rings, kept, ys_kept, heads = state
+        fv, mf, bv, mb = self._units(t)
+        first, last = self.stage == 0, self.stage == self.S - 1
+        fwd, bwd, fcall = self.fwd, self.bwd, self.fwd["call"]
+        c0 = tuple(_micro(a, i, mf, self.M) for a, i in zip(fwd["carry"], fwd["d"].carry))
+        c_in = tuple(jnp.where(first, a, r) for a, r in zip(c0, recv_f))
+        xs_f = tuple(_micro(a, None if i is None else i + 1, mf, self.M) for a, i in zip(fwd["xs"], fwd["d"].xs))
+        zeros_f = (c_in, tuple(self._micro_block(v, fcall.length // self.S)
+                               for v in fwd["body"].outvars[len(fcall.carry):]))
+        c_f, ys_f = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
+        rings = self._store(rings, ys_f, mf, fv)
+        grad, heads = self._head(c_f, mf, fv & last, heads)
+        c_b_in = tuple(jnp.where(last, g, r) for g, r in zip(grad, recv_b))
+        xs_b = tuple(self._read(rings, j, mb) if j is not None else
+                     _micro(a, None if i is None else i + 1, mb, self.M)
+                     for a, i, j in zip(bwd["xs"], bwd["d"].xs, self.kept))
+        nb = len(bwd["call"].carry)
+        zeros_b = (c_b_in, tuple(self._micro_block(v, bwd["call"].length // self.S)
+                                 for v in bwd["body"].outvars[nb:]))
+        c_b, ys_b = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True), lambda: zeros_b)
+        lay = self.layouts[1]
+        kept = tuple(_keep(k, c, lay.out_kinds[i], lay.out_dims[i], mb, bv & first)
+                     for i, (k, c) in enumerate(zip(kept, c_b)))
+        ys_kept = tuple(_keep(k, y, lay.out_kinds[nb + i], None if lay.out_dims[nb + i] is None
+                              else lay.out_dims[nb + i] + 1, mb, bv) for i, (k, y) in enumerate(zip(ys_kept, ys_b)))
+        axis, S = self.pipe.axis, self.S
+        recv_f = tuple(jax.lax.ppermute(c, axis, [(i, i + 1) for i in range(S - 1)]) for c in c_f)
+        recv_b = tuple(jax.lax.ppermute(c, axis, [(i + 1, i) for i in range(S - 1)]) for c in c_b)
+        return (recv_f, recv_b, rings, kept, ys_kept, heads), None
+
+    def _slot_dim(self, j: int):
+        return self.layouts[0].out_dims[len(self.fwd["call"].carry) + j]
+
+    def _store(self, rings, ys, m, valid):
+        """The rings with microbatch `m`'s residuals written in its slot."""
+        out, k = [], 0
+        for j in self.kept:
+            if j is None:
+                continue
+            d = self._slot_dim(j)
+            out.append(_keep(rings[k], ys[j], SPLIT if d is not None else "same",
+                             None if d is None else d + 1, m % self.ring, valid))
+            k += 1
+        return tuple(out)
+
+    def _read(self, rings, j: int, m):
+        """Microbatch `m`'s residuals of forward output `j`, from its ring slot."""
+        k = [i for i in self.kept if i is not None].index(j)
+        d = self._slot_dim(j)
+        return _micro(rings[k], None if d is None else d + 1, m % self.ring, self.ring)
+
+    def _head(self, c_f, m, run, heads):
+        """The head on microbatch `m` where `run` (the last stage with a forward unit):
+        (the backward scan's initial carry, the head's outputs for the rest of the step
+        kept as their kinds say)."""
+        inner, head, prog = self.inner, self.head, self.interp.prog
+        fcall, bcall = self.pipe.scans.calls
+        fbody = self.fwd["body"]
+        region, carry_in = prog.regions[head.region], self.bwd["w"].carry
+
+        def run_head():
+            f = _Frame(inner)
+            for v, x in self.head_whole.items():
+                f.make_whole(v, x)
+            for v, d in zip(head.inputs, head.in_dims):
+                if v in self.head_blocks:
+                    f.put(v, _micro(self.head_blocks[v], d, m, self.M))
+            for c, w, r in zip(c_f, fbody.outvars, fcall.carry_out):
+                if r >= 0:
+                    f.put(r, move(c, inner.rest(w), inner.rest(r), inner.move_mesh))
+            for i in head.looped:
+                inner.eqn(f, head.region, i, region.jaxpr.eqns[i])
+            grad = tuple(cross(inner, f.read(u), u, w) for u, w in zip(bcall.carry, carry_in))
+            return grad, tuple(f.read(v) for v in self.after)
+
+        zeros = (tuple(self._micro_block(w) for w in carry_in), tuple(self._micro_block(v) for v in self.after))
+        grad, made = jax.lax.cond(run, run_head, lambda: zeros)
+        kinds = dict(zip(head.outputs, zip(head.out_kinds, head.out_dims)))
+        heads = tuple(_keep(b, y, *kinds[v], m, run) for b, y, v in zip(heads, made, self.after))
+        return grad, heads
+
+
+def _Frame(inner):
+    from ._frame import Frame
+    return Frame(inner)
+
+
+def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> None:
+    """Put the backward scan's results (its final carry from the first stage, its
+    per-layer outputs at rest) and the head's outputs (summed over the stage axis, where
+    only the last stage made them) in `frame`."""
+    _, _, _, kept, ys_kept, heads = state
+    body, nk = interp.prog.regions[call.body], len(call.carry)
+    results = region.eqn_results[call.index]
+    first = jax.lax.axis_index(pipe.axis) == 0
+    for c, v, r in zip(kept, body.outvars[:nk], results[:nk]):
+        if r >= 0:
+            frame.put(r, move(jax.lax.psum(jnp.where(first, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v),
+                              interp.rest(r), interp.move_mesh))
+    for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:]):
+        if r >= 0:
+            t = Tiling(((pipe.axis,),) + interp.rest(v).dims, layout.left_partial(v), "sum")
+            frame.put(r, move(y, t, interp.rest(r), interp.move_mesh))
+    for v, a in zip(after, heads):
+        axes = tuple(x for x in interp.mesh.names if x in loop.head.left_partial(v) or x == pipe.axis)
+        frame.put(v, jax.lax.psum(a, axes))
