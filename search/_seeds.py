@@ -39,8 +39,8 @@ def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
     parallelism and FSDP, context parallelism where there is self-attention (as a ring
     too with `ring`, for a plan the shard_map lowering runs), pipeline stages with each
     microbatch count of `pipelines` where there is a layer scan (GPipe, and the circular
-    schedule where it can run: `_repeats`); and each remat policy where there are
-    layers to recompute."""
+    schedule and 1F1B where they can run: `_schedules`); and each remat policy where
+    there are layers to recompute."""
     out = tuple(m for a in _split(part, axes)
                 for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
     if partir.remat_layers(part.program):
@@ -48,18 +48,26 @@ def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
     out += context_macros(part, axes, ring=ring)
     scans = partir.layer_scans(part.program)
     if scans:
-        out += tuple(Pipeline(a, m, repeats=r) for a in _split(part, axes) for m in pipelines
-                     for r in _repeats(part, a, m, scans[0].forward.length))
+        out += tuple(Pipeline(a, m, schedule=s, repeats=r) for a in _split(part, axes) for m in pipelines
+                     for s, r in _schedules(part, a, m, scans[0]))
     return out
 
 
-def _repeats(part, axis: str, microbatches: int, layers: int) -> tuple[int, ...]:
-    """The repeat counts the search offers a pipeline over `axis` with: GPipe's 1, and
-    the circular schedule's `CIRCULAR_REPEATS` where it can run (whole chunks of the
-    `layers`, at least a microbatch per stage)."""
+def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, int], ...]:
+    """The (schedule, repeats) the search offers a pipeline of layer scans `scans` over
+    `axis` with: GPipe; the circular schedule's `CIRCULAR_REPEATS` where it can run
+    (whole chunks of the layers, at least a microbatch per stage); and 1F1B where it
+    keeps fewer residuals than GPipe (more microbatches than the 2S-1 a stage keeps in
+    flight) and the step differentiates the layers where it scans them (a backward scan
+    in the forward's region, the head between them)."""
     stages = part.mesh.size(axis)
-    circular = layers % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages
-    return (1, CIRCULAR_REPEATS) if circular else (1,)
+    out = [("gpipe", 1)]
+    if scans.forward.length % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages:
+        out.append(("gpipe", CIRCULAR_REPEATS))
+    back = scans.backward
+    if microbatches > 2 * stages - 1 and back is not None and back.parent == scans.forward.parent:
+        out.append(("1f1b", 1))
+    return tuple(out)
 
 
 def compositions(offered) -> tuple[tuple, ...]:

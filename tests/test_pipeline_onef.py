@@ -147,3 +147,16 @@ def test_the_1f1b_timeline_has_gpipes_length_and_bubble_with_fewer_in_flight(sta
                         + [(x.end, -1) for x in runs.values() if x.backward])
         held = max(np.cumsum([d for _, d in starts]))
         assert held <= min(microbatches, 2 * (stages - 1 - s) + 1)
+
+
+def test_the_search_offers_1f1b_beside_gpipe_where_it_keeps_fewer_residuals():
+    """Over a stage axis of 2, 4 microbatches are more than the 3 a 1F1B stage keeps in
+    flight: 1F1B is offered beside GPipe; over 4 stages (7 in flight) it is not."""
+    from search._seeds import macros
+
+    _, _, prog = _gpt()
+    for stages, offered in ((2, True), (4, False)):
+        part = T.apply_schedule(prog, _mesh(stages), []).partitioning
+        pipes = [m for m in macros(part, ("stage",), (4,)) if isinstance(m, T.Pipeline)]
+        assert T.Pipeline("stage", 4) in pipes
+        assert (T.Pipeline("stage", 4, "1f1b") in pipes) == offered
