@@ -291,18 +291,20 @@ def test_a_forward_pass_alone_is_pipelined():
                                np.asarray(jax.jit(fn)(params, batch)), rtol=2e-5)
 
 
+def peaks(part, args) -> tuple[float, float]:
+    """(the modeled peak, XLA's: temp + arguments + outputs - alias) of `part`'s
+    shard_map lowering run on `args`."""
+    ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
+    xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+    return search.CostModel(part, "cpu").cost().memory_peak, xla
+
+
 def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
     """A pipelined layer's temporaries hold one microbatch: the modeled peak falls with
     M as the compiled program's does (the layers' values dominate a longer sequence)."""
     config = dataclasses.replace(TINY, seq_len=32, d_ff=64)
     _, args, prog = _gpt(config)
-    peaks = []
-    for m in (1, 4):
-        part = _plan(4, m, config)
-        ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
-        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-        peaks.append((search.CostModel(part, "cpu").cost().memory_peak, xla))
-    (model_1, xla_1), (model_4, xla_4) = peaks
+    (model_1, xla_1), (model_4, xla_4) = [peaks(_plan(4, m, config), args) for m in (1, 4)]
     assert xla_4 < xla_1 and model_4 < model_1  # (the model's drop is half XLA's: tick-loop buffers aside)
 
 
@@ -338,15 +340,9 @@ def test_the_head_runs_per_microbatch_so_its_logits_leave_the_peak():
     M=4; the head on the whole batch kept both flat), the model within 20% of XLA."""
     config = dataclasses.replace(TINY, vocab=512)
     _, args, _ = _gpt(config)
-    peaks = []
-    for m in (1, 4):
-        part = _plan(2, m, config)
-        ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
-        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-        peaks.append((search.CostModel(part, "cpu").cost().memory_peak, xla))
-    (model_1, xla_1), (model_4, xla_4) = peaks
+    (model_1, xla_1), (model_4, xla_4) = both = [peaks(_plan(2, m, config), args) for m in (1, 4)]
     assert xla_4 < 0.8 * xla_1 and model_4 < 0.8 * model_1
-    assert all(0.8 < model / xla < 1.2 for model, xla in peaks)
+    assert all(0.8 < model / xla < 1.2 for model, xla in both)
 
 
 def _max_loss_step(params, x):

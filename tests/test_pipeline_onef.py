@@ -23,7 +23,7 @@ from automap._explain import explain_saved
 from examples import gpt
 from partir import MeshSpec
 from rich.console import Console
-from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh
+from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh, peaks
 
 #: A longer sequence and more examples, so that the residuals dominate the peak and 8
 #: microbatches are whole on 4 data-parallel devices.
@@ -79,14 +79,12 @@ def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
     3), the stage's residuals fall to 3/8 of GPipe's: XLA's peak falls (1915 -> 1538 KB)
     and the modeled one does (1259 -> 604 KB), the modeled in-flight bytes by 3/8."""
     _, args, _ = _gpt(LONG)
-    peaks, flight = {}, {}
+    both, flight = {}, {}
     for schedule in ("gpipe", "1f1b"):
         part = _plan(2, 8, LONG, schedule=schedule)
-        ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
-        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-        peaks[schedule] = (search.CostModel(part, "cpu").cost().memory_peak, xla)
+        both[schedule] = peaks(part, args)
         flight[schedule] = search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes
-    assert peaks["1f1b"][0] < peaks["gpipe"][0] and peaks["1f1b"][1] < peaks["gpipe"][1]
+    assert both["1f1b"][0] < both["gpipe"][0] and both["1f1b"][1] < both["gpipe"][1]
     assert flight["1f1b"] == pytest.approx(flight["gpipe"] * 3 / 8)
 
 

@@ -26,8 +26,11 @@ over the stage axis each (with the axes a deferred reduction left, `HeadLayout.d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Literal
 
 from .._nested import split_operands
 from .._pipeline import SPLIT
@@ -35,6 +38,7 @@ from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
+from ._pipeline_head import run_looped
 from ._shardmap_pipeline import _block, _keep, _micro
 from ._spmd import move
 
@@ -55,11 +59,26 @@ def run_onef(interp, pipe, layouts, inner, head, frame) -> None:
     _leave(interp, pipe, layouts[1], bcall, region, frame, state, loop, after)
 
 
-def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> dict:
+@dataclass(frozen=True)
+class _Side:
+    """One pipelined scan as the tick loop runs it: its call and body, its operand ids
+    (`g`) and body inputs (`w`) split as a scan's (`split_operands`), the microbatch dims
+    of its body inputs (`d`), and its operands in its body's layouts."""
+
+    call: object
+    body: object
+    g: object
+    w: object
+    d: object
+    consts: list
+    carry: list
+    xs: list
+
+
+def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> _Side:
     """One scan's operands in its body's layouts: constants and the initial carry on the
     replica batch (none for the backward scan: the head makes it), the stage's blocks
     of its stacked inputs (None for a residual, which the ring holds)."""
-    from jax.extend.core import Literal
     call, body = layout.call, interp.prog.regions[layout.call.body]
     ins = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
     g, w = split_operands(eqn, ins), split_operands(eqn, list(body.invars))
@@ -71,8 +90,7 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> dict:
     xs = [None if u in residuals else move(a, Tiling(((),) + interp.rest(u).dims[1:]),
                                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(x.xs, g.xs, w.xs)]
-    return {"call": call, "body": body, "g": g, "w": w, "d": split_operands(eqn, list(layout.in_dims)),
-            "consts": consts, "carry": carry, "xs": xs, "results": ins}
+    return _Side(call, body, g, w, split_operands(eqn, list(layout.in_dims)), consts, carry, xs)
 
 
 class _Loop:
@@ -86,7 +104,7 @@ class _Loop:
         self.stage = jax.lax.axis_index(pipe.axis)
         fcall, bcall = pipe.scans.calls
         # The residuals the backward scan reads, as positions in the forward's per-layer outputs.
-        self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd["g"].xs]
+        self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd.g.xs]
         whole = {v: frame.whole[v] for v, d in zip(head.inputs, head.in_dims) if d is None and v in frame.whole}
         self.head_whole = whole
         self.head_blocks = {v: frame.read(v) for v in head.inputs if v not in whole and v not in fcall.carry_out}
@@ -99,21 +117,21 @@ class _Loop:
         return jnp.zeros(((layers,) if layers else ()) + tuple(shape), val.dtype)
 
     def initial(self):
-        per = self.fwd["call"].length // self.S
-        fbody, bbody = self.fwd["body"], self.bwd["body"]
-        nf, nb = len(self.fwd["call"].carry), len(self.bwd["call"].carry)
-        recv_f = tuple(self._micro_block(w) for w in self.fwd["w"].carry)
-        recv_b = tuple(self._micro_block(w) for w in self.bwd["w"].carry)
+        per = self.fwd.call.length // self.S
+        fbody, bbody = self.fwd.body, self.bwd.body
+        nf, nb = len(self.fwd.call.carry), len(self.bwd.call.carry)
+        recv_f = tuple(self._micro_block(w) for w in self.fwd.w.carry)
+        recv_b = tuple(self._micro_block(w) for w in self.bwd.w.carry)
         outs = fbody.outvars[nf:]
         rings = tuple(self._ring(outs[j], per) for j in self.kept if j is not None)
         kept = tuple(_block(self.interp, v) for v in bbody.outvars[:nb])
-        ys = tuple(_block(self.interp, v, self.bwd["call"].length, self.pipe.axis) for v in bbody.outvars[nb:])
+        ys = tuple(_block(self.interp, v, self.bwd.call.length, self.pipe.axis) for v in bbody.outvars[nb:])
         heads = tuple(_block(self.interp, v) for v in self.after)
         return recv_f, recv_b, rings, kept, ys, heads
 
     def _ring(self, v: int, layers: int):
         block = self._micro_block(v, layers)
-        d = self.layouts[0].out_dims[list(self.fwd["body"].outvars).index(v)]
+        d = self.layouts[0].out_dims[list(self.fwd.body.outvars).index(v)]
         if d is None:
             return block
         shape = list(block.shape)
@@ -128,8 +146,8 @@ class _Loop:
 
     def _layers(self, side, c_in, m, xs_m, reverse: bool):
         """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs)."""
-        inner, call, nk = self.inner, side["call"], len(side["call"].carry)
-        consts_m = [_micro(a, i, m, self.M) for a, i in zip(side["consts"], side["d"].consts)]
+        inner, call, nk = self.inner, side.call, len(side.call.carry)
+        consts_m = [_micro(a, i, m, self.M) for a, i in zip(side.consts, side.d.consts)]
 
         def layer(c, xl):
             outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))
@@ -141,22 +159,22 @@ class _Loop:
         recv_f, recv_b, rings, kept, ys_kept, heads = state
         fv, mf, bv, mb = self._units(t)
         first, last = self.stage == 0, self.stage == self.S - 1
-        fwd, bwd, fcall = self.fwd, self.bwd, self.fwd["call"]
-        c0 = tuple(_micro(a, i, mf, self.M) for a, i in zip(fwd["carry"], fwd["d"].carry))
+        fwd, bwd, fcall = self.fwd, self.bwd, self.fwd.call
+        c0 = tuple(_micro(a, i, mf, self.M) for a, i in zip(fwd.carry, fwd.d.carry))
         c_in = tuple(jnp.where(first, a, r) for a, r in zip(c0, recv_f))
-        xs_f = tuple(_micro(a, None if i is None else i + 1, mf, self.M) for a, i in zip(fwd["xs"], fwd["d"].xs))
+        xs_f = tuple(_micro(a, None if i is None else i + 1, mf, self.M) for a, i in zip(fwd.xs, fwd.d.xs))
         zeros_f = (c_in, tuple(self._micro_block(v, fcall.length // self.S)
-                               for v in fwd["body"].outvars[len(fcall.carry):]))
+                               for v in fwd.body.outvars[len(fcall.carry):]))
         c_f, ys_f = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
         rings = self._store(rings, ys_f, mf, fv)
         grad, heads = self._head(c_f, mf, fv & last, heads)
         c_b_in = tuple(jnp.where(last, g, r) for g, r in zip(grad, recv_b))
         xs_b = tuple(self._read(rings, j, mb) if j is not None else
                      _micro(a, None if i is None else i + 1, mb, self.M)
-                     for a, i, j in zip(bwd["xs"], bwd["d"].xs, self.kept))
-        nb = len(bwd["call"].carry)
-        zeros_b = (c_b_in, tuple(self._micro_block(v, bwd["call"].length // self.S)
-                                 for v in bwd["body"].outvars[nb:]))
+                     for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
+        nb = len(bwd.call.carry)
+        zeros_b = (c_b_in, tuple(self._micro_block(v, bwd.call.length // self.S)
+                                 for v in bwd.body.outvars[nb:]))
         c_b, ys_b = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True), lambda: zeros_b)
         lay = self.layouts[1]
         kept = tuple(_keep(k, c, lay.out_kinds[i], lay.out_dims[i], mb, bv & first)
@@ -169,7 +187,7 @@ class _Loop:
         return (recv_f, recv_b, rings, kept, ys_kept, heads), None
 
     def _slot_dim(self, j: int):
-        return self.layouts[0].out_dims[len(self.fwd["call"].carry) + j]
+        return self.layouts[0].out_dims[len(self.fwd.call.carry) + j]
 
     def _store(self, rings, ys, m, valid):
         """The rings with microbatch `m`'s residuals written in its slot."""
@@ -193,23 +211,15 @@ class _Loop:
         """The head on microbatch `m` where `run` (the last stage with a forward unit):
         (the backward scan's initial carry, the head's outputs for the rest of the step
         kept as their kinds say)."""
-        inner, head, prog = self.inner, self.head, self.interp.prog
+        inner, head = self.inner, self.head
         fcall, bcall = self.pipe.scans.calls
-        fbody = self.fwd["body"]
-        region, carry_in = prog.regions[head.region], self.bwd["w"].carry
+        fbody = self.fwd.body
+        carry_in = self.bwd.w.carry
 
         def run_head():
-            f = _Frame(inner)
-            for v, x in self.head_whole.items():
-                f.make_whole(v, x)
-            for v, d in zip(head.inputs, head.in_dims):
-                if v in self.head_blocks:
-                    f.put(v, _micro(self.head_blocks[v], d, m, self.M))
-            for c, w, r in zip(c_f, fbody.outvars, fcall.carry_out):
-                if r >= 0:
-                    f.put(r, move(c, inner.rest(w), inner.rest(r), inner.move_mesh))
-            for i in head.looped:
-                inner.eqn(f, head.region, i, region.jaxpr.eqns[i])
+            given = {r: move(c, inner.rest(w), inner.rest(r), inner.move_mesh)
+                     for c, w, r in zip(c_f, fbody.outvars, fcall.carry_out) if r >= 0}
+            f = run_looped(inner, head, self.head_whole, self.head_blocks, m, given)
             grad = tuple(cross(inner, f.read(u), u, w) for u, w in zip(bcall.carry, carry_in))
             return grad, tuple(f.read(v) for v in self.after)
 
@@ -218,11 +228,6 @@ class _Loop:
         kinds = dict(zip(head.outputs, zip(head.out_kinds, head.out_dims)))
         heads = tuple(_keep(b, y, *kinds[v], m, run) for b, y, v in zip(heads, made, self.after))
         return grad, heads
-
-
-def _Frame(inner):
-    from ._frame import Frame
-    return Frame(inner)
 
 
 def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> None:

@@ -35,14 +35,7 @@ def run_head(interp, inner, head, frame: Frame) -> None:
     M = head.microbatches
 
     def one(acc, m):
-        f = Frame(inner)
-        for v, x in whole.items():
-            f.make_whole(v, x)
-        for v, d in zip(head.inputs, head.in_dims):
-            if v in blocks:
-                f.put(v, _micro(blocks[v], d, m, M))
-        for i in head.looped:
-            inner.eqn(f, head.region, i, region.jaxpr.eqns[i])
+        f = run_looped(inner, head, whole, blocks, m)
         return tuple(_keep(b, f.read(v), k, d, m, True)
                      for b, v, k, d in zip(acc, head.outputs, head.out_kinds, head.out_dims)), None
 
@@ -52,3 +45,22 @@ def run_head(interp, inner, head, frame: Frame) -> None:
     for v, a in zip(head.outputs, acc):
         rest, left = interp.rest(v), head.left_partial(v)
         frame.put(v, move(a, Tiling(rest.dims, left, "sum"), rest, interp.move_mesh) if left else a)
+
+
+def run_looped(inner, head, whole: dict, blocks: dict, m, given: dict | None = None) -> Frame:
+    """The frame of `head`'s looped equations run by `inner` (the microbatched plan's
+    interpreter) on microbatch `m`: the inputs made whole (`whole`) as they are, the
+    others cut to the microbatch from their blocks (`blocks`), those `given` (value ->
+    the microbatch's block) as given."""
+    f = Frame(inner)
+    for v, x in whole.items():
+        f.make_whole(v, x)
+    for v, d in zip(head.inputs, head.in_dims):
+        if v in blocks:
+            f.put(v, _micro(blocks[v], d, m, head.microbatches))
+    for v, x in (given or {}).items():
+        f.put(v, x)
+    region = inner.prog.regions[head.region]
+    for i in head.looped:
+        inner.eqn(f, head.region, i, region.jaxpr.eqns[i])
+    return f
