@@ -1,11 +1,11 @@
 """Pipelined plans at the scale people train, as the cost model prices them (issue 24).
 
-Per row (a model, a mesh): the published pipelined configuration (data parallel, tensor
-parallel on `model`, GPipe stages on `stage`) at a few microbatch counts, and the
-schedules without a pipeline that the same mesh allows (FSDP over the data and stage
-axes, or data parallel with FSDP on `stage`, each with tensor parallelism), each with
-its modeled step time, peak memory per device, whether it fits 80 GB, and the modeled
-bubble. Then the plan `AutomaticPartition` finds with the pipeline among its actions
+Per row (a model, a mesh): the published pipelined configuration (data parallel or FSDP
+on `data`, tensor parallel on `model`, GPipe or 1F1B stages on `stage`) at a few
+microbatch counts, and the schedules without a pipeline that the same mesh allows (FSDP
+over the data and stage axes, or data parallel with FSDP on `stage`, each with tensor
+parallelism), each with its modeled step time, peak memory per device, whether it fits
+80 GB, and the modeled bubble. Then the plan `AutomaticPartition` finds with the pipeline among its actions
 (`pipelines=MICROBATCHES`): its step, peak and fit, the pipeline it chose (or none, and
 why: the best pipelined plan it scored, against the plan it returned), the search time,
 and its step over the best expert's (the fastest configuration above that fits, else
@@ -35,6 +35,8 @@ MEMORY_LIMIT = 80e9
 DEVICE = "h100"
 #: Microbatch counts tried for the pipelined configuration.
 MICROBATCHES = (8, 16, 32, 128)
+#: Pipeline schedules priced for the pipelined configuration.
+SCHEDULES = ("gpipe", "1f1b")
 #: Microbatch counts the search may pipeline with.
 SEARCH_MICROBATCHES = (8, 16, 32)
 #: Seconds the search may take per row (issue 24 asks for under 120 s here).
@@ -67,11 +69,15 @@ ROWS = {
 
 def _pipelined(batch_per_replica: int) -> dict:
     """The published pipelined configuration at each microbatch count that divides a
-    replica's batch."""
+    replica's batch, under GPipe and under 1F1B (`SCHEDULES`): data parallel, and with
+    the parameters and optimizer state sharded over the data axis instead (FSDP, as
+    Megatron's distributed optimizer shards the optimizer state)."""
     import tactics as T
 
-    return {f"dp+tp+pp M={m}": [T.DataParallel("data"), T.Megatron("model"), T.Pipeline("stage", m)]
-            for m in MICROBATCHES if batch_per_replica % m == 0}
+    data = {"dp": lambda: [T.DataParallel("data"), T.Megatron("model")],
+            "fsdp": lambda: [T.Megatron("model"), T.FSDP("data")]}
+    return {f"{d}+tp+pp {s} M={m}": make() + [T.Pipeline("stage", m, s)]
+            for d, make in data.items() for s in SCHEDULES for m in MICROBATCHES if batch_per_replica % m == 0}
 
 
 def run(row: Row, budget_s: float) -> None:
