@@ -163,12 +163,7 @@ def microbatched(part, pipe: Pipelining):
         ext.redo(d)
     for v in pipe.batch:
         ext.tile(v, 0, MICROBATCH, source="pipeline")
-    layouts = tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
-    from ._pipeline_head import check_onef, head_layout
-    head = head_layout(part, ext, pipe)  # the region between the scans runs per microbatch: refused now if it cannot
-    if pipe.schedule == "1f1b":
-        check_onef(part, pipe, head)
-    return ext, layouts
+    return ext, tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
 
 
 def _check_circular(part, pipe: Pipelining) -> None:
@@ -219,14 +214,6 @@ def _xs_link(prog, call: ScanCall, op) -> int:
     """`op`'s id if it is a link handing scan `call`'s body a stacked input, else -1."""
     hands = op.link and op.primitive == Link.SCAN_XS and prog.values[op.results[0]].region == call.body
     return op.id if hands else -1
-
-
-def check_pipelines(part) -> None:
-    """Raise the `PartitioningError` of the first of `part`'s pipelines its plan no
-    longer lets run (e.g. the batch split further since, so that the microbatches are no
-    longer whole): what a tactic or search action after a `Pipeline` must not do."""
-    for pipe in part.pipelines:
-        microbatched(part, pipe)
 
 
 def _strip(t: Tiling) -> Tiling:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from jax.extend.core import Literal
 
 from ._errors import PartitioningError
-from ._pipeline import SAME, SPLIT, _check_values, _deferred, _kind_results, _micro_dim
+from ._pipeline import SAME, SPLIT, _check_values, _deferred, _kind_results, _micro_dim, microbatched
 from ._scans import body_regions, var_ids
 
 
@@ -99,6 +99,24 @@ def head_layout(part, ext, pipe) -> HeadLayout | None:
                       inputs, tuple(_micro(ext, prog, v) for v in inputs), outputs,
                       tuple(kinds[v] for v in outputs), tuple(_micro(ext, prog, v) for v in outputs),
                       _deferred(ext, [prog.ops[o] for o in looped], kinds))
+
+
+def check_pipeline(part, pipe) -> None:
+    """Raise the `PartitioningError` that says why `part` cannot run pipeline `pipe` as
+    the lowering would (its microbatched plan, the head between its scans, its
+    schedule's conditions), before any work."""
+    ext, _ = microbatched(part, pipe)
+    head = head_layout(part, ext, pipe)
+    if pipe.schedule == "1f1b":
+        check_onef(part, pipe, head)
+
+
+def check_pipelines(part) -> None:
+    """Raise the `PartitioningError` of the first of `part`'s pipelines its plan no
+    longer lets run (e.g. the batch split further since, so that the microbatches are no
+    longer whole): what a tactic or search action after a `Pipeline` must not do."""
+    for pipe in part.pipelines:
+        check_pipeline(part, pipe)
 
 
 def _micro(ext, prog, v: int):

@@ -81,7 +81,7 @@ class Pipeline(Tactic):
             for v in pipe.stacked():
                 part.tile(v, 0, self.axis, source=str(self))
             part.pipeline(pipe)
-            partir.microbatched(part, pipe)  # what the lowering will run: refused now if it cannot
+            partir.check_pipeline(part, pipe)  # what the lowering will run: refused now if it cannot
         except partir.PartitioningError as e:
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
