@@ -158,3 +158,18 @@ def test_the_search_offers_1f1b_beside_gpipe_where_it_keeps_fewer_residuals():
         pipes = [m for m in macros(part, ("stage",), (4,)) if isinstance(m, T.Pipeline)]
         assert T.Pipeline("stage", 4) in pipes
         assert (T.Pipeline("stage", 4, "1f1b") in pipes) == offered
+
+
+def test_a_saved_1f1b_plan_plots_its_schedule(tmp_path):
+    """From the plan file alone: a box per microbatch and pass where 1F1B puts it."""
+    from automap._plot import figure
+
+    step, args, _ = _gpt()
+    plan = automap.partition(step, mesh={"data": 4, "stage": 2}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", 4, "1f1b")])(*args)
+    plan.save(tmp_path / "plan.json")
+    fig = figure(json.loads((tmp_path / "plan.json").read_text()))
+    (panel,) = [ax for ax in fig.axes if "1f1b pipeline over 'stage'" in ax.get_title()]
+    boxes = sorted((round(p.get_x(), 9), round(p.get_y() + p.get_height() / 2)) for p in panel.patches)
+    want = sorted((round(1e3 * s.start, 9), s.stage) for s in search.onef_timeline(2, 4, plan.cost.pipeline_ticks[0]))
+    assert boxes == want and len(want) == 2 * 2 * 4
