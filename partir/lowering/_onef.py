@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._nested import split_operands
-from .._pipeline import SPLIT
+from .._pipeline import SAME, SPLIT
 from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
@@ -102,7 +102,7 @@ class _Loop:
         self.S, self.M = interp.mesh.size(pipe.axis), pipe.microbatches
         self.ticks, self.ring = pipe.ticks(self.S), pipe.in_flight(self.S)  # the ring: one slot per microbatch in flight
         self.stage = jax.lax.axis_index(pipe.axis)
-        fcall, bcall = pipe.scans.calls
+        fcall = pipe.scans.forward
         # The residuals the backward scan reads, as positions in the forward's per-layer outputs.
         self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd.g.xs]
         whole = {v: frame.whole[v] for v, d in zip(head.inputs, head.in_dims) if d is None and v in frame.whole}
@@ -196,7 +196,7 @@ class _Loop:
             if j is None:
                 continue
             d = self._slot_dim(j)
-            out.append(_keep(rings[k], ys[j], SPLIT if d is not None else "same",
+            out.append(_keep(rings[k], ys[j], SPLIT if d is not None else SAME,
                              None if d is None else d + 1, m % self.ring, valid))
             k += 1
         return tuple(out)
