@@ -85,6 +85,32 @@ def compositions(offered) -> tuple[tuple, ...]:
     return tuple(out)
 
 
+def variant_key(tactic) -> tuple:
+    """What a macro's variants share: its axis and role (`ROLE`; a remat policy's is
+    the plan's remat), so that context parallelism's strategies and balances, or a
+    pipeline's microbatch counts and repeats, are variants of one role on an axis."""
+    if isinstance(tactic, Remat):
+        return ("remat",)
+    return (getattr(tactic, "axis", None), ROLE.get(type(tactic), type(tactic).__name__))
+
+
+def primary_first(seeds, score) -> tuple:
+    """`seeds` reordered: first the plans whose every tactic is the best variant of its
+    role on its axis (highest `score(tactic)`, ties to the first offered), then the
+    rest, each part in its own order. A mesh of four axes offers tens of thousands of
+    compositions (roles^axes, times every variant), more than a time budget scores;
+    choosing each role's variant by how it did alone first means the budget goes to
+    different role assignments before it goes to variants of one."""
+    best: dict = {}
+    for t in dict.fromkeys(t for seq in seeds for t in seq):
+        k = variant_key(t)
+        if k not in best or score(t) > score(best[k]):
+            best[k] = t
+    primary = set(best.values())
+    first = [seq for seq in seeds if all(t in primary for t in seq)]
+    return (*first, *(seq for seq in seeds if not all(t in primary for t in seq)))
+
+
 def _roles(axis, offered) -> list[tuple]:
     """The roles `axis` may take among the `offered` macros, each a tuple of
     `(kind, tactic)` pairs: one per macro on it (`ROLE`), and Megatron with sequence

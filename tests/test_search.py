@@ -335,3 +335,37 @@ def test_the_search_scores_every_plan_that_gives_each_axis_one_role():
     n = len(macros)
     result = search.mcts(state, budget_s=600, max_episodes=n * n + len(plans), macros=macros, seeds=plans)
     assert result.fits and result.step_time <= min(fitting) * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_on_four_axes_the_seeds_reach_the_best_plan_before_the_variants():
+    # Four axes with pipelines and rings offered make 49 macros: 2352 pairs and 19121
+    # compositions, more than a 30 s budget scores. Scoring each role's best variant
+    # first (`_seeds.primary_first`) reaches, in 3000 episodes, the plan a converged
+    # search of 27079 episodes ends at; in product order the search had ended 3.6x
+    # above it (1.48 s against 0.41 s).
+    cfg = dataclasses.replace(llama.LLAMA3_8B, batch=256)
+    step, args = llama.make_train_step(cfg, abstract=True)
+    auto = search.AutomaticPartition(device="h100", memory_limit=80e9, pipelines=(4, 8), lowering="shard_map")
+    part = partir.Partitioning(partir.lift(step, *args), MeshSpec.of(data=4, fsdp=4, model=8, ctx=2))
+    state, macros = auto.search_space(part, T.Context())
+    plans = search.compositions(macros)
+    assert len(macros) ** 2 + len(plans) > 20000
+    best = (T.DataParallel("data"), T.DataParallel("fsdp"), T.DataParallel("ctx"),
+            T.FSDP("model", leave_room=False), T.Remat("dots"))
+    root = state.mark()
+    assert all(state.apply(search.Action.macro(t)) for t in best)
+    target, peak = state.evaluate()
+    state.rollback(root)
+    assert peak <= 80e9
+    result = search.mcts(state, budget_s=600, max_episodes=3000, macros=macros, seeds=plans)
+    assert result.fits and result.step_time <= target * (1 + 1e-9)
+
+
+def test_seeds_with_each_roles_best_variant_come_first():
+    ring, gather = T.ContextParallel("ctx", strategy="ring"), T.ContextParallel("ctx", balance="zigzag")
+    dp, fsdp = T.DataParallel("data"), T.FSDP("data", leave_room=False)
+    seeds = [(dp, gather), (fsdp, ring), (dp, ring), (fsdp, gather), (T.Remat("full"), dp), (T.Remat("dots"), dp)]
+    score = {ring: 0.9, gather: 0.5, dp: 0.7, fsdp: 0.6, T.Remat("full"): 0.1, T.Remat("dots"): 0.2}
+    assert search.primary_first(seeds, score.get) == (
+        (fsdp, ring), (dp, ring), (T.Remat("dots"), dp), (dp, gather), (fsdp, gather), (T.Remat("full"), dp))
