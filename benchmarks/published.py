@@ -12,6 +12,11 @@ tactics cannot express, FP8, a MoE Llama or a remat policy no tactic has say so.
 configurations of one model, ranked by time per token per device as measured and as
 modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
+A row with `master_weights` (Megatron's mixed precision: bfloat16 weights, a float32
+master copy and the adam moments in the optimizer state) is modeled on
+`examples/llama.py`'s `master_weights` train step with its parameters and optimizer
+state donated (`donated_args`), as Megatron updates them in place.
+
 Figures are compared like with like: each source's model-flops formula (`FORMULAS`)
 turns its published figure into a step time and the modeled step into the same MFU.
 Gradient accumulation: a run of GA 1 (`grad_accum`) is modeled as the train step of
@@ -95,6 +100,7 @@ class Row:
     reported: dict = dataclasses.field(default_factory=dict)
     remat_note: str = ""
     why_not: str = ""
+    master_weights: bool = False
 
     @property
     def mesh_axes(self) -> tuple:
@@ -228,7 +234,7 @@ def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
     config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
                                d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
                                batch=r.global_batch // r.grad_accum * micro_batches,
-                               dtype=jnp.bfloat16, scan_layers=scan, remat=False)
+                               dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights)
     step, args = llama.make_train_step(config, abstract=True)
     return partir.lift(step, *args)
 
@@ -256,6 +262,13 @@ def schedule(r: Row) -> list:
     return out + ([tactics.Remat(r.remat)] if r.remat != "none" else [])
 
 
+def donated_args(r: Row) -> tuple[int, ...]:
+    """The train step's arguments the run updates in place: a run with master weights
+    (Megatron's mixed precision) donates its parameters and optimizer state, as
+    Megatron updates them in place; the other rows keep what they were fit with."""
+    return (0, 1) if r.master_weights else ()
+
+
 def summary(part, r: Row, device, two=None) -> dict:
     """Modeled step, peak, fit and MFU (the source's formula) of a partitioning of
     `program(r)`, the train step of one micro-batch (`micro_step_s`). The step: for
@@ -266,11 +279,13 @@ def summary(part, r: Row, device, two=None) -> dict:
     if (two is None) != (r.grad_accum == 1):
         raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
                          "exactly when there is more than one")
-    cost = search.CostModel(part.copy(), device).cost()
+    donated = donated_args(r)
+    cost = search.CostModel(part.copy(), device, donate_argnums=donated).cost()
     one = cost.step_time
     step = one
     if two is not None:
-        step = one + (r.grad_accum - 1) * (search.CostModel(two.copy(), device).cost().step_time - one)
+        step = one + (r.grad_accum - 1) * (search.CostModel(two.copy(), device, donate_argnums=donated).cost().step_time
+                                           - one)
     peak = search.get_device(device).flops_for("bfloat16")
     return {"step_s": step, "micro_step_s": one, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
             "mfu": FORMULAS[r.flops](r) / (peak * step)}
