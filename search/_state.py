@@ -100,6 +100,19 @@ class SearchState:
             peak = self.model.exact_peak()
         return t, peak
 
+    def evaluate_parts(self):
+        """`evaluate` before overlap is applied: `(TimeParts, peak memory)`, for the
+        accumulated step to extrapolate term by term (`search._accum`)."""
+        parts, peak = self.model.evaluate_parts()
+        if doubtful(peak, self.model.memory_limit):
+            peak = self.model.exact_peak()
+        return parts, peak
+
+    @property
+    def device(self):
+        """The device the state is priced on (its cost model's)."""
+        return self.model.device
+
     def exact_peak(self) -> float:
         """The exact modeled peak memory of the current state (`CostModel.exact_peak`)."""
         return self.model.exact_peak()

@@ -41,6 +41,7 @@ from partir._layers import children, is_layers, layer_keys  # noqa: F401
 from tactics import input_groups, roles
 
 from .cost import CostModel
+from .cost._achieved import TimeParts
 from ._state import SearchState, doubtful
 
 #: Fewest alike layers for which twins are used.
@@ -174,6 +175,22 @@ class TwinState:
         if doubtful(peak, self.memory_limit):
             peak = self._extrapolate(*(t.exact_peak() for t in self.twins))
         return self._step(t0, t1), peak
+
+    def evaluate_parts(self):
+        """`evaluate` before overlap is applied: `(TimeParts, peak memory)` of the deep
+        program, extrapolated term by term; where the twins' computations differ, the
+        extrapolated step alone (as compute: overlap is already in it)."""
+        (t0, _), (t1, _) = (t.model.evaluate_parts() for t in self.twins)
+        step, peak = self.evaluate()
+        if t0.parents != t1.parents:
+            return TimeParts(step, 0.0), peak
+        d0, d1 = self.depths
+        return t0.extrapolate(t1, (self.layers - d0) / (d1 - d0)), peak
+
+    @property
+    def device(self):
+        """The device the twins are priced on (their cost models')."""
+        return self.twins[0].model.device
 
     def _step(self, shallow, deeper) -> float:
         """The deep program's step time: each term of the twins' `TimeParts`
