@@ -41,6 +41,7 @@ from partir import Partitioning, PartitioningError, lift
 from tactics import TacticError, roles
 
 from .cost._achieved import TimeParts
+from ._state import PairedStates
 
 
 def accumulated_step(one: TimeParts, two: TimeParts, grad_accum: int, device) -> float:
@@ -53,75 +54,44 @@ def accumulated_step(one: TimeParts, two: TimeParts, grad_accum: int, device) ->
     return one.extrapolate(two, grad_accum - 1).step(device)[0]
 
 
-class AccumulatedState:
+class AccumulatedState(PairedStates):
     """The search state of a train step run `grad_accum` times a step, kept as the
     states of its programs on one and on two micro-batches (`SearchState`s or
     `TwinState`s): every action goes to both, the step time is the accumulated one
     (`accumulated_step`), the peak memory one micro-batch's."""
 
     def __init__(self, one, two, grad_accum: int):
-        self.states, self.grad_accum = (one, two), grad_accum
+        self.pair, self.grad_accum = (one, two), grad_accum
         self.axes = one.axes
         self.depths = one.depths
-
-    @property
-    def mesh(self):
-        """The mesh the plan is for."""
-        return self.states[0].mesh
-
-    @property
-    def memory_limit(self) -> float:
-        """Bytes per device a plan may peak at."""
-        return self.states[0].memory_limit
-
-    def key(self) -> int:
-        """A hash of both programs' states."""
-        return hash(tuple(s.key() for s in self.states))
-
-    def mark(self):
-        """A point to `rollback` to."""
-        return tuple(s.mark() for s in self.states)
-
-    def rollback(self, mark) -> None:
-        """Undo every action since `mark`."""
-        for s, m in zip(self.states, mark):
-            s.rollback(m)
 
     def actions(self):
         """The tile actions that would change the one-micro-batch program (the programs
         have the same inputs, so the same groups)."""
-        return self.states[0].actions()
-
-    def apply(self, action) -> bool:
-        """Apply `action` to both programs; False, and nothing changed, unless both take it."""
-        mark = self.mark()
-        if all(s.apply(action) for s in self.states):
-            return True
-        self.rollback(mark)
-        return False
+        return self.pair[0].actions()
 
     def evaluate(self) -> tuple[float, float]:
         """The accumulated step's modeled `(step time, peak memory)`: `accumulated_step`
         and the one-micro-batch program's peak."""
-        (one, peak), (two, _) = (s.evaluate_parts() for s in self.states)
-        return accumulated_step(one, two, self.grad_accum, self.states[0].device), peak
+        (one, peak), (two, _) = (s.evaluate_parts() for s in self.pair)
+        return accumulated_step(one, two, self.grad_accum, self.pair[0].device), peak
 
     def exact_peak(self) -> float:
         """The exact modeled peak memory of the one-micro-batch program."""
-        return self.states[0].exact_peak()
+        return self.pair[0].exact_peak()
 
     def compute_time(self) -> float:
         """The accumulated step's modeled compute time."""
-        c1, c2 = (s.compute_time() for s in self.states)
+        c1, c2 = (s.compute_time() for s in self.pair)
         return c1 + (self.grad_accum - 1) * (c2 - c1)
 
     def mismatch(self, part, actions) -> str | None:
         """The one-micro-batch state's verdict on the program's plan (see `TwinState`)."""
-        return self.states[0].mismatch(part, actions)
+        return self.pair[0].mismatch(part, actions)
 
     def describe(self) -> str:
         """What is searched, for the history."""
-        return (f"{self.states[0].describe()}; priced over {self.grad_accum} micro-batches a step from the "
+        return (f"{self.pair[0].describe()}; priced over {self.grad_accum} micro-batches a step from the "
                 "program on one and on two micro-batches, term by term")
 
 
