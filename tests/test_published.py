@@ -136,14 +136,20 @@ def test_gradient_accumulation_reduces_and_updates_once_a_step():
 
 
 def test_the_search_chooses_its_plan_by_the_accumulated_step():
-    # NeMo's Llama 3.1 8B on 128 H100s runs 32 micro-batches a step: searched by the
-    # step of one micro-batch, the plan (Megatron and sequence parallelism over the
-    # context axis, FSDP over data) avoids the once-a-step gradient reduction and loses
-    # after accumulation (1.09x the published configuration's step); searched by the
-    # accumulated step, it is no slower than the published configuration.
+    # NeMo's Llama 3.1 8B on 128 H100s runs 32 micro-batches a step: the search weighs
+    # its plans by the step of 32 (the benchmark's, `search.accumulated_step`), not of one
+    # micro-batch, which overweights the once-a-step gradient reduction 32 times (with
+    # the ring latencies of before, it chose Megatron over the context axis, 1.09x the
+    # published configuration's step after accumulation); and its plan is no slower than
+    # the published configuration.
     row = next(r for r in ROWS if r.id == "nemo-llama31-8b-h100-128-cp2")
-    out = published.model_row(row, episodes=published.EPISODES)
-    assert out["searched"]["fits"] and out["searched_over_published"] <= 1.0, out["plan"]
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=published.EPISODES, device=row.device,
+                                     best_effort=True, grad_accum=row.grad_accum)
+    found = tactics.apply_schedule(published.program(row, scan=True), partir.MeshSpec(row.mesh_axes), [auto])
+    two = published.replayed(found.partitioning, published.program(row, scan=True, micro_batches=2))
+    searched = published.summary(found.partitioning, row, row.device, two)
+    assert found.context.search[0].step_time == pytest.approx(searched["step_s"], rel=1e-6)
+    assert searched["fits"] and searched["step_s"] <= _modeled(row)["published"]["step_s"]
 
 
 def _tiny_llama():
