@@ -16,6 +16,7 @@ import tactics as T
 from examples import gpt, llama, mlp
 from examples.plans import STRATEGIES
 from partir import MeshSpec, Tiling
+from search.cost._achieved import TimeParts
 
 EPS = 1e-3
 COL, ROW = Tiling(((), ("model",))), Tiling((("model",), ()))
@@ -200,6 +201,28 @@ def test_bad_axes_and_budget():
         T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(axes=("modle",))])
     with pytest.raises(T.TacticError, match="budget_s=0 is out of range"):
         T.apply_schedule(prog, MeshSpec.of(model=8), [search.AutomaticPartition(budget_s=0)])
+
+
+def test_bad_gradient_accumulation_count():
+    step, args = mlp.make_train_step(mlp.MLPConfig(), abstract=True)
+    prog = partir.lift(step, *args)
+    with pytest.raises(T.TacticError, match=r"grad_accum=0 is out of range: give a positive integer, e.g. grad_accum=32"):
+        T.apply_schedule(prog, MeshSpec.of(data=8), [search.AutomaticPartition(grad_accum=0)])
+
+
+def test_an_accumulated_step_extrapolates_each_term_then_overlaps():
+    # One micro-batch: 1 s of compute, a once-a-step 1 s collective overlappable behind
+    # 0.5 s of it (half exposed); two: the same collective, now hidden behind 1 s. Over 4
+    # micro-batches the collective hides behind 2.5 s: the step is its compute and
+    # the slowdown of overlap, where extrapolating the step times would count the half
+    # second that hid on two micro-batches as hidden three times, under the compute.
+    device = search.get_device("h100")
+    one = TimeParts(compute=1.0, exposed=0.0, windows=(0.5,), hidden=(1.0,), parents=(None,))
+    two = TimeParts(compute=2.0, exposed=0.0, windows=(1.0,), hidden=(1.0,), parents=(None,))
+    step = search.accumulated_step(one, two, 4, device)
+    assert step == pytest.approx(4.0 + device.overlap_slowdown * 1.0)
+    t1, t2 = one.step(device)[0], two.step(device)[0]
+    assert t1 + 3 * (t2 - t1) < 4.0
 
 
 def test_a_later_sequence_parallel_uses_the_megatron_the_search_chose():
