@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import made_from_scalars
-from .._online import OnlineAttention, Unmatched, online_attentions
+from .._online import OnlineAttention, Unmatched, online_attentions, online_reason
 from .._tiling import Tiling
 from ._eval import bind_equation
 from ._ring import _next
-from ._spmd import move
+from ._online_masks import BlockConstants, tiling_spec
 
 
 class OnlineRings:
@@ -43,7 +43,7 @@ class OnlineRings:
         self.found: dict[int, OnlineAttention] = {}
         if enabled:
             for m in online_attentions(interp.prog):
-                reason = m.reason if isinstance(m, Unmatched) else _plan_reason(interp, m)
+                reason = m.reason if isinstance(m, Unmatched) else online_reason(interp.part, m, interp.rings)
                 if reason is None:
                     self.found[m.attention.score] = m
                 elif interp.rings:
@@ -54,6 +54,7 @@ class OnlineRings:
         self.ops = {o: m for m in self.found.values() for o in m.ops}
         self.values = {r for m in self.found.values() for o in m.ops for r in interp.prog.ops[o].results}
         self.saved: dict[int, tuple] = {}
+        self.constants = BlockConstants(interp, self._whole)
 
     def clear(self) -> None:
         """Forget the previous trace's saved outputs."""
@@ -122,10 +123,11 @@ class OnlineRings:
                     args.append(x)
                 elif not prog.values[u].shape:
                     args.append(self._whole(u))
-                else:
+                else:  # this device's rows, the key block's columns
                     need = next(Tiling(d) for side, j, _, d in slots if side == "operand" and j == k)
-                    held = move(self._whole(u), Tiling.replicated(need.rank), need, self.interp.move_mesh)
-                    args.append(jax.lax.dynamic_slice_in_dim(held, block * size, size, key))
+                    spec = tiling_spec(need, prog.values[u].shape, mesh)
+                    spec[key] = (block * size, size)
+                    args.append(self.constants.block(u, tuple(spec)))
             x = bind_equation(op.eqn, args)[0]
         return x
 
@@ -159,8 +161,8 @@ class OnlineRings:
                 row_sum = row_sum * scale + jnp.sum(p, axis=kd, keepdims=True)
                 acc = acc * _to_out(combine, a.value, values, scale) + pv
             row_max = new_max
-            if s + 1 < n:
-                keys, values = sent
+            if s + 1 < n:  # the next block's work after this one's: one block of scores at a time
+                keys, values, row_max, row_sum, acc = jax.lax.optimization_barrier((*sent, row_max, row_sum, acc))
         out = acc / _to_out(combine, a.value, values, row_sum)
         lse = jnp.where(jnp.isneginf(row_max), 0, row_max) + jnp.log(row_sum)
         self.saved[a.score] = (out, lse)
@@ -203,7 +205,7 @@ class OnlineRings:
                 travelling = parts if travelling is None else tuple(t + x for t, x in zip(travelling, parts))
                 travelling = tuple(_next(t, ring.axis, n) for t in travelling)
             if s + 1 < n:
-                keys, values = sent
+                keys, values, dq, own, travelling = jax.lax.optimization_barrier((*sent, dq, own, travelling))
         dk, dv = own if travelling is None else tuple(t + o for t, o in zip(travelling, own))
         for o, r in ((m.grad_queries_dot, dq), (m.grad_keys_dot, dk), (m.grad_values, dv)):
             interp.put_results(frame, o, [r])
@@ -256,18 +258,3 @@ def _one_key(combine, value: int, values) -> tuple:
     (lc, rc), _ = combine.eqn.params["dimension_numbers"]
     key = (lc, rc)[combine.operands.index(value)][0]
     return tuple(1 if d == key else s for d, s in enumerate(values.shape))
-
-
-def _plan_reason(interp, m: OnlineAttention) -> str | None:
-    """Why the plan cannot run attention `m` blockwise, or None when it can."""
-    part, prog, a = interp.part, interp.prog, m.attention
-    rings = interp.rings
-    want = {a.score: "gather", a.combine: "gather", m.grad_scores: "gather", m.grad_queries_dot: "gather",
-            m.grad_keys_dot: "scatter", m.grad_values: "scatter"}
-    if any(o not in rings or rings[o].kind != k for o, k in want.items()):
-        return "not every dot of it moves its keys and values round a ring"
-    if len({rings[o].axis for o in want}) != 1:
-        return "its rings run over different axes"
-    if part.rematerialized or part.reused or part.pipelines or prog.ops[a.score].region != 0:
-        return "it is rematerialized, pipelined or inside a loop (blockwise attention keeps no residuals there)"
-    return None
