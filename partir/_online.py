@@ -14,9 +14,9 @@ checks op by op:
   the line and otherwise literals or values made from scalars (an iota mask, a fill,
   a scale), of the same shape or a transpose (`CHAIN_PRIMITIVES`), through calls'
   boundaries, to the softmax's input `x`;
-- the *softmax*: `exp(x - stop_gradient(max(x)))` over the keys' dim, divided by its
-  sum over that dim (`jax.nn.softmax`'s form), whose result the combine dot (`P V`)
-  reads;
+- the *softmax*: `exp(x - c)` for a `c` constant along the keys' dim (the row max
+  `jax.nn.softmax` subtracts, or any other shift: none changes the weights), divided
+  by its sum over that dim, whose result the combine dot (`P V`) reads;
 - the *backward*: the dots the differentiated program holds, `dO V^T` (reading the
   values), `P^T dO` (reading the weights and the same `dO`), and `dS K`, `dS^T Q`
   (reading one value `dS` of the scores' shape and dims: the scores' cotangent);
@@ -40,8 +40,8 @@ from ._nested import Link
 #: transpose, which moves the block's dims as it moves the row's.
 CHAIN_PRIMITIVES = frozenset({"mul", "div", "add", "sub", "neg", "select_n", "convert_element_type", "max", "min",
                               "transpose"})
-#: Ops that bring the row max back to the scores' shape before the subtraction.
-_BROADCASTS = frozenset({"broadcast_in_dim", "reshape", "stop_gradient"})
+#: Ops that bring the row sum back to the weights' shape before the division.
+_BROADCASTS = frozenset({"broadcast_in_dim", "reshape"})
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class OnlineAttention:
 
     `chain`: op ids from the score dot's result to the softmax input `x` (link ops
     included: identities); `chain_key_dims`: per chain op, the keys' dim of its result.
-    `weights`: the softmax's result `P`, `key_dim` the keys' dim of `x` and `P`.
+    `weights`: the softmax's result `P`, `row_sum` its row sums (before they are
+    broadcast back), `key_dim` the keys' dim of `x` and `P`.
     `grad_scores`, `grad_values`, `grad_queries_dot`, `grad_keys_dot`: the backward dots
     `dO V^T`, `P^T dO`, `dS K`, `dS^T Q` (op ids); `grad_out` the value `dO`,
     `grad_logits` the value `dS`. `ops`: every op whose work the blockwise attention
@@ -61,6 +62,7 @@ class OnlineAttention:
     chain_key_dims: tuple[int, ...]
     x: int
     weights: int
+    row_sum: int
     key_dim: int
     grad_scores: int
     grad_values: int
@@ -114,13 +116,15 @@ def _need(ok: bool, reason: str) -> None:
 def _matched(program, region, a) -> OnlineAttention:
     forward = forward_like(program)
     dims = _region_dims(program, region, a.scores)
-    chain, keys, x = _chain(program, dims, forward, a)
-    p = _softmax(program, forward, x, keys[-1] if keys else a.score_key_dim)
+    chain, keys, x, sub = _chain(program, dims, forward, a)
+    p, row_sum = _softmax(program, forward, x, keys[-1] if keys else a.score_key_dim, sub)
     cop = program.ops[a.combine]
     _need(p in cop.operands, "the combine dot does not read the softmax's result")
     dot_users = lambda v: [o for o in program.users[v] if region.dots[o] and not forward[o]]
     grad_scores = [o for o in dot_users(a.value) if region.score[o]]
-    _need(len(grad_scores) == 1, "no single backward dot dO V^T reads the values")
+    _need(len(grad_scores) == 1, "no backward dot dO V^T reads the values themselves (the backward pass reads "
+          "them from a loop's stack or a recomputation; blockwise attention keeps its forward and backward in "
+          "one region)")
     d_out = next(u for u in program.ops[grad_scores[0]].operands if u != a.value)
     grad_values = [o for o in dot_users(p) if d_out in program.ops[o].operands]
     _need(len(grad_values) == 1, "no single backward dot P^T dO reads the weights")
@@ -136,23 +140,28 @@ def _matched(program, region, a) -> OnlineAttention:
     _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
     ops = _component(program, region, (a.scores, program.ops[grad_scores[0]].results[0]), dots)
     keys = tuple(keys)
-    return OnlineAttention(a, tuple(chain), keys, x, p, keys[-1] if keys else a.score_key_dim, grad_scores[0],
+    return OnlineAttention(a, tuple(chain), keys, x, p, row_sum, keys[-1] if keys else a.score_key_dim, grad_scores[0],
                            grad_values[0], key_dots[0], query_dots[0], d_out, ds[0], ops)
 
 
 def _chain(program, dims, forward, a):
-    """(op ids, keys' dim of each result, softmax input) from the scores along the chain."""
+    """(op ids, keys' dim of each result, softmax input, its subtraction) from the
+    scores along the chain: the chain ends at the value a row constant is subtracted
+    from; ops reading chain values off it (the max, its gradient's masks) are the
+    region's, replaced with it."""
     free = made_from_scalars(program)
     chain, keys, v = [], [], a.scores
     while True:
-        users = [o for o in program.users[v] if forward[o]]
-        if len(users) != 1 or program.ops[users[0]].primitive not in CHAIN_PRIMITIVES | {Link.CALL_IN,
-                                                                                           Link.CALL_OUT}:
-            return chain, keys, v
-        op = program.ops[users[0]]
-        if op.link:
-            _need(op.primitive in (Link.CALL_IN, Link.CALL_OUT), f"the scores cross a {op.primitive} boundary")
-        else:
+        key = keys[-1] if keys else a.score_key_dim
+        users = [program.ops[o] for o in program.users[v] if forward[o]]
+        subs = [op for op in users if op.primitive == "sub" and op.operands[0] == v
+                and _row_constant(program, op.operands[1], key)]
+        if subs:
+            return chain, keys, v, subs[0]
+        nxt = [op for op in users if op.primitive in CHAIN_PRIMITIVES | {Link.CALL_IN, Link.CALL_OUT}]
+        _need(len(nxt) == 1, "no softmax: no x - max(x) along one line of ops from the scores")
+        op = nxt[0]
+        if not op.link:
             _need(op.operands.count(v) == 1 and len(op.results) == 1, f"{op.primitive} reads the scores twice")
             others = [u for u in op.operands if u != v]
             _need(all(u < 0 or free[u] for u in others), f"{op.primitive} on the scores reads more than constants")
@@ -167,24 +176,22 @@ def _chain(program, dims, forward, a):
         v = r
 
 
-def _softmax(program, forward, x: int, key: int) -> int:
-    """The weights `exp(x - stop_gradient(max(x))) / sum(...)` over `key`, or _NoMatch."""
-    users = [program.ops[o] for o in program.users[x] if forward[o]]
-    subs = [op for op in users if op.primitive == "sub" and op.operands[0] == x]
-    _need(len(subs) == 1, "no softmax: x - max(x) not found")
-    m = subs[0].operands[1]
-    while m >= 0 and program.ops[program.producer[m]].primitive in _BROADCASTS | {"max"}:
-        op = program.ops[program.producer[m]]
-        if op.primitive == "max":  # jnp.max's initial=-inf: no change to the max
-            lit = [op.eqn.invars[k] for k, u in enumerate(op.operands) if u < 0]
-            _need(len(lit) == 1 and float(lit[0].val) == float("-inf"), "the row max has a finite floor")
-            m = next(u for u in op.operands if u >= 0)
-        else:
-            m = op.operands[0]
-    rmax = program.ops[program.producer[m]] if m >= 0 and program.producer[m] >= 0 else None
-    _need(rmax is not None and rmax.primitive == "reduce_max" and rmax.operands[0] == x
-          and tuple(rmax.eqn.params["axes"]) == (key,), "no softmax: the max is not over the keys")
-    e = _only(program, forward, subs[0].results[0], "exp")
+def _row_constant(program, c: int, key: int) -> bool:
+    """Is `c` the same along dim `key` (of size 1 there, or broadcast along it)? Any
+    such shift leaves the softmax as it is (a shift of a row changes none of its
+    weights): the blockwise attention shifts by its own running max."""
+    if c < 0:
+        return False
+    if program.values[c].shape[key] == 1:
+        return True
+    op = program.ops[program.producer[c]] if program.producer[c] >= 0 else None
+    return op is not None and op.primitive == "broadcast_in_dim" and key not in op.eqn.params["broadcast_dimensions"]
+
+
+def _softmax(program, forward, x: int, key: int, sub) -> tuple[int, int]:
+    """(the weights `exp(x - c) / sum(exp(x - c))` over `key` from the subtraction
+    `sub`, the row sums), or _NoMatch."""
+    e = _only(program, forward, sub.results[0], "exp")
     sums = [program.ops[o] for o in program.users[e] if forward[o] and program.ops[o].primitive == "reduce_sum"]
     _need(len(sums) == 1 and tuple(sums[0].eqn.params["axes"]) == (key,), "no softmax: no sum over the keys")
     total = sums[0].results[0]
@@ -196,7 +203,7 @@ def _softmax(program, forward, x: int, key: int) -> int:
     divs = [program.ops[o] for o in program.users[e] if program.ops[o].primitive == "div"
             and program.ops[o].operands == (e, total)]
     _need(len(divs) == 1, "no softmax: exp is not divided by its sum")
-    return divs[0].results[0]
+    return divs[0].results[0], sums[0].results[0]
 
 
 def _only(program, forward, v: int, primitive: str) -> int:
@@ -224,3 +231,20 @@ def _component(program, region, seeds, dots) -> frozenset:
     dot_results = {r for o in dots for r in program.ops[o].results}
     _need(not (seen - dot_results) & set(program.outputs), "the program returns a value of the attention's region")
     return frozenset(ops)
+
+
+def online_reason(part, m: OnlineAttention, rings: dict) -> str | None:
+    """Why plan `part` (its ring dots `rings`, `partir.ring_moves`) cannot run attention
+    `m` blockwise, or None when it can: every one of its six dots must move the keys
+    and values (or their gradients) round one axis, in a plan without rematerialization
+    or pipelines, at the program's top level."""
+    a = m.attention
+    want = {a.score: "gather", a.combine: "gather", m.grad_scores: "gather", m.grad_queries_dot: "gather",
+            m.grad_keys_dot: "scatter", m.grad_values: "scatter"}
+    if any(o not in rings or rings[o].kind != k for o, k in want.items()):
+        return "not every dot of it moves its keys and values round a ring"
+    if len({rings[o].axis for o in want}) != 1:
+        return "its rings run over different axes"
+    if part.rematerialized or part.reused or part.pipelines or part.program.ops[a.score].region != 0:
+        return "it is rematerialized, pipelined or inside a loop (blockwise attention keeps no residuals there)"
+    return None
