@@ -270,3 +270,54 @@ def test_automap_tells_a_search_the_lowering_its_plan_runs_under():
     auto = search.AutomaticPartition(device="h100", memory_limit=80e6, max_episodes=120)
     plan = automap.partition(step, mesh="cp=8", schedule=[auto], lowering="shard_map")(*args)
     assert partir.ring_moves(plan.partitioning)  # the search priced the shard_map lowering, which runs rings
+
+
+#: A shape where each device's row of scores dominates: 512 tokens, 8-wide heads.
+LONG = gpt.GPTConfig(d_model=64, d_ff=128, n_heads=8, seq_len=512, vocab=128, batch=2)
+#: The blockwise attention's compiled peak against the program's softmax round the ring
+#: at LONG (measured on XLA:CPU: 0.56, which runs the ring's steps breadth first; one
+#: block at a time would be lower still).
+BLOCKWISE_PEAK = 0.7
+
+
+def test_a_blockwise_ring_holds_less_than_the_programs_softmax_as_modeled():
+    # The same permutes as the ring of the program's softmax, no row of scores: XLA's
+    # peak falls, and the model follows it.
+    import search
+
+    step, args = gpt.make_train_step(LONG, abstract=True)
+    part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, cp=4),
+                                  [tactics.DataParallel("data"), _ring()]).partitioning
+    f = search.compare_with_xla(part, args, backend="shard_map")
+    count, nbytes, xla_count, xla_bytes = f.kinds["collective-permute"]
+    assert count == xla_count == 3 * len(partir.ring_moves(part)) and nbytes == xla_bytes
+    assert 1 - MEMORY_BAND <= f.memory_ratio <= 1 + MEMORY_BAND, (f.memory_model, f.memory_xla)
+    kept = partir.lower(part, backend="shard_map", online_softmax=False).lower(*args).compile().memory_analysis()
+    programs = kept.temp_size_in_bytes + kept.argument_size_in_bytes + kept.output_size_in_bytes - kept.alias_size_in_bytes
+    assert f.memory_xla < BLOCKWISE_PEAK * programs
+
+
+def test_the_blockwise_backward_computes_q_k_again():
+    # Under shard_map the backward recomputes each block's scores: the model charges the
+    # forward's Q K^T once more (the jit lowering, which cannot run the ring, does not).
+    import search
+
+    part = tactics.apply_schedule(_abstract("gpt"), MeshSpec.of(data=2, cp=4),
+                                  [tactics.DataParallel("data"), _ring()]).partitioning
+    costs = {b: search.CostModel(part, "cpu", backend=b).cost() for b in ("jit", "shard_map")}
+    assert costs["shard_map"].backward_compute_time > costs["jit"].backward_compute_time
+    assert costs["shard_map"].compute_time - costs["jit"].compute_time == pytest.approx(
+        costs["shard_map"].backward_compute_time - costs["jit"].backward_compute_time)
+
+
+def test_the_plan_says_which_attentions_keep_the_programs_softmax():
+    # Unrolled layers run blockwise; under a layer scan the backward reads the keys and
+    # values from the forward's stacks, and the tactic says the ring keeps the softmax.
+    notes = {}
+    for scan in (False, True):
+        prog = _abstract("gpt", scan_layers=scan)
+        result = tactics.apply_schedule(prog, MeshSpec.of(cp=8), [_ring()])
+        notes[scan] = " | ".join(result.history[-1].notes)
+    assert "2 of 2 attentions run blockwise" in notes[False] and KEPT not in notes[False]
+    assert "0 of 1 attentions run blockwise" in notes[True]
+    assert "keeping the program's softmax round the ring" in notes[True] and "loop's stack" in notes[True]
