@@ -120,7 +120,10 @@ def _matched(program, region, a) -> OnlineAttention:
     p, row_sum = _softmax(program, forward, x, keys[-1] if keys else a.score_key_dim, sub)
     cop = program.ops[a.combine]
     _need(p in cop.operands, "the combine dot does not read the softmax's result")
-    dot_users = lambda v: [o for o in program.users[v] if region.dots[o] and not forward[o]]
+
+    def dot_users(v: int) -> list[int]:  # the backward dots of the region reading v
+        return [o for o in program.users[v] if region.dots[o] and not forward[o]]
+
     grad_scores = [o for o in dot_users(a.value) if region.score[o]]
     _need(len(grad_scores) == 1, "no backward dot dO V^T reads the values themselves (the backward pass reads "
           "them from a loop's stack or a recomputation; blockwise attention keeps its forward and backward in "
@@ -247,4 +250,16 @@ def online_reason(part, m: OnlineAttention, rings: dict) -> str | None:
         return "its rings run over different axes"
     if part.rematerialized or part.reused or part.pipelines or part.program.ops[a.score].region != 0:
         return "it is rematerialized, pipelined or inside a loop (blockwise attention keeps no residuals there)"
+    prog = part.program
+    d_out = [_layout(part, o, prog.ops[o].operands.index(m.grad_out)) for o in (m.grad_scores, m.grad_values)]
+    queries = [_layout(part, o, prog.ops[o].operands.index(a.query)) for o in (a.score, m.grad_keys_dot)]
+    slots, partial, _ = part.block_layout(a.combine)
+    out = next(d for side, _, _, d in slots if side == "result")
+    if partial or d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
+        return "its dots read the output's gradient or the queries in different layouts"
     return None
+
+
+def _layout(part, o: int, k: int) -> tuple:
+    """The dims of operand `k` as op `o` reads it."""
+    return next(d for side, j, _, d in part.block_layout(o)[0] if side == "operand" and j == k)

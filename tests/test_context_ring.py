@@ -70,13 +70,12 @@ def test_a_ring_plan_matches_jit(model, mesh, schedule, changes):
 
 
 # -- online softmax ------------------------------------------------------------------------
-def _score_shapes(part, mesh_sizes) -> tuple[str, str]:
+def _score_shapes(part) -> tuple[str, str]:
     """The HLO shapes of one device's row of scores ([.., S/n, .., S]) and of one block
     ([.., S/n, .., S/n]) of the first attention of `part`."""
     prog = part.program
     a = partir.attentions(prog)[0]
-    ring = partir.ring_moves(part)[a.score]
-    n = mesh_sizes[ring.axis]
+    n = part.mesh.size(partir.ring_moves(part)[a.score].axis)
     row = list(part.tiling(a.scores).shard_shape(prog.values[a.scores].shape, part.mesh))
     row[a.score_key_dim] = prog.values[a.scores].shape[a.score_key_dim]
     block = list(row)
@@ -84,15 +83,38 @@ def _score_shapes(part, mesh_sizes) -> tuple[str, str]:
     return "f32[" + ",".join(map(str, row)) + "]", "f32[" + ",".join(map(str, block)) + "]"
 
 
+def _check_online(model, mesh, schedule, **changes):
+    """`_check`, and no device's row of scores anywhere in the compiled program: every
+    attention ran blockwise."""
+    part = _check(model, mesh, schedule, **changes)
+    _, args = _step(model, **changes)
+    row, block = _score_shapes(part)
+    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
+    assert row not in text and block in text
+
+
 def test_a_causal_zigzag_ring_runs_online_softmax_and_matches_jit():
     # GPT, CP=4, causal, zigzag: each device meets one key block at a time (no row of
     # scores anywhere in the compiled program), and the numbers are plain jit's.
-    mesh = MeshSpec.of(data=2, cp=4)
-    part = _check("gpt", mesh, [tactics.DataParallel("data"), _ring(balance="zigzag")])
-    step, args = _step("gpt")
-    row, block = _score_shapes(part, {"data": 2, "cp": 4})
-    text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
-    assert row not in text and block in text
+    _check_online("gpt", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), _ring(balance="zigzag")])
+
+
+ONLINE_SLOW = [
+    # model, mesh, schedule, config changes
+    ("llama", MeshSpec.of(other=4, cp=2), [tactics.Megatron("other"), _ring(balance="striped")], {}),
+    ("llama", MeshSpec.of(cp=8), [_ring(balance="zigzag")], {}),
+    ("llama", MeshSpec.of(fsdp=2, cp=4), [tactics.FSDP("fsdp"), _ring()], {"causal": False}),
+    ("llama", MeshSpec.of(other=2, cp=4), [tactics.Megatron("other"), _ring(balance="striped")], {"causal": False}),
+    ("gpt", MeshSpec.of(other=2, cp=4), [tactics.Megatron("other"), _ring(balance="striped")], {"causal": False}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,mesh,schedule,changes", ONLINE_SLOW, ids=[f"{f[0]}-{f[1]}" for f in ONLINE_SLOW])
+def test_online_softmax_matrix_matches_jit(model, mesh, schedule, changes):
+    # Llama's grouped-query attention with rotary positions, CP 2 and 8, striped,
+    # non-causal, beside Megatron or FSDP.
+    _check_online(model, mesh, schedule, **changes)
 
 
 SLOW = [(model, cp, balance, rest) for model in sorted(MODELS) for cp in (2, 4, 8) for balance in (None, "zigzag")

@@ -4,8 +4,8 @@ lowering (`partir.online_attentions` finds the attentions it can run).
 Forward, at the combine dot (`P V`): the device's queries meet one key and value block
 at a time as the blocks travel round the context axis (`jax.lax.ppermute`, sent
 before the block's work so that XLA may overlap them). Per block, the program's own
-score dot and chain of ops (scale, mask: their blocks of any mask cut from the whole,
-made from scalars) give the block's logits; a running max and sum per query row
+score dot and chain of ops (scale, mask: the blocks of their constants made as
+blocks, `_online_masks`) give the block's logits; a running max and sum per query row
 rescale the output accumulator (flash attention's online softmax). Only the output
 and the row log-sum-exp are kept for the backward pass. No device holds more than one
 `[.., S/n, .., S/n]` block of scores.
@@ -53,12 +53,15 @@ class OnlineRings:
                                   f"query rows' whole scores): {reason}", stacklevel=2)
         self.ops = {o: m for m in self.found.values() for o in m.ops}
         self.values = {r for m in self.found.values() for o in m.ops for r in interp.prog.ops[o].results}
-        self.saved: dict[int, tuple] = {}
         self.constants = BlockConstants(interp, self._whole)
+        self.clear()
 
     def clear(self) -> None:
-        """Forget the previous trace's saved outputs."""
-        self.saved = {}
+        """Forget the previous trace's saved outputs (per score dot: output and
+        log-sum-exp), the backward passes run, and the constants made whole."""
+        self.saved: dict[int, tuple] = {}
+        self.done: set[int] = set()
+        self.wholes: dict[int, object] = {}
 
     def skips(self, frame, results) -> bool:
         """Does a nested call making `results` make only values of a blockwise attention
@@ -81,14 +84,14 @@ class OnlineRings:
         a = m.attention
         if oid == a.combine:
             self._forward(frame, m)
-        elif oid in m.backward_dots and a.score not in self.saved.get("done", ()):
-            self.saved.setdefault("done", set()).add(a.score)
+        elif oid in m.backward_dots and a.score not in self.done:
+            self.done.add(a.score)
             self._backward(frame, m)
 
     # -- the pieces ------------------------------------------------------------------
     def _whole(self, v: int):
         """Value `v` (made from scalars) whole, in the plan's token order."""
-        cache = self.saved.setdefault("whole", {})
+        cache = self.wholes
         if v in cache:
             return cache[v]
         prog = self.interp.prog

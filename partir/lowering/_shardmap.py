@@ -19,7 +19,8 @@ region boundary is moved as the link op joining the two sides says
 (`_boundaries`). Residuals the plan rematerializes are recomputed, block by
 block, where the backward pass first reads them (`_shardmap_remat`). A dot that moves
 a value round a ring (`partir.ring_moves`) reads it as its block at rest, or makes its
-block of the sum, and runs block by block as the blocks travel (`_ring`).
+block of the sum, and runs block by block as the blocks travel (`_ring`); a ring
+plan's attention runs blockwise with an online softmax where it matches (`_online`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=(), o
     that may be made in any layout instead of moved (value ids or a boolean mask; by
     default those `partir.made_from_scalars` names); pass the cost model's
     (`search._fusion.materialization(program).from_scalars`) to lower exactly what it
-    charges."""
+    charges. `online_softmax`: a ring plan's attentions run blockwise with an online
+    softmax where `partir.online_attentions` matches them (`_online`); False keeps the
+    program's softmax round the ring for all."""
     prog = part.program
     interp = Interpreter(part, _free_mask(prog, free), online_softmax=online_softmax)
     in_specs = tuple(part.tiling(v).spec() for v in prog.inputs)
