@@ -99,6 +99,10 @@ class Pipelining:
         """Per stage, the layer chunks it runs in order (`stage_chunks`), S the stage count."""
         return stage_chunks(stages, self.repeats)
 
+    def split(self, stages: int) -> "StageSplit":
+        """How the layers of the forward scan fall into `stages` stages (`StageSplit`)."""
+        return StageSplit(self.scans.forward.length, stages)
+
     @property
     def bodies(self) -> tuple[int, ...]:
         """The body regions of the pipelined scans, forward first."""
@@ -107,6 +111,44 @@ class Pipelining:
     def stacked(self) -> tuple[int, ...]:
         """Every stacked value of the pipelined scans (split over the stage axis)."""
         return tuple(dict.fromkeys(v for c in self.scans.calls for v in c.stacked))
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """`length` layers over `stages` contiguous stages. Each stage holds `slots` =
+    ceil(L/S) layer slots; when S does not divide L the first `fuller` stages run
+    `slots` layers and the others one fewer, their last slot padding (Megatron-LM's
+    uneven split: every stage runs at least floor(L/S) layers, none runs none)."""
+
+    length: int
+    stages: int
+
+    @property
+    def slots(self) -> int:
+        """Layer slots per stage: ceil(L/S)."""
+        return -(-self.length // self.stages)
+
+    @property
+    def uneven(self) -> bool:
+        """Do some stages hold a padding slot (S does not divide L)?"""
+        return self.length % self.stages != 0
+
+    @property
+    def fuller(self) -> int:
+        """How many stages (the first ones) run `slots` layers; the others run one fewer."""
+        return self.length - self.stages * (self.slots - 1)
+
+    def first(self, s: int) -> int:
+        """The first layer stage `s` runs."""
+        return s * (self.slots - 1) + min(s, self.fuller)
+
+    def count(self, s: int) -> int:
+        """How many layers stage `s` runs."""
+        return self.slots - (s >= self.fuller)
+
+    def layers(self) -> tuple[range, ...]:
+        """Per stage, the layers it runs."""
+        return tuple(range(self.first(s), self.first(s) + self.count(s)) for s in range(self.stages))
 
 
 @dataclass(frozen=True)
@@ -136,6 +178,8 @@ def microbatched(part, pipe: Pipelining):
         raise PartitioningError(f"mesh axis {MICROBATCH!r} is reserved for pipeline microbatches: rename it")
     if pipe.repeats > 1:
         _check_circular(part, pipe)
+    elif pipe.split(part.mesh.size(pipe.axis)).uneven:
+        _check_uneven(part, pipe)
     mesh = MeshSpec(part.mesh.axes + ((MICROBATCH, pipe.microbatches),))
     ext = Partitioning(part.program, mesh, detached=part.detached)
     for d in part.decisions:
@@ -151,7 +195,8 @@ def _check_circular(part, pipe: Pipelining) -> None:
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
     if length % (stages * pipe.repeats):
         raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
-                                "layer scan into whole chunks: pick repeats so that stages*repeats divides them")
+                                "layer scan into whole chunks (the circular schedule runs no uneven stages): pick "
+                                "repeats so that stages*repeats divides them, or repeats=1")
     if pipe.microbatches < stages:
         raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) needs at least as many microbatches "
                                 f"as stages ({stages}); {pipe.microbatches} microbatches would reach the first stage "
@@ -162,15 +207,40 @@ def _check_circular(part, pipe: Pipelining) -> None:
                                 "or use repeats=1")
 
 
+def _check_uneven(part, pipe: Pipelining) -> None:
+    """Uneven stages' conditions (`StageSplit`): no more stages than layers, no
+    recomputed layers, and every stacked value whole along the stage axis (each stage
+    takes its padded block of the layers inside the stage program: an array cannot be
+    split unevenly)."""
+    stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
+    if stages > length:
+        raise PartitioningError(f"{stages} stages over {pipe.axis!r} are more than the {length} layers of the layer "
+                                "scan: some stage would run no layer; pick an axis of at most as many devices")
+    if part.rematerialized:
+        raise PartitioningError(f"Remat inside pipelined layers needs the stages to divide the {length} layers "
+                                f"({stages} stages over {pipe.axis!r} do not; uneven stages do not keep the "
+                                "recomputing inputs yet): leave Remat out or pick a stage count dividing the layers")
+    for v in pipe.stacked():
+        if part.tiling(v).dims[0]:
+            raise PartitioningError(f"{part.program.name(v)} is split along its layer dim ({part.tiling(v)}), "
+                                    f"which uneven stages ({length} layers over {stages}) cannot take their blocks "
+                                    "from: leave the layer dim whole, or pick a stage count dividing the layers")
+
+
 def kept_in_slots(part, pipe: Pipelining) -> frozenset:
-    """Under the circular schedule, the values the stages keep in their slot order (the
-    chunks they run, `lowering/_circular`) rather than in contiguous layers: the forward
-    scan's stacked outputs that nothing but the backward scan reads (across call
-    boundaries), split over the stage axis on their layer dim wherever they are, so that
-    neither scan exchanges them. Every value id of each such residual; empty with one
-    repeat or no backward scan."""
+    """The values the stages keep between the two scans as they run them rather than as
+    they are at rest: under the circular schedule in slot order (the chunks they run,
+    `lowering/_circular`) rather than in contiguous layers, so that neither scan
+    exchanges them; with uneven stages (`StageSplit`) as each stage's padded block of
+    its layers rather than whole along the stage axis, so that no stage holds another's.
+    These are the forward scan's stacked outputs that nothing but the backward scan
+    reads (across call boundaries), split over the stage axis on their layer dim
+    wherever they are (circular) or whole along it (uneven). Every value id of each
+    such residual; empty with contiguous even stages or no backward scan."""
     back = pipe.scans.backward
-    if pipe.repeats == 1 or back is None:
+    stages = part.mesh.size(pipe.axis)
+    uneven = pipe.repeats == 1 and pipe.split(stages).uneven
+    if (pipe.repeats == 1 and not uneven) or back is None:
         return frozenset()
     prog, roots = part.program, call_roots(part.program)
     links = (Link.CALL_IN, Link.CALL_OUT)
@@ -184,9 +254,15 @@ def kept_in_slots(part, pipe: Pipelining) -> frozenset:
         readers = [prog.ops[o] for v in group for o in prog.users[v]]
         if (read & set(group) and not set(group) & set(prog.outputs)
                 and all(op.link and op.primitive in links or op.id == _xs_link(prog, back, op) for op in readers)
-                and all(part.tiling(v).dims[0] == (pipe.axis,) for v in group)):
+                and all(_held_by_stage(part.tiling(v), pipe.axis, uneven) for v in group)):
             out.update(group)
     return frozenset(out)
+
+
+def _held_by_stage(t: Tiling, axis: str, uneven: bool) -> bool:
+    """Is a residual of tiling `t` what `kept_in_slots` keeps: split along its layer dim
+    over the stage `axis` alone (circular), or not split over it at all (uneven)?"""
+    return not t.dims[0] and axis not in t.axes() if uneven else t.dims[0] == (axis,)
 
 
 def _xs_link(prog, call: ScanCall, op) -> int:

@@ -15,7 +15,11 @@ class Pipeline(Tactic):
     """Run the layers of a layer scan (`jax.lax.scan` over stacked layers) as contiguous
     stages over mesh `axis`: with S devices along it, device s holds layers
     [s*L/S, (s+1)*L/S) (their parameters, gradients and optimizer state: every stacked
-    value of the scan is split along its layer dim over `axis`). The batch is cut into
+    value of the scan is split along its layer dim over `axis`). When S does not divide
+    L the stages are uneven (`partir.StageSplit`): each runs ceil(L/S) layer slots, the
+    last stages one layer fewer (a padding slot that passes its input on), and the
+    stacked values stay whole along `axis` (an array cannot be split unevenly: each
+    stage takes its layers from them). The batch is cut into
     `microbatches` that stream through the stages (`schedule` "gpipe": all forwards,
     then all backwards); activations go forward and their gradients back between
     neighbouring stages, and the gradients are summed over microbatches, so the step
@@ -29,7 +33,8 @@ class Pipeline(Tactic):
     times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
     values stay in contiguous blocks at rest; each step exchanges the stage's
     parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
-    `microbatches` >= S, S*R dividing the layers, and no Remat.
+    `microbatches` >= S, S*R dividing the layers, and no Remat; uneven stages need
+    repeats=1 and no Remat.
     """
 
     axis: str
@@ -57,9 +62,7 @@ class Pipeline(Tactic):
                               "write the layers as a scan, or leave Pipeline out")
         scan = scans[0]
         length = scan.forward.length
-        if length % stages:
-            raise TacticError(f"axis {self.axis!r} ({stages} stages) does not divide the {length} layers of the "
-                              "layer scan: pick an axis whose size divides the layer count")
+        split = partir.StageSplit(length, stages)
         found, _ = batch_inputs(part, self.batch_argnums)
         for v in found:
             blocks = part.mesh.devices_along(part.tiling(v).dims[0]) * self.microbatches
@@ -70,15 +73,17 @@ class Pipeline(Tactic):
         pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule, self.repeats)
         mark = part.mark()
         try:
-            for v in pipe.stacked():
+            for v in () if split.uneven else pipe.stacked():
                 part.tile(v, 0, self.axis, source=str(self))
             part.pipeline(pipe)
             partir.microbatched(part, pipe)  # what the lowering will run: refused now if it cannot
         except partir.PartitioningError as e:
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
-        per, units = length // stages, self.microbatches * self.repeats
+        per, units = split.slots, self.microbatches * self.repeats
         chunks = f" in {self.repeats} chunks of {per // self.repeats} (circular)" if self.repeats > 1 else ""
+        if split.uneven:
+            chunks = f" (the last {stages - split.fuller} of {per - 1}; uneven)"
         return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
                       f"{(stages - 1) / (units + stages - 1):.0%}"]

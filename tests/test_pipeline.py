@@ -105,9 +105,9 @@ def test_each_stage_holds_its_layers_parameters_and_optimizer_state():
             assert part.tiling(v).dims[0] == ("stage",), name
 
 
-def test_a_stage_count_that_does_not_divide_the_layers_is_refused():
+def test_more_stages_than_layers_are_refused():
     _, _, prog = _gpt()
-    with pytest.raises(T.TacticError, match="does not divide the 4 layers"):
+    with pytest.raises(T.TacticError, match="8 stages over 'stage' are more than the 4 layers"):
         T.apply_schedule(prog, MeshSpec.of(data=1, stage=8), [T.Pipeline("stage", microbatches=1)])
 
 
