@@ -117,8 +117,8 @@ class Pipelining:
 class StageSplit:
     """`length` layers over `stages` contiguous stages. Each stage holds `slots` =
     ceil(L/S) layer slots; when S does not divide L the first `fuller` stages run
-    `slots` layers and the others one fewer, their last slot padding (Megatron-LM's
-    uneven split: every stage runs at least floor(L/S) layers, none runs none)."""
+    `slots` layers and the others one fewer, their last slot padding (every stage runs
+    at least floor(L/S) layers, none runs none)."""
 
     length: int
     stages: int
@@ -209,9 +209,9 @@ def _check_circular(part, pipe: Pipelining) -> None:
 
 def _check_uneven(part, pipe: Pipelining) -> None:
     """Uneven stages' conditions (`StageSplit`): no more stages than layers, no
-    recomputed layers, and every stacked value whole along the stage axis (each stage
-    takes its padded block of the layers inside the stage program: an array cannot be
-    split unevenly)."""
+    recomputed layers, and every stacked value's layer dim whole (an array cannot be
+    split unevenly), the stage axis splitting at most one other dim, as its minor axis
+    (`state_dim`: the stage program exchanges the stage's layers from there)."""
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
     if stages > length:
         raise PartitioningError(f"{stages} stages over {pipe.axis!r} are more than the {length} layers of the layer "
@@ -221,10 +221,22 @@ def _check_uneven(part, pipe: Pipelining) -> None:
                                 f"({stages} stages over {pipe.axis!r} do not; uneven stages do not keep the "
                                 "recomputing inputs yet): leave Remat out or pick a stage count dividing the layers")
     for v in pipe.stacked():
-        if part.tiling(v).dims[0]:
-            raise PartitioningError(f"{part.program.name(v)} is split along its layer dim ({part.tiling(v)}), "
-                                    f"which uneven stages ({length} layers over {stages}) cannot take their blocks "
-                                    "from: leave the layer dim whole, or pick a stage count dividing the layers")
+        t = part.tiling(v)
+        if t.dims[0] or state_dim(t, pipe.axis) == -1:
+            raise PartitioningError(f"{part.program.name(v)} is laid out {t}, from which uneven stages ({length} "
+                                    f"layers over {stages}) cannot exchange their layers: leave its layer dim whole "
+                                    f"and {pipe.axis!r} the minor axis of the one dim it splits, or pick a stage "
+                                    "count dividing the layers")
+
+
+def state_dim(t: Tiling, axis: str) -> int | None:
+    """The dim of a stacked value of uneven stages (layout `t`) that the stage `axis`
+    splits at rest, None when it is whole along it, -1 when no exchange can take the
+    stage's layers from it (`axis` on the layer dim, or not the minor axis of its dim)."""
+    dims = [d for d, axes in enumerate(t.dims) if axis in axes]
+    if not dims:
+        return None
+    return dims[0] if dims[0] > 0 and t.dims[dims[0]][-1] == axis else -1
 
 
 def kept_in_slots(part, pipe: Pipelining) -> frozenset:
@@ -412,3 +424,18 @@ def stage_chunks(stages: int, repeats: int = 1) -> tuple[tuple[int, ...], ...]:
     (c+1)*L/(S*R)) of the forward scan) runs on stage c mod S, so with R = 1 stage s
     holds chunk s alone (GPipe's contiguous stages)."""
     return tuple(tuple(k * stages + s for k in range(repeats)) for s in range(stages))
+
+
+def made_at(pipe, split, body: Tiling, rest: Tiling, kept, r: int, partial=()) -> Tiling:
+    """The layout a pipelined scan's stacked output (`body`: its layout in the body; `rest`:
+    the result's at rest) has once the stage program made it, before it moves to `rest`:
+    split along the layer dim over the stage axis (even stages), or, uneven, whole along
+    it (a residual the stages keep as their blocks, `kept`, or a value put back whole)
+    or split along the dim `rest` splits over it."""
+    if not split.uneven:
+        return Tiling(((pipe.axis,),) + body.dims, partial, "sum")
+    dim = None if r in kept else state_dim(rest, pipe.axis)
+    dims = ((),) + body.dims
+    if dim is not None:
+        dims = dims[:dim] + (dims[dim] + (pipe.axis,),) + dims[dim + 1:]
+    return Tiling(dims, partial, "sum")

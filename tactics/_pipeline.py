@@ -18,8 +18,10 @@ class Pipeline(Tactic):
     value of the scan is split along its layer dim over `axis`). When S does not divide
     L the stages are uneven (`partir.StageSplit`): each runs ceil(L/S) layer slots, the
     last stages one layer fewer (a padding slot that passes its input on), and the
-    stacked values stay whole along `axis` (an array cannot be split unevenly: each
-    stage takes its layers from them). The batch is cut into
+    stacked values keep their [L, ...] layout (an array cannot be split unevenly): the
+    layers' parameters, gradients and optimizer state are split over `axis` along
+    another dim at rest (one that `axis` divides; whole along it where none does), and
+    each step exchanges the stage's layers in and their gradients out. The batch is cut into
     `microbatches` that stream through the stages (`schedule` "gpipe": all forwards,
     then all backwards); activations go forward and their gradients back between
     neighbouring stages, and the gradients are summed over microbatches, so the step
@@ -73,6 +75,8 @@ class Pipeline(Tactic):
         pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule, self.repeats)
         mark = part.mark()
         try:
+            if split.uneven:
+                _split_state(part, pipe, str(self))
             for v in () if split.uneven else pipe.stacked():
                 part.tile(v, 0, self.axis, source=str(self))
             part.pipeline(pipe)
@@ -87,3 +91,35 @@ class Pipeline(Tactic):
         return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
                       f"{(stages - 1) / (units + stages - 1):.0%}"]
+
+
+def _split_state(part, pipe, source: str) -> None:
+    """Uneven stages' layer state at rest: each stacked input of the forward scan split
+    over the stage axis along a dim other than its layer dim (`_state_dim`; propagation
+    carries the split to its gradients and optimizer state), but not into the layers,
+    whose values are kept whole along the stage axis (pinned at the scans' links)."""
+    prog = part.program
+    for call in pipe.scans.calls:
+        body = prog.regions[call.body]
+        inner = body.invars[len(call.consts) + len(call.carry):] + body.outvars[len(call.carry_out):]
+        for w in (w for w in inner if w >= 0):
+            part.pin(w, axes=(pipe.axis,), source=source)
+    for v in dict.fromkeys(v for v in pipe.scans.forward.xs if v >= 0):
+        d = _state_dim(part, v, pipe.axis)
+        if d is None:
+            continue
+        try:
+            part.tile(v, d, pipe.axis, source=source)
+        except partir.PartitioningError:
+            pass  # (changing nothing) the stage's layers then come from the value whole along the axis
+
+
+def _state_dim(part, v: int, axis: str):
+    """The dim of stacked value `v` to split over `axis` at rest: not the layer dim, one
+    `axis` divides with the axes already on it, preferring dims nothing splits yet, then
+    the largest blocks; None where no dim will do (or `axis` splits it already)."""
+    val, t = part.program.values[v], part.tiling(v)
+    if axis in t.axes():
+        return None
+    fits = [d for d in range(1, val.rank) if val.shape[d] % part.mesh.devices_along((*t.dims[d], axis)) == 0]
+    return max(fits, key=lambda d: (not t.dims[d], val.shape[d] // part.mesh.devices_along(t.dims[d])), default=None)

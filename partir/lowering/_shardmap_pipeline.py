@@ -35,12 +35,12 @@ import jax.numpy as jnp
 
 from .._errors import PartitioningError
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, SUM, kept_in_slots
+from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
 from ._spmd import move
-from ._uneven import slot_mask, stage_rows, whole_rows
+from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
 
 
 def _micro(a, dim, m, count: int):
@@ -94,12 +94,14 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     # stages' layers taken from the whole stacked values (`_uneven`), but for the
     # residuals they keep as their own blocks.
     slots = kept_in_slots(interp.part, pipe)
-    xs = [stage_rows(a, pipe.axis, split) if split.uneven and u not in slots else a for a, u in zip(x.xs, g.xs)]
+    xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if split.uneven and u not in slots else a
+          for a, u in zip(x.xs, g.xs)]
     # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
     # (A recomputed residual's placeholder, a scalar per layer, as it is.)
     held = [remat is not None and u >= 0 and remat.placeholder(u) for u in g.xs]
-    xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims),
-                           interp.move_mesh) for a, u, v, h in zip(xs, g.xs, w.xs, held)]
+    xs = [a if h else move(a, _without(Tiling(((),) + interp.rest(u).dims[1:]), pipe.axis),
+                           Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v, h in zip(xs, g.xs, w.xs, held)]
     if repeats > 1:
         xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
@@ -107,8 +109,8 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
-    if split.uneven:  # back to the [L, ...] layout, whole along the stage axis
-        ys_kept = [y if r < 0 or dropped or r in slots else whole_rows(y, pipe.axis, split)
+    if split.uneven:  # back to the [L, ...] layout
+        ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     if repeats > 1:
         ys_kept = [y if r < 0 or dropped or r in slots else from_slots(y, pipe.axis, stages, repeats)
@@ -116,12 +118,27 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
-    layer_dim = () if split.uneven else (pipe.axis,)
-    stacked = [y if r < 0 or dropped else move(y, Tiling((layer_dim,) + interp.rest(v).dims,
-                                                          layout.left_partial(v), "sum"), interp.rest(r),
-                                                interp.move_mesh)
+    stacked = [y if r < 0 or dropped else move(y, made_at(pipe, split, interp.rest(v), interp.rest(r), slots, r,
+                                                          layout.left_partial(v)), interp.rest(r), interp.move_mesh)
                for y, v, r, dropped in zip(ys_kept, body.outvars[len(carry):], results[len(carry):], drop)]
     return finals + stacked
+
+
+def _without(t: Tiling, axis: str) -> Tiling:
+    return Tiling(tuple(tuple(a for a in d if a != axis) for d in t.dims), t.partial, t.reduce_kind)
+
+
+def _rows_in(a, rest: Tiling, axis: str, split):
+    """The stage's padded rows of stacked input `a` (at rest `rest`) under uneven stages."""
+    dim = state_dim(rest, axis)
+    return stage_rows(a, axis, split) if dim is None else to_stage_rows(a, axis, split, dim)
+
+
+def _rows_out(y, rest: Tiling, axis: str, split):
+    """Stacked output rows `y` of uneven stages in the [L, ...] layout its result (at
+    rest `rest`) keeps along the stage axis."""
+    dim = state_dim(rest, axis)
+    return whole_rows(y, axis, split) if dim is None else from_stage_rows(y, axis, split, dim)
 
 
 @dataclass(frozen=True)

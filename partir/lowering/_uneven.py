@@ -2,19 +2,23 @@
 each stage runs ceil(L/S) layer slots, the first stages all of them with layers, the
 others one padding slot last.
 
-The stacked values stay whole along the stage axis in their own [L, ...] layout (an
-array cannot be split unevenly over devices), so the stage program pads on the way in
-and cuts on the way out: `stage_rows` takes the stage's layers with zeros for its
-padding slot (no data moves: every stage holds them all), `slot_mask` says which slots
-hold a layer (a padding slot passes its carry on and makes zeros), and `whole_rows`
-puts every stage's rows back into the [L, ...] layout, one all-reduce over the stage
-axis.
+The stacked values keep their own [L, ...] layout (an array cannot be split unevenly
+over devices), so the stage program pads on the way in and cuts on the way out, and
+`slot_mask` says which slots hold a layer (a padding slot passes its carry on and makes
+zeros). A value split over the stage axis along another dim at rest (the layers'
+parameters, gradients and optimizer state: `partir.state_dim`) is exchanged, one
+all-to-all over the stage axis each way: `to_stage_rows` sends each stage the rows of
+its layers (zeros for its padding slot) and gathers its own whole along that dim,
+`from_stage_rows` does the reverse and drops the padding rows. A value whole along the
+stage axis: `stage_rows` takes the stage's layers (no data moves: every stage holds
+them all), `whole_rows` puts every stage's rows back, one all-reduce over the axis.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _first(split, s):
@@ -47,3 +51,25 @@ def whole_rows(y, axis: str, split):
     mine = jax.lax.dynamic_update_slice_in_dim(padded, _masked(y, slot_mask(axis, split)),
                                                _first(split, jax.lax.axis_index(axis)), 0)
     return jax.lax.psum(mine[:split.length], axis)
+
+
+def _positions(split) -> np.ndarray:
+    """[S * slots]: the layer each stage's slot holds, stage-major; L for a padding slot."""
+    return np.array([split.first(s) + j if j < split.count(s) else split.length
+                     for s in range(split.stages) for j in range(split.slots)])
+
+
+def to_stage_rows(a, axis: str, split, dim: int):
+    """This stage's `split.slots` layers of `a` ([L, ...] split over `axis` along `dim`,
+    `axis` its minor axis there), whole along `axis` on `dim`, zeros in its padding slot."""
+    padded = jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
+    rows = jnp.take(padded, jnp.asarray(_positions(split)), axis=0)  # [S * slots, ...]: each stage's rows
+    return jax.lax.all_to_all(rows, axis, 0, dim, tiled=True)
+
+
+def from_stage_rows(y, axis: str, split, dim: int):
+    """The inverse of `to_stage_rows`: every stage's rows `y` ([slots, ...], whole along
+    `axis` on `dim`) as the [L, ...] value split over `axis` along `dim`."""
+    got = jax.lax.all_to_all(y, axis, dim, 0, tiled=True)  # [S * slots, ...]: stage-major
+    where = np.argsort(_positions(split), kind="stable")[:split.length]  # each layer's slot
+    return jnp.take(got, jnp.asarray(where), axis=0)
