@@ -15,11 +15,10 @@ L/(S*R) layers, so the bubble is (S-1)/(M*R+S-1), and the stacked values are exc
 over the stage axis in and out of the stage program (one all-to-all each: `_exchanges`).
 
 With uneven stages (S not dividing L, `partir.StageSplit`) every stage runs ceil(L/S)
-layer slots a tick, so a tick lasts as long as the busiest stage's; the stacked values
-stay whole along the stage axis (`stage_bytes`: all L layers' state), each stage's
-residuals are its slots' (`in_flight_bytes`), and each stacked output but the residuals
-is put back into its [L, ...] layout by one all-reduce over the stage axis
-(`_uneven_sums`).
+layer slots a tick, so a tick lasts as long as the busiest stage's; the layers' state is
+split over the stage axis along another dim (`stage_bytes`: 1/S of it), each stage's
+residuals are its slots' (`in_flight_bytes`), and the stage's layers of each stacked
+value are exchanged in and out over the stage axis (`_uneven_exchanges`).
 
 `gpipe_timeline` says which stage runs which microbatch when (what `Plan.plot` draws),
 from the seconds of one tick of each pass that `CostModel` prices (`TickTimes`).
@@ -157,7 +156,7 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
             cols.append(CollectiveCost(Kind.ALL_REDUCE, axes, whole, link.time(Kind.ALL_REDUCE, axes, whole),
                                        prog.producer[w], out))
     split = pipe.split(stages)
-    cols += _uneven_sums(part, pipe, link) if split.uneven else []
+    cols += _uneven_exchanges(part, pipe, link) if split.uneven else []
     stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in _layer_state(part, pipe))
     gone, extra = _recomputing(part, pipe)
     # The residuals of the stage's layers (its ceil(L/S) slots' when uneven: held whole
@@ -185,22 +184,35 @@ def _layer_state(part, pipe) -> list:
     return [v for v in prog.inputs if prog.values[v].rank and cls.of[v] in stacked]
 
 
-def _uneven_sums(part, pipe, link: LinkModel) -> list:
-    """Uneven stages' all-reduces over the stage axis (`lowering/_uneven.whole_rows`):
-    one per stacked output of each scan that is no residual kept as the stages' blocks
-    (`partir.kept_in_slots`), of all L layers of its block in the layout the body makes
-    it, the other axes' moves to its layout at rest after it."""
-    prog, kept, axes = part.program, partir.kept_in_slots(part, pipe), (pipe.axis,)
-    out = []
+def _uneven_exchanges(part, pipe, link: LinkModel) -> list:
+    """Uneven stages' collectives over the stage axis (`lowering/_uneven`), but for the
+    residuals the stages keep as their blocks (`partir.kept_in_slots`): per stacked
+    input split over the axis at rest (`partir.state_dim`), one all-to-all of its S *
+    ceil(L/S) layer rows (once for both scans: XLA computes the identical exchanges
+    once); per stacked output, one all-to-all of as many rows in the layout the body
+    makes it, split over the axis as its result is at rest, or, where that result is
+    whole along the axis, one all-reduce of all L layers."""
+    prog, mesh, kept, axes = part.program, part.mesh, partir.kept_in_slots(part, pipe), (pipe.axis,)
+    split = pipe.split(mesh.size(pipe.axis))
+    rows, roots, seen, out = split.slots * split.stages, partir.call_roots(prog), set(), []
     for call in pipe.scans.calls:
         body = prog.regions[call.body]
+        for outer in call.xs:
+            t = part.tiling(outer) if outer >= 0 else None
+            if t is None or outer in kept or partir.state_dim(t, pipe.axis) is None or (roots[outer], t) in seen:
+                continue
+            seen.add((roots[outer], t))
+            nbytes = _block_bytes(prog, outer, t, mesh, (rows,) + tuple(prog.values[outer].shape[1:]))
+            out.append(CollectiveCost(Kind.ALL_TO_ALL, axes, nbytes, link.time(Kind.ALL_TO_ALL, axes, nbytes),
+                                      prog.producer[outer], outer))
         for outer, inner in zip(call.ys, body.outvars[len(call.carry_out):]):
             if outer < 0 or outer in kept or inner < 0:
                 continue
-            nbytes = _block_bytes(prog, inner, Tiling(((),) + part.tiling(inner).dims), part.mesh,
-                                  (call.length,) + tuple(prog.values[inner].shape))
-            out.append(CollectiveCost(Kind.ALL_REDUCE, axes, nbytes, link.time(Kind.ALL_REDUCE, axes, nbytes),
-                                      prog.producer[inner], inner))
+            t = partir.made_at(pipe, split, part.tiling(inner), part.tiling(outer), kept, outer)
+            whole = partir.state_dim(part.tiling(outer), pipe.axis) is None
+            kind = Kind.ALL_REDUCE if whole else Kind.ALL_TO_ALL
+            nbytes = _block_bytes(prog, inner, t, mesh, (split.length if whole else rows,) + tuple(prog.values[inner].shape))
+            out.append(CollectiveCost(kind, axes, nbytes, link.time(kind, axes, nbytes), prog.producer[inner], inner))
     return out
 
 
@@ -349,8 +361,8 @@ class PipelinePricing:
             if src == dst:
                 continue
             val = prog.values[r.value]
-            full = float(model._nbytes[r.value]) / mesh.devices_along(
-                a for d in ext.tiling(r.value).dims for a in d if a in micro) * self.uneven.get(r.value, 1.0)
+            full = float(model._nbytes[r.value]) * self.uneven[r.value] if r.value in self.uneven else float(
+                model._nbytes[r.value]) / mesh.devices_along(a for d in ext.tiling(r.value).dims for a in d if a in micro)
             item = float(model._nbytes[r.value]) / max(1, math.prod(val.shape))
             grad = bool(src.partial) and model._backward[o] and not model._feeds_backward[r.value]
             cols = tuple(CollectiveCost(kind, axes, nbytes, t, o, r.value, float(model._mult[o]), bool(grad),
@@ -394,14 +406,15 @@ class PipelinePricing:
         prog, out = self.part.program, []
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
+            kept = partir.kept_in_slots(self.part, pipe)
             for lay in layouts:
                 body = prog.regions[lay.call.body]
-                for v in body.outvars[len(lay.call.carry):]:
+                split = pipe.split(self.part.mesh.size(pipe.axis))
+                for v, r in zip(body.outvars[len(lay.call.carry):], lay.call.ys):
                     axes = lay.left_partial(v) if v >= 0 else ()
                     if not axes:
                         continue
-                    layer_dim = () if pipe.split(self.part.mesh.size(pipe.axis)).uneven else (pipe.axis,)
-                    t = Tiling((layer_dim,) + self.part.tiling(v).dims)
+                    t = partir.made_at(pipe, split, self.part.tiling(v), self.part.tiling(r), kept, r)
                     nbytes = _block_bytes(prog, v, t, self.part.mesh, (lay.call.length,) + tuple(prog.values[v].shape))
                     out.append((prog.producer[v], v, (CollectiveCost(
                         Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
