@@ -77,8 +77,8 @@ def test_three_layers_over_two_stages_under_the_jit_lowering():
 
 def test_compiled_collectives_are_the_modeled_ones():
     """Per (kind, axes, bytes), counted once per loop body: the tick loops' permutes of
-    one microbatch's activation, the all-reduces putting each stage's gradient rows back
-    into the [L, ...] layout, the data axis's gradient reductions."""
+    one microbatch's activation, the all-to-alls exchanging each stage's layers of the
+    parameters in and of their gradients out, the data axis's gradient reductions."""
     part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
     _, args, prog = _lifted(THREE)
     free = search.materialization(prog).from_scalars
@@ -88,6 +88,21 @@ def test_compiled_collectives_are_the_modeled_ones():
     activation = THREE.batch // 4 // 2 * THREE.seq_len * THREE.d_model * 4  # f32, a microbatch of a data block
     assert compiled[(partir.Kind.COLLECTIVE_PERMUTE, ("stage",), activation)] == 2  # forward and backward loop
     assert compiled == modeled
+
+
+def test_each_stage_stores_its_share_of_the_layer_stack():
+    """The layers' parameters and Adam moments are split over the stage axis along
+    another dim (a dim of 3 layers cannot be split over 2): per device 1/S of them, as
+    XLA's arguments hold them."""
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+    _, args, prog = _lifted(THREE)
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    layers = [v for v in prog.inputs if "['layers']" in prog.name(v)]
+    assert cost.stage_bytes == sum(prog.values[v].nbytes for v in layers) / 2
+    compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
+    rest = sum(float(np.prod(part.tiling(v).shard_shape(prog.values[v].shape, part.mesh))) * prog.values[v].nbytes
+               / max(1, int(np.prod(prog.values[v].shape))) for v in prog.inputs if v not in layers)
+    assert compiled.memory_analysis().argument_size_in_bytes == cost.stage_bytes + rest
 
 
 def test_a_tick_lasts_as_long_as_the_busiest_stage():
