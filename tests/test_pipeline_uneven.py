@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-import automap
 import partir
 import search
 import tactics as T
@@ -143,17 +142,3 @@ def test_remat_with_uneven_stages_is_refused_naming_the_fix():
     with pytest.raises(T.TacticError, match="Remat inside pipelined layers.*leave Remat out"):
         T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Remat("full"), T.Pipeline("stage", microbatches=2)])
 
-
-@pytest.mark.slow
-def test_a_saved_uneven_plan_loads_and_runs_as_it_was_made(tmp_path):
-    step, args, prog = _lifted(THREE)
-    plan = automap.partition(step, mesh={"data": 4, "stage": 2}, lowering="shard_map", device="cpu",
-                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=2)])(*args)
-    plan.save(tmp_path / "plan.json")
-    loaded = automap.load_plan(tmp_path / "plan.json").bind(step, *args)
-    assert loaded.partitioning.key() == plan.partitioning.key()
-    loaded.save(tmp_path / "again.json")
-    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
-    ours, theirs = loaded.jit()(*args), jax.jit(step)(*args)
-    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
