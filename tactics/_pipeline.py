@@ -77,8 +77,9 @@ class Pipeline(Tactic):
         try:
             if split.uneven:
                 _split_state(part, pipe, str(self))
-            for v in () if split.uneven else pipe.stacked():
-                part.tile(v, 0, self.axis, source=str(self))
+            else:
+                for v in pipe.stacked():
+                    part.tile(v, 0, self.axis, source=str(self))
             part.pipeline(pipe)
             partir.microbatched(part, pipe)  # what the lowering will run: refused now if it cannot
         except partir.PartitioningError as e:

@@ -17,7 +17,10 @@ chunk of L/(S*R) layers each, the sends form a ring (the last position sends to 
 first, where a microbatch's carry waits for its next round), and the stacked values are
 exchanged for the chunks the stage runs on the way in and back on the way out
 (`_circular`), but for the residuals kept in that order between the two scans
-(`partir.kept_in_slots`).
+(`partir.kept_in_slots`). With uneven stages (S not dividing L) each stage runs
+ceil(L/S) layer slots, a padding slot passing its carry on, and its rows of the stacked
+values are exchanged in and out of their [L, ...] layout (`_uneven`), but for the
+residuals kept as the stages' blocks between the two scans.
 
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
@@ -91,8 +94,8 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)]
     # The circular schedule's chunks: one exchange in, one out (`_circular`), but for the
     # residuals the stages keep in their slot order from one scan to the other; uneven
-    # stages' layers taken from the whole stacked values (`_uneven`), but for the
-    # residuals they keep as their own blocks.
+    # stages' padded layer rows exchanged (or taken) from the [L, ...] stacked values
+    # (`_uneven`), but for the residuals they keep as their own blocks.
     slots = kept_in_slots(interp.part, pipe)
     xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if split.uneven and u not in slots else a
           for a, u in zip(x.xs, g.xs)]
