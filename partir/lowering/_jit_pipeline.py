@@ -18,6 +18,8 @@ import jax
 from jax.sharding import PartitionSpec
 
 from .._graph import made_from_scalars
+from .._pipeline import kept_in_slots
+from .._tiling import Tiling
 from ._frame import _Blocks
 from ._shardmap import Interpreter
 from ._shardmap_pipeline import run_pipelined
@@ -33,6 +35,7 @@ class JitPipelines:
         self.part, self.mesh = part, mesh
         self.interp = Interpreter(part, list(made_from_scalars(part.program)))
         self.saved: dict = {}
+        self.blocks = stage_blocks(part)
 
     def __contains__(self, body: int) -> bool:
         return body in self.interp.pipelined
@@ -48,7 +51,11 @@ class JitPipelines:
         gives = saved if remat is not None and body == remat.fwd else []
 
         def spec(v: int):  # a recomputed residual's placeholder is a scalar per layer
-            return PartitionSpec(pipe.axis) if remat is not None and remat.placeholder(v) else part.tiling(v).spec()
+            if remat is not None and remat.placeholder(v):
+                return PartitionSpec(pipe.axis)
+            if v in self.blocks:  # uneven stages' residual: [S * slots, ...], a stage's block each
+                return Tiling(((pipe.axis,),) + part.tiling(v).dims[1:]).spec()
+            return part.tiling(v).spec()
 
         def stages(*blocks):
             ops = list(operands)
@@ -67,3 +74,15 @@ class JitPipelines:
         outs = region(*(operands[k] for k in passed), *(self.saved[s] for s, _ in takes))
         self.saved.update(zip([s for s, _ in gives], outs[len(results):]))
         return list(outs[:len(results)])
+
+
+def stage_blocks(part) -> frozenset:
+    """The residuals of uneven stages (`partir.StageSplit`) kept as the stages' padded
+    blocks between the two scans (`partir.kept_in_slots`): under this lowering one array
+    of S * ceil(L/S) layers split over the stage axis, which no constraint on the way
+    from one region to the other may gather (the plan holds them whole along it)."""
+    out = set()
+    for pipe in part.pipelines:
+        if pipe.repeats == 1 and pipe.split(part.mesh.size(pipe.axis)).uneven:
+            out |= kept_in_slots(part, pipe)
+    return frozenset(out)
