@@ -107,18 +107,24 @@ def saved_pipeline_tables(data: dict) -> list:
 
 
 def stage_table(axis: str, layers: int, repeats: int, names, sizes) -> Table:
-    """Which layers each stage over `axis` runs (`partir.stage_chunks`), and its devices."""
+    """Which layers each stage over `axis` runs (`partir.stage_chunks`; uneven stages,
+    `partir.StageSplit`, marked with their padding slot), and its devices."""
     import partir
 
     stages = dict(zip(names, sizes))[axis]
+    split = partir.StageSplit(layers, stages)
     per = layers // (stages * repeats)  # layers per chunk
-    table = Table(title=f"pipeline stages over {axis!r}")
+    table = Table(title=f"pipeline stages over {axis!r}" + (" (uneven)" if split.uneven else ""))
     for col in ("stage", "layers", "devices"):
         table.add_column(col, justify="right" if col == "stage" else "left")
     for s, chunks in enumerate(partir.stage_chunks(stages, repeats)):
         devices = [d for d in range(math.prod(sizes)) if _coord(d, names, sizes, axis) == s]
-        table.add_row(str(s), ", ".join(f"{k * per}..{(k + 1) * per - 1}" for k in chunks),
-                      ", ".join(map(str, devices)))
+        if split.uneven:
+            first, count = split.first(s), split.count(s)
+            ran = f"{first}..{first + count - 1}" + (" + 1 padding slot" if count < split.slots else "")
+        else:
+            ran = ", ".join(f"{k * per}..{(k + 1) * per - 1}" for k in chunks)
+        table.add_row(str(s), ran, ", ".join(map(str, devices)))
     return table
 
 

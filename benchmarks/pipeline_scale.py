@@ -39,8 +39,10 @@ MICROBATCHES = (8, 16, 32, 128)
 SCHEDULES = ("gpipe", "1f1b")
 #: Microbatch counts the search may pipeline with.
 SEARCH_MICROBATCHES = (8, 16, 32)
-#: Seconds the search may take per row (issue 24 asks for under 120 s here).
-BUDGET_S = 120.0
+#: Seconds the search may take per row: issue 24 asks for under 120 s here, and the
+#: search finishes the episode it is in when its budget runs out (measured: 121 s on
+#: the 405B row with a budget of 120), so the budget leaves it that slack.
+BUDGET_S = 110.0
 
 
 @dataclasses.dataclass(frozen=True)

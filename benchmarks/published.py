@@ -12,15 +12,25 @@ tactics cannot express, FP8, a MoE Llama or a remat policy no tactic has say so.
 configurations of one model, ranked by time per token per device as measured and as
 modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
+A row with `master_weights` (Megatron's mixed precision: bfloat16 weights, a float32
+master copy and the adam moments in the optimizer state) is modeled on
+`examples/llama.py`'s `master_weights` train step with its parameters and optimizer
+state donated (`donated_args`), as Megatron updates them in place.
+
 Figures are compared like with like: each source's model-flops formula (`FORMULAS`)
 turns its published figure into a step time and the modeled step into the same MFU.
 Gradient accumulation: a run of GA 1 (`grad_accum`) is modeled as the train step of
 the global batch with one optimizer update. A run of GA micro-batches a step runs the
-forward and backward GA times and reduces the gradients and updates once: its modeled
-step is affine in the micro-batches, T(1) + (GA - 1) (T(2) - T(1)), where T(k) is the
-modeled train step of k micro-batches' sequences (`summary`). The search prices the
-train step of one micro-batch, the program it is given; its plan, taken again on two
-(`replayed`), is accumulated the same way. The rule counts what does not grow with the
+forward and backward GA times and reduces the gradients and updates once: every term of
+its modeled step is affine in the micro-batches, parts(1) + (GA - 1) (parts(2) -
+parts(1)), where parts(k) are the compute and communication terms of the modeled train
+step of k micro-batches' sequences, with overlap applied to the result
+(`search.accumulated_step`, `summary`; on the step times themselves it would count a
+collective hidden on two micro-batches but not on one as hidden GA - 1 times). The search is given the
+train step of one micro-batch and the row's GA (`AutomaticPartition(grad_accum=...)`):
+it chooses its plan by the same accumulated step, from the step on one and on two
+micro-batches (`search._accum`); that plan, taken again on two (`replayed`), is
+accumulated the same way for the table. The rule counts what does not grow with the
 batch once a step: right for the gradient reduction and update of data parallelism,
 kind to a plan whose parameter gathers do not grow either (FSDP), as if it kept them
 gathered across the micro-batches, which its peak (one micro-batch's) leaves out.
@@ -95,6 +105,7 @@ class Row:
     reported: dict = dataclasses.field(default_factory=dict)
     remat_note: str = ""
     why_not: str = ""
+    master_weights: bool = False
 
     @property
     def mesh_axes(self) -> tuple:
@@ -228,7 +239,7 @@ def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
     config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
                                d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
                                batch=r.global_batch // r.grad_accum * micro_batches,
-                               dtype=jnp.bfloat16, scan_layers=scan, remat=False)
+                               dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights)
     step, args = llama.make_train_step(config, abstract=True)
     return partir.lift(step, *args)
 
@@ -256,21 +267,31 @@ def schedule(r: Row) -> list:
     return out + ([tactics.Remat(r.remat)] if r.remat != "none" else [])
 
 
+def donated_args(r: Row) -> tuple[int, ...]:
+    """The train step's arguments the run updates in place: a run with master weights
+    (Megatron's mixed precision) donates its parameters and optimizer state, as
+    Megatron updates them in place; the other rows keep what they were fit with."""
+    return (0, 1) if r.master_weights else ()
+
+
 def summary(part, r: Row, device, two=None) -> dict:
     """Modeled step, peak, fit and MFU (the source's formula) of a partitioning of
     `program(r)`, the train step of one micro-batch (`micro_step_s`). The step: for
     GA 1, that train step; for GA > 1, `two` being the same plan on two micro-batches,
-    the accumulated step T(1) + (GA - 1) (T(2) - T(1)) (the module docstring)."""
+    the accumulated step, the search's (`search.accumulated_step`: the module docstring)."""
     import search
 
     if (two is None) != (r.grad_accum == 1):
         raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
                          "exactly when there is more than one")
-    cost = search.CostModel(part.copy(), device).cost()
-    one = cost.step_time
-    step = one
+    donated = donated_args(r)
+    model = search.CostModel(part.copy(), device, donate_argnums=donated)
+    cost = model.cost()
+    one = step = cost.step_time
     if two is not None:
-        step = one + (r.grad_accum - 1) * (search.CostModel(two.copy(), device).cost().step_time - one)
+        other = search.CostModel(two.copy(), device, donate_argnums=donated)
+        step = search.accumulated_step(model.evaluate_parts()[0], other.evaluate_parts()[0], r.grad_accum,
+                                       model.device)
     peak = search.get_device(device).flops_for("bfloat16")
     return {"step_s": step, "micro_step_s": one, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
             "mfu": FORMULAS[r.flops](r) / (peak * step)}
@@ -295,7 +316,7 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
     if episodes > 0:
         searches = {} if searches is None else searches
         key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.global_batch // r.grad_accum,
-               r.mesh_axes, device, episodes)
+               r.grad_accum, r.master_weights, r.mesh_axes, device, episodes)
         if key not in searches:
             searches[key] = _search(r, mesh, device, episodes)
         found, out["plan"] = searches[key]
@@ -328,11 +349,13 @@ def _apply(prog, mesh, tactic_list):
 
 def _search(r: Row, mesh, device, episodes: int):
     """(partitioning, plan) the search finds for the row's model on its devices: on
-    the scanned program, whose plans are the unrolled one's (layer by layer alike)."""
+    the scanned program, whose plans are the unrolled one's (layer by layer alike), by
+    the step of the row's micro-batches a step."""
     import search
     import tactics
 
-    auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True)
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True,
+                                     grad_accum=r.grad_accum)
     found = tactics.apply_schedule(program(r, scan=True), mesh, [auto])
     return found.partitioning, [a.describe(res.groups) for res in found.context.search for a in res.actions]
 

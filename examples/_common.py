@@ -80,6 +80,50 @@ def build_train_step(
     return step, (jax.eval_shape(make_args) if abstract else make_args())
 
 
+def build_master_weights_train_step(
+    loss_fn: LossFn, init_fn: InitFn, config: Config, compute_dtype, *, abstract: bool, seed: int
+):
+    """Return ``(step, (params, opt_state, batch))`` for mixed-precision training the way
+    Megatron-LM and NeMo run it: the parameters are ``compute_dtype`` copies, and the
+    optimizer state ``{'master': float32 parameters, 'adam': optax.adam's state}``.
+
+    ``step`` takes the gradients of the ``compute_dtype`` parameters, casts them to
+    float32, updates the master copy with adam in float32 and casts it back for the new
+    parameters. The cast back is written as a step from the old parameters by the
+    difference to the rounded master, in float32: so the new parameters are computed
+    from the old ones elementwise, as every optimizer update is, which is how a
+    partitioner pairs a parameter with its updated value (`tactics`' roles, ZeRO-1
+    keeping both whole). It gives the rounded master exactly: the difference of two
+    bfloat16 values (8 significant bits) is exact in float32 unless their exponents are
+    over 16 apart, and then the sum back is within half a float32 unit of the rounded
+    master, which rounds to it. ``init_fn`` gives the float32 parameters.
+    """
+    opt = optimizer(config)
+    loss = functools.partial(loss_fn, config=config)
+
+    def step(params, opt_state, batch):
+        loss_value, grads = jax.value_and_grad(loss)(params, batch)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, adam_state = opt.update(grads, opt_state["adam"], opt_state["master"])
+        master = optax.apply_updates(opt_state["master"], updates)
+        new_params = jax.tree.map(_step_to, params, master)
+        return new_params, {"master": master, "adam": adam_state}, loss_value
+
+    def make_args():
+        master, batch = init_fn(config, jax.random.key(seed))
+        params = jax.tree.map(lambda w: w.astype(compute_dtype), master)
+        return params, {"master": master, "adam": optimizer(config).init(master)}, batch
+
+    return step, (jax.eval_shape(make_args) if abstract else make_args())
+
+
+def _step_to(param: jax.Array, master: jax.Array) -> jax.Array:
+    """``master`` rounded to ``param``'s dtype, as ``param`` plus the difference in float32
+    (see `build_master_weights_train_step`: exact, and elementwise in ``param``)."""
+    old = param.astype(jnp.float32)
+    return (old + (master.astype(param.dtype).astype(jnp.float32) - old)).astype(param.dtype)
+
+
 def stack_layers(layers: list[Params]) -> Params:
     """Stack a list of per-layer pytrees into one pytree with a leading [L] axis (the
     parameters of a ``jax.lax.scan`` over layers)."""

@@ -25,6 +25,10 @@ each layer casts its weights to ``config.dtype`` where it uses them, activations
 ``config.dtype``, RMSNorm statistics and the loss are float32. The tiny default computes
 in float32 so that partitioned and unpartitioned runs agree tightly; the Llama-3 shaped
 configs compute in bfloat16.
+With ``master_weights=True`` (Megatron-LM's and NeMo's bf16 training) the parameters
+themselves are ``config.dtype``, and the optimizer state holds a float32 master copy
+with the adam moments: the step takes gradients of the ``config.dtype`` parameters,
+updates the master copy in float32 and casts it back (`build_master_weights_train_step`).
 
 **Rematerialisation.** ``remat=True`` wraps each layer in ``jax.checkpoint`` with a
 policy from ``REMAT_POLICIES``: ``None`` saves nothing but the layer's inputs (the whole
@@ -46,7 +50,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from examples._common import build_train_step, dense_init, next_token_loss, normal, stack_layers, token_batch
+from examples._common import (build_master_weights_train_step, build_train_step, dense_init, next_token_loss, normal,
+                              stack_layers, token_batch)
 
 #: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.
 REMAT_POLICIES = {
@@ -76,6 +81,7 @@ class LlamaConfig:
     remat_policy: str | None = None  # a key of REMAT_POLICIES (only with remat=True)
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
+    master_weights: bool = False  # parameters in `dtype`, float32 master copy in the optimizer state
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -218,8 +224,12 @@ def init(config: LlamaConfig, key: jax.Array) -> tuple[dict, dict]:
 
 
 def make_train_step(config: LlamaConfig | None = None, *, abstract: bool = False, seed: int = 0):
-    """Return ``(step, (params, opt_state, batch))`` for the Llama (see package docs)."""
-    return build_train_step(loss_fn, init, config or LlamaConfig(), abstract=abstract, seed=seed)
+    """Return ``(step, (params, opt_state, batch))`` for the Llama (see package docs);
+    with ``config.master_weights``, Megatron's mixed precision (module docstring)."""
+    config = config or LlamaConfig()
+    if config.master_weights:
+        return build_master_weights_train_step(loss_fn, init, config, config.dtype, abstract=abstract, seed=seed)
+    return build_train_step(loss_fn, init, config, abstract=abstract, seed=seed)
 
 
 def factory():

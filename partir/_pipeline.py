@@ -120,6 +120,10 @@ class Pipelining:
             return min(self.microbatches, 2 * stages - 1)
         return self.microbatches
 
+    def split(self, stages: int) -> "StageSplit":
+        """How the layers of the forward scan fall into `stages` stages (`StageSplit`)."""
+        return StageSplit(self.scans.forward.length, stages)
+
     @property
     def bodies(self) -> tuple[int, ...]:
         """The body regions of the pipelined scans, forward first."""
@@ -128,6 +132,44 @@ class Pipelining:
     def stacked(self) -> tuple[int, ...]:
         """Every stacked value of the pipelined scans (split over the stage axis)."""
         return tuple(dict.fromkeys(v for c in self.scans.calls for v in c.stacked))
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """`length` layers over `stages` contiguous stages. Each stage holds `slots` =
+    ceil(L/S) layer slots; when S does not divide L the first `fuller` stages run
+    `slots` layers and the others one fewer, their last slot padding (every stage runs
+    at least floor(L/S) layers, none runs none)."""
+
+    length: int
+    stages: int
+
+    @property
+    def slots(self) -> int:
+        """Layer slots per stage: ceil(L/S)."""
+        return -(-self.length // self.stages)
+
+    @property
+    def uneven(self) -> bool:
+        """Do some stages hold a padding slot (S does not divide L)?"""
+        return self.length % self.stages != 0
+
+    @property
+    def fuller(self) -> int:
+        """How many stages (the first ones) run `slots` layers; the others run one fewer."""
+        return self.length - self.stages * (self.slots - 1)
+
+    def first(self, s: int) -> int:
+        """The first layer stage `s` runs."""
+        return s * (self.slots - 1) + min(s, self.fuller)
+
+    def count(self, s: int) -> int:
+        """How many layers stage `s` runs."""
+        return self.slots - (s >= self.fuller)
+
+    def layers(self) -> tuple[range, ...]:
+        """Per stage, the layers it runs."""
+        return tuple(range(self.first(s), self.first(s) + self.count(s)) for s in range(self.stages))
 
 
 @dataclass(frozen=True)
@@ -157,6 +199,8 @@ def microbatched(part, pipe: Pipelining):
         raise PartitioningError(f"mesh axis {MICROBATCH!r} is reserved for pipeline microbatches: rename it")
     if pipe.repeats > 1:
         _check_circular(part, pipe)
+    elif pipe.split(part.mesh.size(pipe.axis)).uneven:
+        _check_uneven(part, pipe)
     mesh = MeshSpec(part.mesh.axes + ((MICROBATCH, pipe.microbatches),))
     ext = Partitioning(part.program, mesh, detached=part.detached)
     for d in part.decisions:
@@ -172,7 +216,8 @@ def _check_circular(part, pipe: Pipelining) -> None:
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
     if length % (stages * pipe.repeats):
         raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
-                                "layer scan into whole chunks: pick repeats so that stages*repeats divides them")
+                                "layer scan into whole chunks (the circular schedule runs no uneven stages): pick "
+                                "repeats so that stages*repeats divides them, or repeats=1")
     if pipe.microbatches < stages:
         raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) needs at least as many microbatches "
                                 f"as stages ({stages}); {pipe.microbatches} microbatches would reach the first stage "
@@ -183,15 +228,52 @@ def _check_circular(part, pipe: Pipelining) -> None:
                                 "or use repeats=1")
 
 
+def _check_uneven(part, pipe: Pipelining) -> None:
+    """Uneven stages' conditions (`StageSplit`): no more stages than layers, no
+    recomputed layers, and every stacked value's layer dim whole (an array cannot be
+    split unevenly), the stage axis splitting at most one other dim, as its minor axis
+    (`state_dim`: the stage program exchanges the stage's layers from there)."""
+    stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
+    if stages > length:
+        raise PartitioningError(f"{stages} stages over {pipe.axis!r} are more than the {length} layers of the layer "
+                                "scan: some stage would run no layer; pick an axis of at most as many devices")
+    if part.rematerialized:
+        raise PartitioningError(f"Remat inside pipelined layers needs the stages to divide the {length} layers "
+                                f"({stages} stages over {pipe.axis!r} do not; uneven stages do not keep the "
+                                "recomputing inputs yet): leave Remat out or pick a stage count dividing the layers")
+    for v in pipe.stacked():
+        t = part.tiling(v)
+        if t.dims[0] or state_dim(t, pipe.axis) == -1:
+            raise PartitioningError(f"{part.program.name(v)} is laid out {t}, from which uneven stages ({length} "
+                                    f"layers over {stages}) cannot exchange their layers: leave its layer dim whole "
+                                    f"and {pipe.axis!r} the minor axis of the one dim it splits, or pick a stage "
+                                    "count dividing the layers")
+
+
+def state_dim(t: Tiling, axis: str) -> int | None:
+    """The dim of a stacked value of uneven stages (layout `t`) that the stage `axis`
+    splits at rest, None when it is whole along it, -1 when no exchange can take the
+    stage's layers from it (`axis` on the layer dim, or not the minor axis of its dim)."""
+    dims = [d for d, axes in enumerate(t.dims) if axis in axes]
+    if not dims:
+        return None
+    return dims[0] if dims[0] > 0 and t.dims[dims[0]][-1] == axis else -1
+
+
 def kept_in_slots(part, pipe: Pipelining) -> frozenset:
-    """Under the circular schedule, the values the stages keep in their slot order (the
-    chunks they run, `lowering/_circular`) rather than in contiguous layers: the forward
-    scan's stacked outputs that nothing but the backward scan reads (across call
-    boundaries), split over the stage axis on their layer dim wherever they are, so that
-    neither scan exchanges them. Every value id of each such residual; empty with one
-    repeat or no backward scan."""
+    """The values the stages keep between the two scans as they run them rather than as
+    they are at rest: under the circular schedule in slot order (the chunks they run,
+    `lowering/_circular`) rather than in contiguous layers, so that neither scan
+    exchanges them; with uneven stages (`StageSplit`) as each stage's padded block of
+    its layers rather than whole along the stage axis, so that no stage holds another's.
+    These are the forward scan's stacked outputs that nothing but the backward scan
+    reads (across call boundaries), split over the stage axis on their layer dim
+    wherever they are (circular) or whole along it (uneven). Every value id of each
+    such residual; empty with contiguous even stages or no backward scan."""
     back = pipe.scans.backward
-    if pipe.repeats == 1 or back is None:
+    stages = part.mesh.size(pipe.axis)
+    uneven = pipe.repeats == 1 and pipe.split(stages).uneven
+    if (pipe.repeats == 1 and not uneven) or back is None:
         return frozenset()
     prog, roots = part.program, call_roots(part.program)
     links = (Link.CALL_IN, Link.CALL_OUT)
@@ -205,9 +287,15 @@ def kept_in_slots(part, pipe: Pipelining) -> frozenset:
         readers = [prog.ops[o] for v in group for o in prog.users[v]]
         if (read & set(group) and not set(group) & set(prog.outputs)
                 and all(op.link and op.primitive in links or op.id == _xs_link(prog, back, op) for op in readers)
-                and all(part.tiling(v).dims[0] == (pipe.axis,) for v in group)):
+                and all(_held_by_stage(part.tiling(v), pipe.axis, uneven) for v in group)):
             out.update(group)
     return frozenset(out)
+
+
+def _held_by_stage(t: Tiling, axis: str, uneven: bool) -> bool:
+    """Is a residual of tiling `t` what `kept_in_slots` keeps: split along its layer dim
+    over the stage `axis` alone (circular), or not split over it at all (uneven)?"""
+    return not t.dims[0] and axis not in t.axes() if uneven else t.dims[0] == (axis,)
 
 
 def _xs_link(prog, call: ScanCall, op) -> int:
@@ -356,3 +444,18 @@ def stage_chunks(stages: int, repeats: int = 1) -> tuple[tuple[int, ...], ...]:
     (c+1)*L/(S*R)) of the forward scan) runs on stage c mod S, so with R = 1 stage s
     holds chunk s alone (GPipe's contiguous stages)."""
     return tuple(tuple(k * stages + s for k in range(repeats)) for s in range(stages))
+
+
+def made_at(pipe, split, body: Tiling, rest: Tiling, kept, r: int, partial=()) -> Tiling:
+    """The layout a pipelined scan's stacked output (`body`: its layout in the body; `rest`:
+    the result's at rest) has once the stage program made it, before it moves to `rest`:
+    split along the layer dim over the stage axis (even stages), or, uneven, whole along
+    it (a residual the stages keep as their blocks, `kept`, or a value put back whole)
+    or split along the dim `rest` splits over it."""
+    if not split.uneven:
+        return Tiling(((pipe.axis,),) + body.dims, partial, "sum")
+    dim = None if r in kept else state_dim(rest, pipe.axis)
+    dims = ((),) + body.dims
+    if dim is not None:
+        dims = dims[:dim] + (dims[dim] + (pipe.axis,),) + dims[dim + 1:]
+    return Tiling(dims, partial, "sum")

@@ -187,6 +187,11 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
     if pipe.repeats > 1:
         raise PartitioningError(f"the 1f1b schedule runs one repeat (repeats={pipe.repeats} is the circular "
                                 f"schedule, which runs as gpipe): give repeats=1, {fix}")
+    split = pipe.split(part.mesh.size(pipe.axis))
+    if split.uneven:
+        raise PartitioningError(f"the 1f1b schedule runs even stages, and {split.length} layers do not split into "
+                                f"{part.mesh.size(pipe.axis)} stages over {pipe.axis!r} (uneven stages run as "
+                                f"gpipe): choose a stage count that divides the layers, {fix}")
     if part.rematerialized or part.reused:
         raise PartitioningError("Remat inside pipelined layers runs only with the gpipe schedule (the 1f1b tick "
                                 f"loop does not keep the recomputing inputs yet): leave Remat out, {fix}")

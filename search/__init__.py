@@ -3,7 +3,8 @@ with (`search.cost`, re-exported here).
 
 `AutomaticPartition` is the search as a tactic: Monte Carlo tree search (`_mcts`) over
 tiling and macro actions (`_actions`) on a search state (`_state`), on shallow twins of a
-deep model (`_twins`) where that is sound; `exhaustive` (`_exact`) walks the same space
+deep model (`_twins`) where that is sound, over the micro-batches of a step under
+gradient accumulation (`_accum`); `exhaustive` (`_exact`) walks the same space
 exactly for small problems.
 """
 
@@ -15,13 +16,14 @@ from ._actions import STOP, Action, Group, input_groups, valid_actions
 from ._state import SearchState
 from ._mcts import TreeSearch, mcts
 from ._result import SearchResult, SearchStats
+from ._accum import accumulated_step
 from ._auto import AutomaticPartition
-from ._seeds import compositions
+from ._seeds import compositions, primary_first
 from ._exact import ExactResult, exhaustive
 
-__all__ = ["compositions", "DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
+__all__ = ["compositions", "primary_first", "DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
            "bytes_str", "collectives_table", "get_device", "link_levels", "time_str", "Fidelity", "compare_with_xla",
            "STOP", "Action", "Group", "input_groups", "valid_actions", "SearchState", "SearchResult", "SearchStats",
            "TreeSearch", "mcts", "AutomaticPartition", "ExactResult", "exhaustive", "Materialization",
            "materialization", "PipelineCost", "Slot", "TickTimes", "gpipe_timeline", "onef_timeline", "pipeline_bubble",
-           "pipeline_cost"]
+           "pipeline_cost", "accumulated_step"]

@@ -10,6 +10,7 @@ from typing import Callable
 from tactics import Context, Tactic, TacticError, check, roles
 
 from . import _seeds
+from ._accum import AccumulatedState, two_micro_batches
 from ._actions import apply_action, input_groups
 from .cost import BACKENDS as LOWERINGS, DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
 from ._mcts import mcts
@@ -61,6 +62,12 @@ class AutomaticPartition(Tactic):
     shallow twins with costs extrapolated to its depth (`search._twins`), so
     the search takes no longer for 48 layers than for 8; the result's `twins` and `why`
     (and the first note of the history) say whether it was, and why not.
+
+    `grad_accum` is how many micro-batches a step the program (the train step of one)
+    runs with gradient accumulation: above 1, plans are chosen by the accumulated step,
+    T(1) + (grad_accum - 1) (T(2) - T(1)) from the step on one and on two micro-batches
+    (`search._accum`), as a run pays its per-micro-batch work that many times and its
+    gradient reduction and update once; memory is one micro-batch's.
     """
 
     axes: tuple[str, ...] | None = None
@@ -74,6 +81,7 @@ class AutomaticPartition(Tactic):
     best_effort: bool = False
     pipelines: tuple[int, ...] = ()
     lowering: str | None = None
+    grad_accum: int = 1
     progress: Callable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -91,7 +99,10 @@ class AutomaticPartition(Tactic):
                                                   example="seed=0", error=TacticError)),
                             ("max_episodes", check.number(where + "max_episodes", self.max_episodes, integer=True,
                                                           optional=True, example="max_episodes=200",
-                                                          error=TacticError))):
+                                                          error=TacticError)),
+                            ("grad_accum", check.number(where + "grad_accum", self.grad_accum, integer=True,
+                                                        example="grad_accum=32 (micro-batches a step)",
+                                                        error=TacticError))):
             object.__setattr__(self, name, value)
         if not isinstance(self.pipelines, (tuple, list)):
             raise TacticError(f"AutomaticPartition pipelines={self.pipelines!r}: give microbatch counts as a tuple, "
@@ -111,7 +122,8 @@ class AutomaticPartition(Tactic):
         start = time.perf_counter()
         axes, groups, macros = self._setup(part)
         seeds = _seeds.compositions(macros)
-        state, why = self._state(part, groups, axes, ctx)
+        two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
+        state, why = self._state(part, groups, axes, ctx, two)
         while True:
             result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
                                         max_episodes=self.max_episodes, macros=macros, progress=self.progress,
@@ -127,7 +139,7 @@ class AutomaticPartition(Tactic):
             part.rollback(mark)
             ctx.rollback(ctx_mark)
             why = f"the twins' plan splits {differs} differently in the program"
-            state, start = self._program_state(part, groups, axes, ctx), None
+            state, start = self._program_state(part, groups, axes, ctx, two), None
         result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
         costs: dict = {}  # exact costs by state key: each plan on the program is costed once
         result, said = self._fitting(part, groups, result, ctx, said, (mark, ctx_mark), costs)
@@ -147,18 +159,31 @@ class AutomaticPartition(Tactic):
         (shallow twins where they are sound, else `part` itself, with `ctx` for the
         macros) and the macro tactics; e.g. for `exhaustive` to walk the same space."""
         axes, groups, macros = self._setup(part)
-        return self._state(part, groups, axes, ctx)[0], macros
+        two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
+        return self._state(part, groups, axes, ctx, two)[0], macros
 
-    def _state(self, part, groups, axes, ctx):
-        """`(state, why not on twins)`: twins where they are sound, else `part` itself."""
+    def _state(self, part, groups, axes, ctx, two=None):
+        """`(state, why not on twins)`: twins where they are sound, else `part` itself;
+        with `two` (`part`'s plan on two micro-batches), the accumulated step's state
+        over both."""
+        state, why = self._one_state(part, groups, axes, ctx)
+        if two is None:
+            return state, why
+        return AccumulatedState(state, self._one_state(two, groups, axes, ctx.child())[0], self.grad_accum), why
+
+    def _one_state(self, part, groups, axes, ctx):
         if not self.group:
             return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
         state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
                                 source=str(self), ctx=ctx, backend=self.backend)
         return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
 
-    def _program_state(self, part, groups, axes, ctx) -> SearchState:
-        return SearchState(part, self._model(part), groups, axes, str(self), ctx)
+    def _program_state(self, part, groups, axes, ctx, two=None):
+        state = SearchState(part, self._model(part), groups, axes, str(self), ctx)
+        if two is None:
+            return state
+        return AccumulatedState(state, SearchState(two, self._model(two), groups, axes, str(self), ctx.child()),
+                                self.grad_accum)
 
     def _setup(self, part):
         """The axes searched, the input groups and the macro tactics; checks the settings."""
@@ -256,4 +281,5 @@ class AutomaticPartition(Tactic):
 
     def __str__(self) -> str:
         axes = "all axes" if self.axes is None else ", ".join(self.axes)
-        return f"AutomaticPartition({axes}, seed={self.seed})"
+        accum = f", grad_accum={self.grad_accum}" if self.grad_accum > 1 else ""
+        return f"AutomaticPartition({axes}, seed={self.seed}{accum})"

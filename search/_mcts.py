@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from . import _seeds
 from ._actions import STOP, Action
 from ._result import SearchResult, SearchStats
 
@@ -60,6 +61,10 @@ TOP_KEPT = 32
 #: builds (see `TreeSearch.seed_macros`).
 BEAM = 4
 MACRO_DEPTH = 5
+#: Most of the time budget the compositions (`seeds`) may take: the rest is left to
+#: the beam and the tree search, which refine what the seeds found. Four mesh axes
+#: offer more compositions than a 30 s budget scores (see `_seeds.primary_first`).
+SEED_SHARE = 0.5
 #: Times one walk may come back to a state it passed (by actions that change nothing)
 #: before it ends there: a few, as UCT takes such edges while their bonus lasts; not
 #: without end (a walk that kept taking one ran out of memory).
@@ -117,7 +122,7 @@ class TreeSearch:
                  patience: int | None, progress, seeds=()):
         self.state, self.rng = state, random.Random(seed)
         self.macros = tuple(Action.macro(m) for m in macros)
-        self.seeds = tuple(tuple(Action.macro(m) for m in seq) for seq in seeds)
+        self.seeds = tuple(tuple(seq) for seq in seeds)
         self.limit = state.memory_limit
         self.start, self.budget_s, self.deadline = start, budget_s, start + budget_s
         self.max_episodes, self.progress = max_episodes, progress
@@ -358,20 +363,22 @@ class TreeSearch:
         Megatron, ...), and this costs len(macros)**2 episodes. Then the longer plans of
         `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
         people run at scale compose four or five tactics: data parallel, tensor and
-        sequence parallel, FSDP on another axis, rematerialization). Then a beam from
-        all of them: the BEAM best sequences and the BEAM fastest are extended by every
-        other macro, up to MACRO_DEPTH of them."""
+        sequence parallel, FSDP on another axis, rematerialization), each role's best
+        variant first (`_seeds.primary_first`). Pairs and compositions take at most
+        SEED_SHARE of the time budget. Then a beam from all of them: the BEAM best
+        sequences and the BEAM fastest are extended by every other macro, up to
+        MACRO_DEPTH of them."""
         for a in self.macros:
             if self.room():
                 self.seed_path([a])
         root = self.tree[self.root_key]
-        ranked = sorted(self.macros, key=lambda a: -self.tree[root.children[a]].value if a in root.children else 0.0)
-        beam = []
-        for first in ranked:
-            for second in ranked:
-                if second != first and self.room():
-                    beam.append(self.seed_path([first, second]))
-        beam += [self.seed_path(seq) for seq in self.seeds if self.room()]
+        scored = {a.tactic: self.tree[root.children[a]].value if a in root.children else 0.0 for a in self.macros}
+        ranked = sorted(self.macros, key=lambda a: -scored[a.tactic])
+        pairs = [(first.tactic, second.tactic) for first in ranked for second in ranked if second != first]
+        ordered = _seeds.primary_first([*pairs, *self.seeds], scored.get)
+        seed_until = self.start + SEED_SHARE * self.budget_s
+        beam = [self.seed_path([Action.macro(t) for t in seq]) for seq in ordered
+                if self.room() and time.perf_counter() < seed_until]
         for _ in range(MACRO_DEPTH - 2):
             # The best by reward, and the fastest whatever their memory: a fast sequence
             # that does not fit yet is one remat or FSDP away from the best plan, while

@@ -58,14 +58,15 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     `axis` with: GPipe; the circular schedule's `CIRCULAR_REPEATS` where it can run
     (whole chunks of the layers, at least a microbatch per stage); and 1F1B where it
     keeps fewer residuals than GPipe (more microbatches than the 2S-1 a stage keeps in
-    flight) and the step differentiates the layers where it scans them (a backward scan
+    flight), the stages are even and the step differentiates the layers where it scans them (a backward scan
     in the forward's region, the head between them)."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
     if scans.forward.length % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages:
         out.append(("gpipe", CIRCULAR_REPEATS))
     back = scans.backward
-    if microbatches > 2 * stages - 1 and back is not None and back.parent == scans.forward.parent:
+    even = scans.forward.length % stages == 0
+    if even and microbatches > 2 * stages - 1 and back is not None and back.parent == scans.forward.parent:
         out.append(("1f1b", 1))
     return tuple(out)
 
@@ -91,6 +92,32 @@ def compositions(offered) -> tuple[tuple, ...]:
             if len(plan) >= 3:
                 out.append(tuple(tactic for _, tactic in plan))
     return tuple(out)
+
+
+def variant_key(tactic) -> tuple:
+    """What a macro's variants share: its axis and role (`ROLE`; a remat policy's is
+    the plan's remat), so that context parallelism's strategies and balances, or a
+    pipeline's microbatch counts and repeats, are variants of one role on an axis."""
+    if isinstance(tactic, Remat):
+        return ("remat",)
+    return (getattr(tactic, "axis", None), ROLE.get(type(tactic), type(tactic).__name__))
+
+
+def primary_first(seeds, score) -> tuple:
+    """`seeds` reordered: first the plans whose every tactic is the best variant of its
+    role on its axis (highest `score(tactic)`, ties to the first offered), then the
+    rest, each part in its own order. A mesh of four axes offers tens of thousands of
+    compositions (roles^axes, times every variant), more than a time budget scores;
+    choosing each role's variant by how it did alone first means the budget goes to
+    different role assignments before it goes to variants of one."""
+    best: dict = {}
+    for t in dict.fromkeys(t for seq in seeds for t in seq):
+        k = variant_key(t)
+        if k not in best or score(t) > score(best[k]):
+            best[k] = t
+    primary = set(best.values())
+    first = [seq for seq in seeds if all(t in primary for t in seq)]
+    return (*first, *(seq for seq in seeds if not all(t in primary for t in seq)))
 
 
 def _roles(axis, offered) -> list[tuple]:

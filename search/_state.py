@@ -100,6 +100,19 @@ class SearchState:
             peak = self.model.exact_peak()
         return t, peak
 
+    def evaluate_parts(self):
+        """`evaluate` before overlap is applied: `(TimeParts, peak memory)`, for the
+        accumulated step to extrapolate term by term (`search._accum`)."""
+        parts, peak = self.model.evaluate_parts()
+        if doubtful(peak, self.model.memory_limit):
+            peak = self.model.exact_peak()
+        return parts, peak
+
+    @property
+    def device(self):
+        """The device the state is priced on (its cost model's)."""
+        return self.model.device
+
     def exact_peak(self) -> float:
         """The exact modeled peak memory of the current state (`CostModel.exact_peak`)."""
         return self.model.exact_peak()
@@ -116,3 +129,47 @@ class SearchState:
     def describe(self) -> str:
         """What is searched, for the history."""
         return "searched on the program itself"
+
+
+class PairedStates:
+    """Two search states that every action goes to, scored together: a deep program's
+    shallow twins (`search._twins`), a step on one and on two micro-batches
+    (`search._accum`). Subclasses set `pair` and price it."""
+
+    pair: tuple
+
+    @property
+    def mesh(self):
+        """The mesh the plan is for."""
+        return self.pair[0].mesh
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes per device a plan may peak at."""
+        return self.pair[0].memory_limit
+
+    @property
+    def device(self):
+        """The device the states are priced on."""
+        return self.pair[0].device
+
+    def key(self) -> int:
+        """A hash of both states."""
+        return hash(tuple(s.key() for s in self.pair))
+
+    def mark(self):
+        """A point to `rollback` to."""
+        return tuple(s.mark() for s in self.pair)
+
+    def rollback(self, mark) -> None:
+        """Undo every action since `mark`."""
+        for s, m in zip(self.pair, mark):
+            s.rollback(m)
+
+    def apply(self, action) -> bool:
+        """Apply `action` to both states; False, and nothing changed, unless both take it."""
+        mark = self.mark()
+        if all([s.apply(action) for s in self.pair]):
+            return True
+        self.rollback(mark)
+        return False

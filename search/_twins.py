@@ -41,7 +41,8 @@ from partir._layers import children, is_layers, layer_keys  # noqa: F401
 from tactics import input_groups, roles
 
 from .cost import CostModel
-from ._state import SearchState, doubtful
+from .cost._achieved import TimeParts
+from ._state import PairedStates, SearchState, doubtful
 
 #: Fewest alike layers for which twins are used.
 TWIN_MIN_LAYERS = 8
@@ -114,7 +115,7 @@ def _canonical_names(keys, layers: int, depth: int, head: int, tail: int) -> dic
     return names
 
 
-class TwinState:
+class TwinState(PairedStates):
     """The search state of a deep program of `layers` layers, kept as two `SearchState`s
     on its shallow twins (`depths` layers, one middle layer apart) whose groups are aligned with the deep
     program's: every action goes to both, every cost is extrapolated to `layers`."""
@@ -122,47 +123,16 @@ class TwinState:
     def __init__(self, twins: tuple[SearchState, SearchState], layers: int, depths: tuple[int, int],
                  names: tuple[dict, dict]):
         self.twins, self.layers, self.depths, self.names = twins, layers, depths, names
+        self.pair = twins
         self.axes = twins[1].axes
 
     def _extrapolate(self, shallow: float, deeper: float) -> float:
         d0, d1 = self.depths
         return shallow + (self.layers - d0) * (deeper - shallow) / (d1 - d0)
 
-    @property
-    def mesh(self):
-        """The mesh the plan is for."""
-        return self.twins[0].mesh
-
-    @property
-    def memory_limit(self) -> float:
-        """Bytes per device a plan may peak at."""
-        return self.twins[0].memory_limit
-
-    def key(self) -> int:
-        """A hash of both twins' states."""
-        return hash((self.twins[0].key(), self.twins[1].key()))
-
-    def mark(self):
-        """A point to `rollback` to."""
-        return tuple(t.mark() for t in self.twins)
-
-    def rollback(self, mark) -> None:
-        """Undo every action since `mark`."""
-        for t, m in zip(self.twins, mark):
-            t.rollback(m)
-
     def actions(self):
         """The tile actions that would change the deeper twin (the groups are aligned)."""
         return self.twins[1].actions()
-
-    def apply(self, action) -> bool:
-        """Apply `action` to both twins; False, and nothing changed, unless both take it."""
-        mark = self.mark()
-        done = [t.apply(action) for t in self.twins]
-        if all(done):
-            return True
-        self.rollback(mark)
-        return False
 
     def evaluate(self) -> tuple[float, float]:
         """The deep program's modeled `(step time, peak memory)`, extrapolated. Whether
@@ -170,10 +140,25 @@ class TwinState:
         the extrapolated peak (each twin alone is far below it, and the fast estimate's
         per-layer gap grows with the depth)."""
         (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self.twins)
-        peak = self._extrapolate(p0, p1)
+        return self._step(t0, t1), self._peak(p0, p1)
+
+    def _peak(self, shallow: float, deeper: float) -> float:
+        """The deep program's peak from the twins' fast ones, exact where doubtful."""
+        peak = self._extrapolate(shallow, deeper)
         if doubtful(peak, self.memory_limit):
             peak = self._extrapolate(*(t.exact_peak() for t in self.twins))
-        return self._step(t0, t1), peak
+        return peak
+
+    def evaluate_parts(self):
+        """`evaluate` before overlap is applied: `(TimeParts, peak memory)` of the deep
+        program, extrapolated term by term; where the twins' computations differ, the
+        extrapolated step alone (as compute: overlap is already in it)."""
+        (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self.twins)
+        peak = self._peak(p0, p1)
+        if t0.parents != t1.parents:
+            return TimeParts(self._step(t0, t1), 0.0), peak
+        d0, d1 = self.depths
+        return t0.extrapolate(t1, (self.layers - d0) / (d1 - d0)), peak
 
     def _step(self, shallow, deeper) -> float:
         """The deep program's step time: each term of the twins' `TimeParts`

@@ -46,10 +46,18 @@ class ContextParallel(Tactic):
     as a collective matmul over `axis`: every device computes with the block it holds
     while `jax.lax.ppermute` passes the block on, so no device holds more of them than
     its own block, the one it computes with and the one in flight. The keys' and values' gradients (`dS^T Q`, `P^T dO`) are summed
-    round the ring the other way (a matmul-reduce-scatter). This is the ring's
-    communication only: the softmax stays as the program writes it (each device's
-    block of score rows is still whole along the keys), not an online softmax; what
-    the scores cost in memory is priced by the fused-attention model on GPU presets.
+    round the ring the other way (a matmul-reduce-scatter).
+
+    The shard_map lowering runs each attention of a ring plan blockwise with an online
+    softmax (always: there is no switch on the tactic): per key block, the block of
+    scores, the program's own scale and mask on it, and a running max and sum per
+    query row (flash attention's); the forward keeps the output and the row
+    log-sum-exp, the backward recomputes each block's weights, so no device holds a
+    whole row of scores. It does so where `partir.online_attentions` matches the
+    attention op by op; any other (a softmax written otherwise, dropout on the weights,
+    forward and backward in two loops or rematerialized) keeps the program's softmax
+    round the ring, listed in the tactic's notes and warned of when lowered.
+    `partir.lower(..., backend='shard_map', online_softmax=False)` keeps it for all.
     XLA's partitioner cannot be made to emit the ring from layouts: the plan lowers
     with `lowering='shard_map'` only (the `jit` lowering refuses it before any work).
     """
@@ -110,7 +118,28 @@ class ContextParallel(Tactic):
                  "sequence split on: " + ", ".join(f"{prog.name(v)} dim {d}" for v, d in inputs)]
         if self.balance is not None:
             notes.append(f"tokens laid out {self.balance!r}: inputs and iotas along the sequence permuted")
+        if self.strategy == "ring":
+            notes += _online_notes(part)
         return part, notes
+
+
+def _online_notes(part) -> list[str]:
+    """Which attentions the shard_map lowering runs blockwise with an online softmax,
+    and why each other one keeps the program's softmax (`partir.online_reason`)."""
+    prog = part.program
+    rings = partir.ring_moves(part)
+    found = partir.online_attentions(prog)
+    kept = []
+    for m in found:
+        reason = m.reason if isinstance(m, partir.Unmatched) else partir.online_reason(part, m, rings)
+        if reason is not None:
+            score = m.score if isinstance(m, partir.Unmatched) else m.attention.score
+            kept.append(f"{prog.name(prog.ops[score].results[0])}: {reason}")
+    notes = [f"online softmax (shard_map lowering): {len(found) - len(kept)} of {len(found)} attentions run "
+             "blockwise, one key block at a time"]
+    if kept:
+        notes.append("keeping the program's softmax round the ring (whole score rows): " + "; ".join(kept))
+    return notes
 
 
 def _sequence_inputs(part, classes, sequence: set, axis: str) -> list[tuple[int, int]]:

@@ -15,7 +15,13 @@ class Pipeline(Tactic):
     """Run the layers of a layer scan (`jax.lax.scan` over stacked layers) as contiguous
     stages over mesh `axis`: with S devices along it, device s holds layers
     [s*L/S, (s+1)*L/S) (their parameters, gradients and optimizer state: every stacked
-    value of the scan is split along its layer dim over `axis`). The batch is cut into
+    value of the scan is split along its layer dim over `axis`). When S does not divide
+    L the stages are uneven (`partir.StageSplit`): each runs ceil(L/S) layer slots, the
+    last stages one layer fewer (a padding slot that passes its input on), and the
+    stacked values keep their [L, ...] layout (an array cannot be split unevenly): the
+    layers' parameters, gradients and optimizer state are split over `axis` along
+    another dim at rest (one that `axis` divides; whole along it where none does), and
+    each step exchanges the stage's layers in and their gradients out. The batch is cut into
     `microbatches` that stream through the stages (`schedule` "gpipe": all forwards,
     then all backwards); activations go forward and their gradients back between
     neighbouring stages, and the gradients are summed over microbatches, so the step
@@ -31,13 +37,14 @@ class Pipeline(Tactic):
     times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
     values stay in contiguous blocks at rest; each step exchanges the stage's
     parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
-    `microbatches` >= S, S*R dividing the layers, and no Remat.
+    `microbatches` >= S, S*R dividing the layers, and no Remat; uneven stages (S not
+    dividing the layers) need repeats=1 and no Remat.
 
     With `schedule` "1f1b" the forward layers, the head and the backward layers run as
     one tick loop: a stage runs one microbatch's forward and an earlier one's backward
     each tick, so it keeps the residuals of at most 2S-1 microbatches instead of all
     of them, at GPipe's bubble (docs/pipeline.md). Needs a train step differentiated
-    where it scans the layers, one repeat and no Remat.
+    where it scans the layers, one repeat, even stages and no Remat.
     """
 
     axis: str
@@ -65,9 +72,7 @@ class Pipeline(Tactic):
                               "write the layers as a scan, or leave Pipeline out")
         scan = scans[0]
         length = scan.forward.length
-        if length % stages:
-            raise TacticError(f"axis {self.axis!r} ({stages} stages) does not divide the {length} layers of the "
-                              "layer scan: pick an axis whose size divides the layer count")
+        split = partir.StageSplit(length, stages)
         found, _ = batch_inputs(part, self.batch_argnums)
         for v in found:
             blocks = part.mesh.devices_along(part.tiling(v).dims[0]) * self.microbatches
@@ -78,15 +83,52 @@ class Pipeline(Tactic):
         pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule, self.repeats)
         mark = part.mark()
         try:
-            for v in pipe.stacked():
-                part.tile(v, 0, self.axis, source=str(self))
+            if split.uneven:
+                _split_state(part, pipe, str(self))
+            else:
+                for v in pipe.stacked():
+                    part.tile(v, 0, self.axis, source=str(self))
             part.pipeline(pipe)
             partir.check_pipeline(part, pipe)  # what the lowering will run: refused now if it cannot
         except partir.PartitioningError as e:
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
-        per, units = length // stages, self.microbatches * self.repeats
+        per, units = split.slots, self.microbatches * self.repeats
         chunks = f" in {self.repeats} chunks of {per // self.repeats} (circular)" if self.repeats > 1 else ""
+        if split.uneven:
+            chunks = f" (the last {stages - split.fuller} of {per - 1}; uneven)"
         return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
                       f"{(stages - 1) / (units + stages - 1):.0%}"]
+
+
+def _split_state(part, pipe, source: str) -> None:
+    """Uneven stages' layer state at rest: each stacked input of the forward scan split
+    over the stage axis along a dim other than its layer dim (`_state_dim`; propagation
+    carries the split to its gradients and optimizer state), but not into the layers,
+    whose values are kept whole along the stage axis (pinned at the scans' links)."""
+    prog = part.program
+    for call in pipe.scans.calls:
+        body = prog.regions[call.body]
+        inner = body.invars[len(call.consts) + len(call.carry):] + body.outvars[len(call.carry_out):]
+        for w in (w for w in inner if w >= 0):
+            part.pin(w, axes=(pipe.axis,), source=source)
+    for v in dict.fromkeys(v for v in pipe.scans.forward.xs if v >= 0):
+        d = _state_dim(part, v, pipe.axis)
+        if d is None:
+            continue
+        try:
+            part.tile(v, d, pipe.axis, source=source)
+        except partir.PartitioningError:
+            pass  # (changing nothing) the stage's layers then come from the value whole along the axis
+
+
+def _state_dim(part, v: int, axis: str):
+    """The dim of stacked value `v` to split over `axis` at rest: not the layer dim, one
+    `axis` divides with the axes already on it, preferring dims nothing splits yet, then
+    the largest blocks; None where no dim will do (or `axis` splits it already)."""
+    val, t = part.program.values[v], part.tiling(v)
+    if axis in t.axes():
+        return None
+    fits = [d for d in range(1, val.rank) if val.shape[d] % part.mesh.devices_along((*t.dims[d], axis)) == 0]
+    return max(fits, key=lambda d: (not t.dims[d], val.shape[d] // part.mesh.devices_along(t.dims[d])), default=None)

@@ -163,9 +163,18 @@ class ZeRO(Tactic):
 
 
 def _updates(prog, out: int, param: int) -> bool:
-    """Is output `out` computed by an op that reads `param` directly (p - lr * u)?"""
-    p = prog.producer[out]
-    return p >= 0 and param in prog.ops[p].operands
+    """Is output `out` computed by an op that reads `param` directly (p - lr * u), up to
+    dtype casts of either (bfloat16 weights stepped in float32 and cast back, as a
+    mixed-precision update with master weights does)?"""
+    p = prog.producer[_uncast(prog, out)]
+    return p >= 0 and param in {_uncast(prog, v) for v in prog.ops[p].operands if v >= 0}
+
+
+def _uncast(prog, v: int) -> int:
+    """The value `v` is a dtype cast of (through casts of casts), or `v` itself."""
+    while prog.producer[v] >= 0 and prog.ops[prog.producer[v]].primitive == "convert_element_type":
+        v = prog.ops[prog.producer[v]].operands[0]
+    return v
 
 
 def _gradients(prog, r) -> set[int]:

@@ -11,7 +11,8 @@ import pytest
 
 import partir
 import search
-from examples import REGISTRY, gpt, mlp
+import tactics
+from examples import REGISTRY, gpt, llama, mlp
 from examples.plans import FIDELITY_CONFIGS, STRATEGIES, data_parallel, fsdp, megatron, random_plan, searched_plan
 from partir import MeshSpec
 
@@ -237,6 +238,21 @@ def test_memory_matches_xla_on_a_known_program():
     assert search.CostModel(part, "cpu").cost().memory_peak == pytest.approx(xla, rel=0.05)
 
 
+def test_master_weights_step_under_zero1_with_its_state_donated_matches_xla():
+    # Megatron's mixed precision as NeMo's benchmark rows run it: the float32 master copy
+    # and adam moments sharded (ZeRO-1), parameters and optimizer state donated. Computed
+    # in float32: XLA:CPU upcasts bfloat16 elementwise work and stacks the scan's residuals
+    # in float32, which no GPU does and the model does not copy.
+    config = llama.LlamaConfig(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab=1024, seq_len=64,
+                               batch=16, scan_layers=True, master_weights=True)
+    step, args = llama.make_train_step(config, abstract=True)
+    part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=8),
+                                  [tactics.DataParallel("data"), tactics.ZeRO("data", stage=1)]).partitioning
+    f = search.compare_with_xla(part, args, donate_argnums=(0, 1))
+    _assert_matches_xla(f)
+    assert f.memory_model < search.CostModel(part, "cpu").cost().memory_peak  # the donation counted
+
+
 def test_megatron_beats_replication_on_gpt():
     step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=4, d_model=2048, n_heads=16, d_ff=8192, vocab=32768,
                                                    seq_len=1024, batch=2), abstract=True)
@@ -279,6 +295,23 @@ def test_axis_across_nodes_is_slower_than_nvlink():
     assert slow.by_axis()[("data",)][2] > 5 * fast.by_axis()[("data",)][2]
     assert slow.by_axis()[("model",)][2] == fast.by_axis()[("model",)][2]
     assert slow.step_time > fast.step_time and slow.compute_time == fast.compute_time
+
+
+def test_a_ring_across_nodes_pays_the_network_latency_only_between_nodes():
+    # NCCL's tuning model: a ring over 4 nodes of 8 H100s takes 31 steps for an
+    # all-gather, 3 of them from node to node over InfiniBand, the rest over NVLink
+    # (an all-reduce twice as many of each); a group with one member a node crosses the
+    # network at every step.
+    h100 = search.get_device("h100")
+    mesh = MeshSpec.of(data=32)
+    links = search.LinkModel(mesh, h100, search.link_levels(mesh.axes, h100))
+    assert links.latency(partir.Kind.ALL_GATHER, ("data",)) == pytest.approx(3 * h100.inter_latency
+                                                                              + 28 * h100.intra_latency)
+    assert links.latency(partir.Kind.ALL_REDUCE, ("data",)) == pytest.approx(6 * h100.inter_latency
+                                                                              + 56 * h100.intra_latency)
+    spread = MeshSpec.of(node=4, gpu=8)
+    links = search.LinkModel(spread, h100, search.link_levels(spread.axes, h100))
+    assert links.latency(partir.Kind.ALL_GATHER, ("node",)) == pytest.approx(3 * h100.inter_latency)
 
 
 def test_gradient_reductions_overlap_backward():

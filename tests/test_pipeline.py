@@ -105,9 +105,9 @@ def test_each_stage_holds_its_layers_parameters_and_optimizer_state():
             assert part.tiling(v).dims[0] == ("stage",), name
 
 
-def test_a_stage_count_that_does_not_divide_the_layers_is_refused():
+def test_more_stages_than_layers_are_refused():
     _, _, prog = _gpt()
-    with pytest.raises(T.TacticError, match="does not divide the 4 layers"):
+    with pytest.raises(T.TacticError, match="8 stages over 'stage' are more than the 4 layers"):
         T.apply_schedule(prog, MeshSpec.of(data=1, stage=8), [T.Pipeline("stage", microbatches=1)])
 
 
@@ -308,10 +308,16 @@ def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
     assert xla_4 < xla_1 and model_4 < model_1  # (the model's drop is half XLA's: tick-loop buffers aside)
 
 
-def test_a_saved_pipelined_plan_loads_and_runs_as_it_was_made(tmp_path):
-    step, args, prog = _gpt()
-    plan = automap.partition(step, mesh={"data": 2, "stage": 4}, lowering="shard_map", device="cpu",
-                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=4)])(*args)
+#: Uneven stages: 3 layers over 2 (tests/test_pipeline_uneven.py).
+THREE = dataclasses.replace(TINY, n_layers=3)
+
+
+@pytest.mark.parametrize("config,data,stages,microbatches", [
+    (TINY, 2, 4, 4), pytest.param(THREE, 4, 2, 2, marks=pytest.mark.slow, id="uneven")])
+def test_a_saved_pipelined_plan_loads_and_runs_as_it_was_made(tmp_path, config, data, stages, microbatches):
+    step, args, prog = _gpt(config)
+    plan = automap.partition(step, mesh={"data": data, "stage": stages}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=microbatches)])(*args)
     plan.save(tmp_path / "plan.json")
     loaded = automap.load_plan(tmp_path / "plan.json").bind(step, *args)
     assert loaded.partitioning.pipelines == plan.partitioning.pipelines

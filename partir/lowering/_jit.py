@@ -23,7 +23,7 @@ from .._scans import var_ids
 from ._common import LAYOUT_ONLY, jit_with_layouts
 from ._eval import bind_equation, lowering_params
 from ._hooks import JitHooks
-from ._jit_pipeline import JitPipelines
+from ._jit_pipeline import JitPipelines, stage_blocks
 
 #: What the `jit` backend constrains: every value ('all'), or only the program's inputs
 #: and outputs ('boundary', leaving the interior to XLA's propagation).
@@ -55,6 +55,7 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
     prog = part.program
     user_mesh, mesh = mesh, lowering_mesh(mesh)
     shardings: dict[int, NamedSharding] = {}
+    blocks = stage_blocks(part)  # held as the stages' blocks, not as the plan lays them out
 
     def sharding(v: int) -> NamedSharding:
         s = shardings.get(v)
@@ -63,7 +64,7 @@ def lower_jit(part: Partitioning, mesh, *, constrain: str = "all", donate_argnum
         return s
 
     def constrain_value(x, v: int):
-        if constrain != "all" or v < 0:
+        if constrain != "all" or v < 0 or v in blocks:
             return x
         val = prog.values[v]
         if not val.shape or not _numeric(val.dtype) or getattr(x, "ndim", len(val.shape)) != len(val.shape):

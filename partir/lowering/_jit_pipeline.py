@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec
 from jax.extend.core import Literal
 
 from .._graph import made_from_scalars
+from .._pipeline import kept_in_slots
 from .._scans import var_ids
+from .._tiling import Tiling
 from ._frame import Frame, _Blocks
 from ._shardmap import Interpreter
 from ._shardmap_pipeline import run_pipelined
@@ -36,6 +38,7 @@ class JitPipelines:
         self.part, self.mesh = part, mesh
         self.interp = Interpreter(part, list(made_from_scalars(part.program)))
         self.saved: dict = {}
+        self.blocks = stage_blocks(part)
 
     def __contains__(self, body: int) -> bool:
         return body in self.interp.pipelined
@@ -79,7 +82,11 @@ class JitPipelines:
         gives = saved if remat is not None and body == remat.fwd else []
 
         def spec(v: int):  # a recomputed residual's placeholder is a scalar per layer
-            return PartitionSpec(pipe.axis) if remat is not None and remat.placeholder(v) else part.tiling(v).spec()
+            if remat is not None and remat.placeholder(v):
+                return PartitionSpec(pipe.axis)
+            if v in self.blocks:  # uneven stages' residual: [S * slots, ...], a stage's block each
+                return Tiling(((pipe.axis,),) + part.tiling(v).dims[1:]).spec()
+            return part.tiling(v).spec()
 
         def stages(*blocks):
             ops = list(operands)
@@ -112,3 +119,15 @@ def unit_values(prog, rid: int, start: int, end: int) -> tuple[list[int], list[i
     ins = list(dict.fromkeys(v for v in reads(region.jaxpr.eqns[start:end]) if v not in made))
     later = set(reads(region.jaxpr.eqns[end:])) | set(region.outvars)
     return ins, [v for i in range(start, end) for v in region.eqn_results[i] if v in made and v in later]
+
+
+def stage_blocks(part) -> frozenset:
+    """The residuals of uneven stages (`partir.StageSplit`) kept as the stages' padded
+    blocks between the two scans (`partir.kept_in_slots`): under this lowering one array
+    of S * ceil(L/S) layers split over the stage axis, which no constraint on the way
+    from one region to the other may gather (the plan holds them whole along it)."""
+    out = set()
+    for pipe in part.pipelines:
+        if pipe.repeats == 1 and pipe.split(part.mesh.size(pipe.axis)).uneven:
+            out |= kept_in_slots(part, pipe)
+    return frozenset(out)

@@ -19,7 +19,8 @@ region boundary is moved as the link op joining the two sides says
 (`_boundaries`). Residuals the plan rematerializes are recomputed, block by
 block, where the backward pass first reads them (`_shardmap_remat`). A dot that moves
 a value round a ring (`partir.ring_moves`) reads it as its block at rest, or makes its
-block of the sum, and runs block by block as the blocks travel (`_ring`).
+block of the sum, and runs block by block as the blocks travel (`_ring`); a ring
+plan's attention runs blockwise with an online softmax where it matches (`_online`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ._frame import Frame, _Blocks
 from ._hooks import made_in_forward
 from ._local import LocalOp, bind_local
 from ._order import Reordering
+from ._online import OnlineRings
 from ._ring import run_ring
 from ._shardmap_pipeline import run_pipelined
 from ._onef import run_onef
@@ -55,14 +57,16 @@ from ._shardmap_remat import BlockRecomputation
 from ._spmd import move
 
 
-def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=()):
+def lower_shard_map(part: Partitioning, mesh, *, free=None, donate_argnums=(), online_softmax: bool = True):
     """`jax.jit` of a `jax.shard_map` running the plan per device. `free` lists the values
     that may be made in any layout instead of moved (value ids or a boolean mask; by
     default those `partir.made_from_scalars` names); pass the cost model's
     (`search._fusion.materialization(program).from_scalars`) to lower exactly what it
-    charges."""
+    charges. `online_softmax`: a ring plan's attentions run blockwise with an online
+    softmax where `partir.online_attentions` matches them (`_online`); False keeps the
+    program's softmax round the ring for all."""
     prog = part.program
-    interp = Interpreter(part, _free_mask(prog, free))
+    interp = Interpreter(part, _free_mask(prog, free), online_softmax=online_softmax)
     in_specs = tuple(part.tiling(v).spec() for v in prog.inputs)
     out_specs = tuple(part.tiling(v).spec() if v >= 0 else jax.sharding.PartitionSpec() for v in prog.outputs)
     auto = lowering_mesh(mesh)
@@ -125,7 +129,7 @@ def _free_mask(prog, free) -> list[bool]:
 class Interpreter:
     """Runs the program's regions on one device's blocks (see the module docstring)."""
 
-    def __init__(self, part: Partitioning, free: list[bool], move_mesh=None):
+    def __init__(self, part: Partitioning, free: list[bool], move_mesh=None, online_softmax: bool = False):
         # `mesh` gives blocks their shapes; `move_mesh` the axes values move along (the
         # mesh less a sequential axis whose blocks one device runs one after the other:
         # pipeline microbatches, whose sums accumulate instead of being all-reduced).
@@ -136,6 +140,7 @@ class Interpreter:
         self.free = free
         self.order = Reordering(part)
         self.rings = ring_moves(part)  # the dots that move a value round a ring (`_ring`)
+        self.online = OnlineRings(self, online_softmax)  # attentions run blockwise (`_online`)
         self.backward = self.prog.backward
         self.values, self.wholes = _Blocks(self), {}
         self.remat = BlockRecomputation(part, self) if part.rematerialized or part.reused else None
@@ -148,6 +153,7 @@ class Interpreter:
 
     def top(self, args) -> list:
         self.values, self.wholes = _Blocks(self), {}
+        self.online.clear()
         if self.remat is not None:
             self.remat.clear()
         return self.region(0, list(args))
@@ -181,29 +187,30 @@ class Interpreter:
         with jax.named_scope(str(eqn.source_info.name_stack) or "_"):
             if self.remat is not None:
                 self.remat.reads(frame, rid, i, eqn)
-            if i in self.prog.regions[rid].children:
-                self._nested(frame, rid, i, eqn)
+            region = self.prog.regions[rid]
+            if i in region.children:
+                if not self.online.skips(frame, region.eqn_results[i]):  # else inside a blockwise attention
+                    self._nested(frame, rid, i, eqn)
             else:
-                self.op(frame, eqn, self.prog.regions[rid].eqn_ops[i])
+                self.op(frame, eqn, region.eqn_ops[i])
 
     # -- ops ---------------------------------------------------------------------------
     def op(self, frame: Frame, eqn, oid: int) -> None:
         """Run op `oid` (equation `eqn`) on the blocks of `frame`."""
         part, op = self.part, self.prog.ops[oid]
+        if oid in self.online.ops:
+            self.online.run(frame, oid)  # the blockwise attention does this op's work
+            return
         if self._made_whole(frame, eqn, op):
             return
-        slots, partial, kind = part.block_layout(oid)
+        slots, partial, _ = part.block_layout(oid)
         need = {k: Tiling(d) for side, k, _, d in slots if side == "operand"}
         made = {k: d for side, k, _, d in slots if side == "result"}
         backward = self.backward[oid]
         after = self._anchor(frame, op) if backward else None
         ring = self.rings.get(oid)
-        if ring is not None and ring.kind == "gather":
-            need.pop(ring.slot)  # read as the block at rest: the ring brings the others
-        operands = []
-        for k, (x, v) in enumerate(zip(eqn.invars, op.operands)):
-            again = backward and v >= 0 and made_in_forward(self.prog, v)
-            operands.append(x.val if v < 0 else frame.read(v, need.get(k), backward, again, after if again else None))
+        operands = [x.val if v < 0 else self.read_operand(frame, oid, k, after) for k, (x, v)
+                    in enumerate(zip(eqn.invars, op.operands))]
         if eqn.primitive.name in LAYOUT_ONLY:
             outs = operands  # the identity: the plan's layouts replace the program's requests
         elif ring is not None:
@@ -215,14 +222,34 @@ class Interpreter:
                             tuple(tuple(getattr(x.aval, "shape", ())) for x in eqn.outvars), self.mesh, partial)
             outs = bind_local(local, operands)
             outs = [o if v < 0 else self.order.made(v, o) for v, o in zip(op.results, outs)]
+        self.put_results(frame, oid, outs)
+
+    def read_operand(self, frame: Frame, oid: int, k: int, after=None):
+        """Operand `k` of op `oid` in the layout the op reads it in (at rest when a ring
+        brings it); `after`: the backward value a forward one moved again waits for."""
+        op = self.prog.ops[oid]
+        v = op.operands[k]
+        ring = self.rings.get(oid)
+        need = None
+        if ring is None or ring.kind != "gather" or ring.slot != k:  # a ring reads its block at rest
+            need = next(Tiling(d) for side, j, _, d in self.part.block_layout(oid)[0] if side == "operand" and j == k)
+        again = self.backward[oid] and made_in_forward(self.prog, v)
+        return frame.read(v, need, self.backward[oid], again, after if again else None)
+
+    def put_results(self, frame: Frame, oid: int, outs) -> None:
+        """Put op `oid`'s results `outs` (as it makes them) in `frame`, moved to rest."""
+        op = self.prog.ops[oid]
+        slots, partial, kind = self.part.block_layout(oid)
+        made = {k: d for side, k, _, d in slots if side == "result"}
+        ring = self.rings.get(oid)
         for k, v in enumerate(op.results):
             if v >= 0:
                 left = self.left_partial.get(v, ())
                 made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
                 if ring is not None and ring.kind == "scatter" and k == ring.slot:
                     made_k = ring.made(made_k)
-                frame.put(v, move(outs[k], made_k, part.tiling(v), self.move_mesh))
-        if backward and outs:
+                frame.put(v, move(outs[k], made_k, self.part.tiling(v), self.move_mesh))
+        if self.backward[oid] and outs:
             frame.last = outs[0]
 
     def _ring(self, ring, eqn, op, operands, after) -> list:

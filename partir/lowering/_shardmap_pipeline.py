@@ -17,7 +17,10 @@ chunk of L/(S*R) layers each, the sends form a ring (the last position sends to 
 first, where a microbatch's carry waits for its next round), and the stacked values are
 exchanged for the chunks the stage runs on the way in and back on the way out
 (`_circular`), but for the residuals kept in that order between the two scans
-(`partir.kept_in_slots`).
+(`partir.kept_in_slots`). With uneven stages (S not dividing L) each stage runs
+ceil(L/S) layer slots, a padding slot passing its carry on, and its rows of the stacked
+values are exchanged in and out of their [L, ...] layout (`_uneven`), but for the
+residuals kept as the stages' blocks between the two scans.
 
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
@@ -35,11 +38,12 @@ import jax.numpy as jnp
 
 from .._errors import PartitioningError
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, SUM, kept_in_slots
+from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
 from ._spmd import move
+from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
 
 
 def _micro(a, dim, m, count: int):
@@ -80,21 +84,27 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     operands = [move(whole[k], Tiling.replicated(jnp.ndim(whole[k])), interp.rest(v), interp.move_mesh)
                 if k in whole else a for k, (a, v) in enumerate(zip(operands, ins))]
     g, w, x = split_operands(eqn, ins), split_operands(eqn, list(body.invars)), split_operands(eqn, operands)
+    stages, repeats = interp.mesh.size(pipe.axis), pipe.repeats
+    split = pipe.split(stages)
     for v in g.xs:
-        if v >= 0 and interp.rest(v).dims[0] != (pipe.axis,):
+        if v >= 0 and not split.uneven and interp.rest(v).dims[0] != (pipe.axis,):
             raise PartitioningError(f"{prog.name(v)} is laid out {interp.rest(v)}: a pipelined scan's stacked "
                                     f"inputs are split along their layer dim over {pipe.axis!r} alone")
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)]
+    # The circular schedule's chunks: one exchange in, one out (`_circular`), but for the
+    # residuals the stages keep in their slot order from one scan to the other; uneven
+    # stages' padded layer rows exchanged (or taken) from the [L, ...] stacked values
+    # (`_uneven`), but for the residuals they keep as their own blocks.
+    slots = kept_in_slots(interp.part, pipe)
+    xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if split.uneven and u not in slots else a
+          for a, u in zip(x.xs, g.xs)]
     # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
     # (A recomputed residual's placeholder, a scalar per layer, as it is.)
     held = [remat is not None and u >= 0 and remat.placeholder(u) for u in g.xs]
-    xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]), Tiling(((),) + interp.rest(v).dims),
-                           interp.move_mesh) for a, u, v, h in zip(x.xs, g.xs, w.xs, held)]
-    stages, repeats = interp.mesh.size(pipe.axis), pipe.repeats
-    # The circular schedule's chunks: one exchange in, one out (`_circular`), but for the
-    # residuals the stages keep in their slot order from one scan to the other.
-    slots = kept_in_slots(interp.part, pipe)
+    xs = [a if h else move(a, _without(Tiling(((),) + interp.rest(u).dims[1:]), pipe.axis),
+                           Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v, h in zip(xs, g.xs, w.xs, held)]
     if repeats > 1:
         xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
@@ -102,17 +112,36 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
+    if split.uneven:  # back to the [L, ...] layout
+        ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
+                   for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     if repeats > 1:
         ys_kept = [y if r < 0 or dropped or r in slots else from_slots(y, pipe.axis, stages, repeats)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
-    stacked = [y if r < 0 or dropped else move(y, Tiling(((pipe.axis,),) + interp.rest(v).dims,
-                                                          layout.left_partial(v), "sum"), interp.rest(r),
-                                                interp.move_mesh)
+    stacked = [y if r < 0 or dropped else move(y, made_at(pipe, split, interp.rest(v), interp.rest(r), slots, r,
+                                                          layout.left_partial(v)), interp.rest(r), interp.move_mesh)
                for y, v, r, dropped in zip(ys_kept, body.outvars[len(carry):], results[len(carry):], drop)]
     return finals + stacked
+
+
+def _without(t: Tiling, axis: str) -> Tiling:
+    return Tiling(tuple(tuple(a for a in d if a != axis) for d in t.dims), t.partial, t.reduce_kind)
+
+
+def _rows_in(a, rest: Tiling, axis: str, split):
+    """The stage's padded rows of stacked input `a` (at rest `rest`) under uneven stages."""
+    dim = state_dim(rest, axis)
+    return stage_rows(a, axis, split) if dim is None else to_stage_rows(a, axis, split, dim)
+
+
+def _rows_out(y, rest: Tiling, axis: str, split):
+    """Stacked output rows `y` of uneven stages in the [L, ...] layout its result (at
+    rest `rest`) keeps along the stage axis."""
+    dim = state_dim(rest, axis)
+    return whole_rows(y, axis, split) if dim is None else from_stage_rows(y, axis, split, dim)
 
 
 @dataclass(frozen=True)
@@ -176,12 +205,13 @@ def _initial(interp, pipe, call, carry, d, drop, extra, waits: bool) -> tuple:
     carries, the per-layer outputs and what recomputing needs."""
     prog, body, nk = interp.prog, interp.prog.regions[call.body], len(carry)
     M, S = pipe.microbatches, interp.mesh.size(pipe.axis)
+    slots = pipe.split(S).slots  # a stage's layers (padded to ceil(L/S) when uneven)
     recv = tuple(jnp.zeros_like(_micro(a, i, 0, M)) for a, i in zip(carry, d.carry))
     back = tuple(jnp.zeros((M,) + r.shape, r.dtype) for r in recv) if waits else ()
     kept = tuple(_block(interp, v) for v in body.outvars[:nk])
-    ys_kept = tuple(jnp.zeros((call.length // S,), prog.values[v].dtype) if dropped else
-                    _block(interp, v, call.length, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
-    made_kept = tuple(_block(interp, s, call.length, pipe.axis) for s in extra)
+    ys_kept = tuple(jnp.zeros((slots,), prog.values[v].dtype) if dropped else
+                    _block(interp, v, slots * S, pipe.axis) for v, dropped in zip(body.outvars[nk:], drop))
+    made_kept = tuple(_block(interp, s, slots * S, pipe.axis) for s in extra)
     return recv, back, kept, ys_kept, made_kept
 
 
@@ -192,7 +222,9 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
     call = layout.call
     nk, M, S, forward = len(carry), pipe.microbatches, interp.mesh.size(pipe.axis), not call.reverse
     ticks = _Ticks(S, M, pipe.repeats, forward)
-    chunk = call.length // (S * pipe.repeats)
+    split = pipe.split(S)
+    chunk = split.slots // pipe.repeats
+    real = slot_mask(pipe.axis, split) if split.uneven else None  # the slots holding a layer
     saving = remat is not None and call.body == remat.fwd and bool(remat.extra)
     reading = remat is not None and call.body == remat.bwd
     extra = remat.extra if saving else ()
@@ -203,9 +235,14 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
     waits = pipe.repeats > 1 and M > S  # the first position keeps returning carries until their turn
 
     def layer(c, xl, consts_m, more):
+        if real is not None:  # a padding slot passes its carry on and makes zeros
+            here, xl = xl[-1], xl[:-1]
         if reading:
             remat.enter(xl[len(xs):], more)
         outs = inner.region(call.body, list(consts_m) + list(c) + list(xl[:len(xs)]))
+        if real is not None:
+            outs = [jnp.where(here, o, a) for o, a in zip(outs[:nk], c)] + [
+                jnp.where(here, o, jnp.zeros_like(o)) for o in outs[nk:]]
         ys = tuple(jnp.zeros((), y.dtype) if dropped else y for y, dropped in zip(outs[nk:], drop))
         return tuple(outs[:nk]), (ys, remat.made() if saving else ())
 
@@ -219,10 +256,11 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
                      for a, i, r, b in zip(carry, d.carry, recv, back or recv))
         consts_m = [_micro(a, i, mc, M) for a, i in zip(consts, d.consts)]
         xs_m = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
-        if chunk * S != call.length:  # the circular schedule: this unit's chunk of the stage's layers
+        if pipe.repeats > 1:  # the circular schedule: this unit's chunk of the stage's layers
             xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
         more = remat.per_tick(mc, M, _micro) if reading else {}
         xs_m += remat.per_layer(mc, M, _micro) if reading else ()
+        xs_m += (real,) if real is not None else ()
         c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
                                          reverse=not forward)
         done = valid & last & (k == pipe.repeats - 1)

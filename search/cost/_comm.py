@@ -32,7 +32,13 @@ line rate); a group spanning nodes with `k` members in each runs `k` rings side 
 one per member's NIC (NCCL's rail-aligned rings), so `k` times the inter-node figure up
 to the intra-node one; a group on a TPU torus larger than one side of it runs rings
 along as many torus dims as it spans, each with its own links. With the latency, this
-is the bus-bandwidth curve of NCCL-tests: small messages pay `alpha` per step.
+is the bus-bandwidth curve of NCCL-tests: small messages pay `alpha` per step. A ring
+over a group spanning nodes with `k` members in each crosses nodes only between nodes:
+of its steps, those of a ring over the `n / k` nodes pay the inter-node latency and the
+rest the intra-node one, as NCCL's tuning model prices a ring (NVIDIA/nccl
+src/graph/tuning.cc, `ncclTopoTuneModel`: `(nsteps - nInterSteps) * intraLat +
+nInterSteps * interLat`, `nInterSteps` = nodes - 1 for an all-gather or reduce-scatter,
+twice that for an all-reduce).
 
 A contraction summed along several dims, each split over axes of its own (a weight's
 gradient summed over a batch split over `data` and a sequence split over `context`), is
@@ -135,9 +141,7 @@ class LinkModel:
         if any(self.levels[a] == "inter" for a in axes):
             # An axis said to cross nodes against the layout (a `links` override) has
             # its members on nodes of their own: one ring per group.
-            placed = all(self.levels[a] == self.placed[a] for a in axes)
-            per_node = _members_per_node(self.mesh, axes, dev.devices_per_node) if placed else 1
-            bw = min(dev.intra_bandwidth, per_node * dev.inter_bandwidth)
+            bw = min(dev.intra_bandwidth, self._per_node(axes) * dev.inter_bandwidth)
         else:
             bw = min(self.bw[a] for a in axes)
             if dev.torus_dims and dev.torus_side > 1 and n > dev.torus_side:
@@ -151,11 +155,10 @@ class LinkModel:
         if n <= 1:
             return 0.0
         bw = self.bandwidth(axes)
-        alpha = max(self.alpha[a] for a in axes)
         if kind == Kind.COLLECTIVE_PERMUTE:  # one hop: each device sends its block, receives one
-            return alpha + nbytes / bw
+            return self.latency(kind, axes) + nbytes / bw
         traffic = (2.0 if kind == Kind.ALL_REDUCE else 1.0) * (n - 1) / n * nbytes
-        return _steps(kind, n) * alpha + traffic / bw
+        return self.latency(kind, axes) + traffic / bw
 
     def exposed_time(self, cols) -> float:
         """`total_time(cols)` less what each collective's own op hides (`behind`), as a
@@ -164,11 +167,26 @@ class LinkModel:
         return self.total_time(cols) - sum(c.behind * c.count for c in cols)
 
     def latency(self, kind: str, axes: tuple[str, ...]) -> float:
-        """The latency part of one collective: `steps * alpha`."""
+        """The latency part of one collective: its ring steps, each at the latency of
+        the link it crosses (module docstring)."""
         n = self.mesh.devices_along(axes)
         if n <= 1:
             return 0.0
-        return _steps(kind, n) * max(self.alpha[a] for a in axes)
+        alpha = max(self.alpha[a] for a in axes)
+        steps = _steps(kind, n)
+        per_node = self._per_node(axes)
+        if kind == Kind.COLLECTIVE_PERMUTE or per_node == 1 or all(self.levels[a] == "intra" for a in axes):
+            return steps * alpha
+        across = _steps(kind, -(-n // per_node))
+        return across * alpha + (steps - across) * self.device.intra_latency
+
+    def _per_node(self, axes) -> int:
+        """Members of a group along `axes` on one node, where the group spans nodes as
+        the device layout places it (else 1: an axis said to cross nodes against the
+        layout has its members on nodes of their own)."""
+        if not all(self.levels[a] == self.placed[a] for a in axes):
+            return 1
+        return _members_per_node(self.mesh, axes, self.device.devices_per_node)
 
     def total_time(self, cols) -> float:
         """Seconds for collectives `cols` in a step. Gradient reductions over the same

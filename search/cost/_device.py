@@ -249,7 +249,7 @@ def _gpu(name, flops, hbm_gib, hbm_bw, nvlink, ib, **time):
 # `check` rows choose nothing). The names say which.
 #: Fit: large bf16 GEMMs through cuBLAS/XLA reach this fraction of the dense datasheet
 #: peak on Hopper and Ampere.
-GPU_MATMUL_EFFICIENCY = 0.681
+GPU_MATMUL_EFFICIENCY = 0.676
 #: Fit: large matmuls on the MXUs (XLA:TPU) reach this fraction of peak.
 TPU_MATMUL_EFFICIENCY = 0.865
 #: Estimate: a per-device matmul dim of this many elements halves the rate along it

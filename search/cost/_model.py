@@ -55,7 +55,7 @@ from ._fusion import materialization
 from ._manual import body_collectives
 from ._memory import Liveness
 from ._move_buffers import MoveBuffers
-from ._rings import is_ring_reshard, ring_collectives, ring_signature
+from ._rings import OnlineMemory, is_ring_reshard, ring_collectives, ring_signature
 from ._achieved import dot_efficiency, shard_shape
 
 __all__ = ["Cost", "CostModel", "bytes_str", "time_str"]
@@ -105,6 +105,8 @@ class CostModel(CostTime, CostMemory):
         # What XLA really runs and keeps (`_fusion`): dead ops cost nothing; fused values
         # (broadcasts, iotas, what is made from them) are no buffer and no memory traffic.
         self.materialization = mat = materialization(prog, self.device.fused_attention, self.device.priority_fusion)
+        # The attentions a ring plan runs blockwise under shard_map (`partir.lowering._online`).
+        self._online = OnlineMemory(part, self.device) if backend == "shard_map" else None
         self._timing_setup(prog, mat)
         self._bytes_setup(prog, mat)
         heavy = np.array([op.primitive in WEIGHT_GRADIENT_OPS for op in prog.ops], dtype=bool)
@@ -184,8 +186,10 @@ class CostModel(CostTime, CostMemory):
 
     def _value_bytes(self) -> np.ndarray:
         """Each value's bytes per device in the current state: split as its class is, and
-        one microbatch's where a pipeline runs it (`PipelinePricing.value_div`)."""
-        return self._nbytes / self._class_div[self._value_class] / self._value_div
+        one microbatch's where a pipeline runs it (`PipelinePricing.value_div`), and as
+        the shard_map lowering's blockwise attentions keep them (`OnlineMemory`)."""
+        out = self._nbytes / self._class_div[self._value_class] / self._value_div
+        return out if self._online is None else self._online.value_bytes(out, self._rings)
 
     # -- incremental bookkeeping ---------------------------------------------------------
     def _refresh_classes(self, classes) -> None:
@@ -410,6 +414,8 @@ class CostModel(CostTime, CostMemory):
         work = self._flops / div * self.materialization.live_op
         view = self._view()
         redo, skip = view.work(work, self._mult) if view is not None else (0.0, 0.0)
+        if self._online is not None:  # the blockwise attentions' backward Q K^T, computed again
+            redo += sum(float(work[o] * self._mult[o]) for o in self._online.recomputed(self._rings))
         return Cost(
             device=self.device.name,
             mesh=str(self.part.mesh),

@@ -14,6 +14,12 @@ With R repeats (the circular schedule) the loop has M*R + S - 1 ticks of one chu
 L/(S*R) layers, so the bubble is (S-1)/(M*R+S-1), and the stacked values are exchanged
 over the stage axis in and out of the stage program (one all-to-all each: `_exchanges`).
 
+With uneven stages (S not dividing L, `partir.StageSplit`) every stage runs ceil(L/S)
+layer slots a tick, so a tick lasts as long as the busiest stage's; the layers' state is
+split over the stage axis along another dim (`stage_bytes`: 1/S of it), each stage's
+residuals are its slots' (`in_flight_bytes`), and the stage's layers of each stacked
+value are exchanged in and out over the stage axis (`_uneven_exchanges`).
+
 `gpipe_timeline` says which stage runs which microbatch when (what `Plan.plot` draws),
 from the seconds of one tick of each pass that `CostModel` prices (`TickTimes`).
 """
@@ -176,10 +182,15 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
             whole = _block_bytes(prog, out, part.tiling(out), mesh)
             cols.append(CollectiveCost(Kind.ALL_REDUCE, axes, whole, link.time(Kind.ALL_REDUCE, axes, whole),
                                        prog.producer[w], out))
-    stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in prog.inputs
-                if prog.values[v].rank and part.tiling(v).dims[0][:1] == (pipe.axis,))
+    split = pipe.split(stages)
+    cols += _uneven_exchanges(part, pipe, link) if split.uneven else []
+    stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in _layer_state(part, pipe))
     gone, extra = _recomputing(part, pipe)
-    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys if v >= 0 and v not in gone)
+    # The residuals of the stage's layers (its ceil(L/S) slots' when uneven: held whole
+    # along the stage axis by the plan, kept as the stage's blocks by the lowering).
+    held = split.slots * stages / split.length if split.uneven else 1.0
+    kept = held * sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys
+                      if v >= 0 and v not in gone)
     layers = (pipe.scans.forward.length,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
@@ -187,6 +198,50 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, bubble(stages, m, pipe.repeats), ticks, tuple(cols),
                         tuple(p2p),
                         stage, kept, pipe.repeats)
+
+
+def _layer_state(part, pipe) -> list:
+    """The program's inputs that hold the layers' state (parameters, optimizer state):
+    split along their layer dim over the stage axis, or, with uneven stages (whole along
+    it), in a tiling class of the pipeline's stacked values."""
+    prog = part.program
+    if not pipe.split(part.mesh.size(pipe.axis)).uneven:
+        return [v for v in prog.inputs if prog.values[v].rank and part.tiling(v).dims[0][:1] == (pipe.axis,)]
+    cls = prog.classes_for(part.detached)
+    stacked = {cls.of[v] for v in pipe.stacked()}
+    return [v for v in prog.inputs if prog.values[v].rank and cls.of[v] in stacked]
+
+
+def _uneven_exchanges(part, pipe, link: LinkModel) -> list:
+    """Uneven stages' collectives over the stage axis (`lowering/_uneven`), but for the
+    residuals the stages keep as their blocks (`partir.kept_in_slots`): per stacked
+    input split over the axis at rest (`partir.state_dim`), one all-to-all of its S *
+    ceil(L/S) layer rows (once for both scans: XLA computes the identical exchanges
+    once); per stacked output, one all-to-all of as many rows in the layout the body
+    makes it, split over the axis as its result is at rest, or, where that result is
+    whole along the axis, one all-reduce of all L layers."""
+    prog, mesh, kept, axes = part.program, part.mesh, partir.kept_in_slots(part, pipe), (pipe.axis,)
+    split = pipe.split(mesh.size(pipe.axis))
+    rows, roots, seen, out = split.slots * split.stages, partir.call_roots(prog), set(), []
+    for call in pipe.scans.calls:
+        body = prog.regions[call.body]
+        for outer in call.xs:
+            t = part.tiling(outer) if outer >= 0 else None
+            if t is None or outer in kept or partir.state_dim(t, pipe.axis) is None or (roots[outer], t) in seen:
+                continue
+            seen.add((roots[outer], t))
+            nbytes = _block_bytes(prog, outer, t, mesh, (rows,) + tuple(prog.values[outer].shape[1:]))
+            out.append(CollectiveCost(Kind.ALL_TO_ALL, axes, nbytes, link.time(Kind.ALL_TO_ALL, axes, nbytes),
+                                      prog.producer[outer], outer))
+        for outer, inner in zip(call.ys, body.outvars[len(call.carry_out):]):
+            if outer < 0 or outer in kept or inner < 0:
+                continue
+            t = partir.made_at(pipe, split, part.tiling(inner), part.tiling(outer), kept, outer)
+            whole = partir.state_dim(part.tiling(outer), pipe.axis) is None
+            kind = Kind.ALL_REDUCE if whole else Kind.ALL_TO_ALL
+            nbytes = _block_bytes(prog, inner, t, mesh, (split.length if whole else rows,) + tuple(prog.values[inner].shape))
+            out.append(CollectiveCost(kind, axes, nbytes, link.time(kind, axes, nbytes), prog.producer[inner], inner))
+    return out
 
 
 def _exchanges(part, pipe, link: LinkModel) -> list:
@@ -259,7 +314,8 @@ class PipelinePricing:
     microbatched partitioning (`partir.microbatched`), as the shard_map lowering runs
     them. An op's work is divided over the microbatch axis too (a microbatch's share),
     and it runs (L/(S·R))·(M·R+S-1) times a step instead of L (`scale`: its stage's
-    chunk in every tick, bubble included; R = 1 but for the circular schedule); its moves are the plan's on a microbatch's blocks, the
+    chunk in every tick, bubble included; R = 1 but for the circular schedule; ceil(L/S)
+    slots with uneven stages); its moves are the plan's on a microbatch's blocks, the
     microbatch axis left out (a sum over it is the accumulation), less the reductions
     left for after the loop; the stacked values are read where their stage holds them
     (no gather along the layer dim). The pipeline's own collectives are `pipeline_cost`'s
@@ -268,21 +324,27 @@ class PipelinePricing:
     def __init__(self, part, links: LinkModel, device):
         self.part, self.links = part, links
         self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
-        self.stages: dict[int, int] = {}  # a pipelined scan's body region -> its stage count
         self.heads: list = []  # per pipeline, its `partir.HeadLayout` (None: the head runs on the whole batch)
         # 1F1B's forward body region -> the share of the microbatches its stage keeps at once (its ring).
         self.ring: dict[int, float] = {}
+        # A pipelined scan's body region -> the layers a stage holds (ceil(L/S) slots).
+        self.slots: dict[int, int] = {}
+        self.uneven: dict[int, float] = {}  # a stacked input of uneven stages -> slots / L
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
             stages, m = part.mesh.size(pipe.axis), pipe.microbatches
+            split = pipe.split(stages)
             for lay in layouts:
-                self.stages[lay.call.body] = stages
+                self.slots[lay.call.body] = split.slots
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
-                        self.scale[op.id] = (m * pipe.repeats + stages - 1) / (stages * pipe.repeats)
+                        self.scale[op.id] = split.slots * (m * pipe.repeats + stages - 1) / (
+                            pipe.repeats * split.length)
                         self.layouts[op.id] = (ext, lay, pipe)
+                if split.uneven:  # a stage moves its slots' rows of what it reads, all L of what it makes
+                    self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
                 self.ring[pipe.scans.forward.body] = pipe.in_flight(stages) / m
             head = partir.head_layout(part, ext, pipe)
@@ -327,9 +389,9 @@ class PipelinePricing:
         prog, out = self.part.program, []
         for start, end, v, scale in entries:
             region = prog.values[v].region
-            stages = self.stages.get(region)
-            if stages is not None and scale == prog.regions[region].trip_count:
-                scale = scale * float(value_div[v]) / stages * self.ring.get(region, 1.0)
+            slots = self.slots.get(region)
+            if slots is not None and scale == prog.regions[region].trip_count:
+                scale = float(value_div[v]) * slots * self.ring.get(region, 1.0)
             out.append((start, end, v, scale))
         return out
 
@@ -359,8 +421,8 @@ class PipelinePricing:
             if src == dst:
                 continue
             val = prog.values[r.value]
-            full = float(model._nbytes[r.value]) / mesh.devices_along(
-                a for d in ext.tiling(r.value).dims for a in d if a in micro)
+            full = float(model._nbytes[r.value]) * self.uneven[r.value] if r.value in self.uneven else float(
+                model._nbytes[r.value]) / mesh.devices_along(a for d in ext.tiling(r.value).dims for a in d if a in micro)
             item = float(model._nbytes[r.value]) / max(1, math.prod(val.shape))
             grad = bool(src.partial) and model._backward[o] and not model._feeds_backward[r.value]
             cols = tuple(CollectiveCost(kind, axes, nbytes, t, o, r.value, float(model._mult[o]), bool(grad),
@@ -412,13 +474,15 @@ class PipelinePricing:
                     prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
+            kept = partir.kept_in_slots(self.part, pipe)
             for lay in layouts:
                 body = prog.regions[lay.call.body]
-                for v in body.outvars[len(lay.call.carry):]:
+                split = pipe.split(self.part.mesh.size(pipe.axis))
+                for v, r in zip(body.outvars[len(lay.call.carry):], lay.call.ys):
                     axes = lay.left_partial(v) if v >= 0 else ()
                     if not axes:
                         continue
-                    t = Tiling(((pipe.axis,),) + self.part.tiling(v).dims)
+                    t = partir.made_at(pipe, split, self.part.tiling(v), self.part.tiling(r), kept, r)
                     nbytes = _block_bytes(prog, v, t, self.part.mesh, (lay.call.length,) + tuple(prog.values[v].shape))
                     out.append((prog.producer[v], v, (CollectiveCost(
                         Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),

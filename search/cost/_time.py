@@ -54,7 +54,8 @@ class CostTime:
 
     def _op_times(self):
         """(seconds per op per step, work division, seconds the backward attention
-        kernel spends recomputing each forward score dot's `Q K^T`)."""
+        kernel, or the shard_map lowering's blockwise attention, spends recomputing each
+        forward score dot's `Q K^T`)."""
         dev = self.device
         div = np.where(self._trivial, self._class_div[self._op_class], self._op_div)
         moved = np.where(self._trivial, self._op_bytes_full / div, self._op_bytes)
@@ -70,7 +71,11 @@ class CostTime:
             # program; elementwise ops fuse into them or into few loop fusions, as many
             # in a scan as unrolled, which the op list does not follow one to one.
             times = times + dev.op_overhead * self._mult * ((times > 0) & self._is_dot)
-        return times, div, kernel * self._kernel_again
+        again = kernel * self._kernel_again
+        if self._online is not None:  # a blockwise attention's backward computes Q K^T again
+            for o in self._online.recomputed(self._rings):
+                again[o] = max(again[o], times[o])
+        return times, div, again
 
     def _step(self, times, again_ops, compute: float, cols_again) -> tuple[float, float]:
         """(step time, exposed communication) of the current state (`_achieved`)."""

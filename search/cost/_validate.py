@@ -47,14 +47,14 @@ class Fidelity:
         return [(k, *v, self.bytes_error(k)) for k, v in sorted(self.kinds.items())]
 
 
-def compare_with_xla(part, args, *, device="cpu", mesh=None, backend="jit") -> Fidelity:
+def compare_with_xla(part, args, *, device="cpu", mesh=None, backend="jit", donate_argnums=()) -> Fidelity:
     """Compile `part`'s plan for `args` (arrays or ShapeDtypeStructs), lowered by
-    `backend` (`partir.lower`'s), and compare with the model of that lowering
-    (`CostModel`'s `backend`)."""
+    `backend` (`partir.lower`'s) with `donate_argnums` donated, and compare with the
+    model of that lowering (`CostModel`'s `backend` and `donate_argnums`)."""
     mesh = mesh if mesh is not None else part.mesh.jax_mesh()
-    compiled = partir.lower(part, mesh, backend=backend).lower(*args).compile()
+    compiled = partir.lower(part, mesh, backend=backend, donate_argnums=donate_argnums).lower(*args).compile()
     cols = partir.collectives(compiled.as_text(), mesh)
-    cost = CostModel(part, device, backend=backend).cost()
+    cost = CostModel(part, device, backend=backend, donate_argnums=donate_argnums).cost()
     kinds: dict[str, list] = {}
     for c in cost.collectives:
         e = kinds.setdefault(c.kind, [0, 0.0, 0, 0.0])

@@ -1,0 +1,265 @@
+"""Attention a ring can run with an online softmax, found from the dataflow.
+
+A ring plan (`Partitioning.ring`) moves each attention's keys and values round the
+context axis one block at a time, but the program's own softmax reads a query block's
+whole row of scores. The shard_map lowering can instead run the attention blockwise
+(`partir.lowering._online`): per key block, the scores, the program's own elementwise
+ops on them (scaling, a mask), and a running max and sum per query row that rescale the
+output accumulator (flash attention's online softmax); the backward pass recomputes
+each block's weights from the queries, the key block and the saved row log-sum-exp.
+It can do so only where the program computes exactly that, which `online_attentions`
+checks op by op:
+
+- the *chain*: from the score dot's result, a line of ops each reading one value of
+  the line and otherwise literals or values made from scalars (an iota mask, a fill,
+  a scale), of the same shape or a transpose (`CHAIN_PRIMITIVES`), through calls'
+  boundaries, to the softmax's input `x`;
+- the *softmax*: `exp(x - c)` for a `c` constant along the keys' dim (the row max
+  `jax.nn.softmax` subtracts, or any other shift: none changes the weights), divided
+  by its sum over that dim, whose result the combine dot (`P V`) reads;
+- the *backward*: the dots the differentiated program holds, `dO V^T` (reading the
+  values), `P^T dO` (reading the weights and the same `dO`), and `dS K`, `dS^T Q`
+  (reading one value `dS` of the scores' shape and dims: the scores' cotangent);
+- nothing outside those dots reads a value of the attention's region.
+
+Anything else (dropout on the weights, a softmax written another way, the weights
+returned, forward and backward in different loops) keeps the program's softmax: the
+reason is recorded (`Unmatched`) and the tactic lists it in its notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._attention import attentions, forward_like, kernel_region, _region_dims
+from ._graph import made_from_scalars
+from ._nested import Link
+
+#: Primitives the chain from the scores to the softmax may hold: elementwise ops a
+#: block of the scores computes alone (with its block of any mask or scale), and a
+#: transpose, which moves the block's dims as it moves the row's.
+CHAIN_PRIMITIVES = frozenset({"mul", "div", "add", "sub", "neg", "select_n", "convert_element_type", "max", "min",
+                              "transpose"})
+#: Ops that bring the row sum back to the weights' shape before the division.
+_BROADCASTS = frozenset({"broadcast_in_dim", "reshape"})
+
+
+@dataclass(frozen=True)
+class OnlineAttention:
+    """One attention the ring can run with an online softmax (module docstring).
+
+    `chain`: op ids from the score dot's result to the softmax input `x` (link ops
+    included: identities); `chain_key_dims`: per chain op, the keys' dim of its result.
+    `weights`: the softmax's result `P`, `row_sum` its row sums (before they are
+    broadcast back), `key_dim` the keys' dim of `x` and `P`.
+    `grad_scores`, `grad_values`, `grad_queries_dot`, `grad_keys_dot`: the backward dots
+    `dO V^T`, `P^T dO`, `dS K`, `dS^T Q` (op ids); `grad_out` the value `dO`,
+    `grad_logits` the value `dS`. `ops`: every op whose work the blockwise attention
+    does instead (the region's ops, links included, and the six dots)."""
+
+    attention: object
+    chain: tuple[int, ...]
+    chain_key_dims: tuple[int, ...]
+    x: int
+    weights: int
+    row_sum: int
+    key_dim: int
+    grad_scores: int
+    grad_values: int
+    grad_queries_dot: int
+    grad_keys_dot: int
+    grad_out: int
+    grad_logits: int
+    ops: frozenset
+
+    @property
+    def backward_dots(self) -> tuple[int, ...]:
+        """The four dots of the backward pass."""
+        return (self.grad_scores, self.grad_values, self.grad_queries_dot, self.grad_keys_dot)
+
+
+@dataclass(frozen=True)
+class Unmatched:
+    """An attention (score dot `score`) the ring runs with the program's softmax, and why."""
+
+    score: int
+    reason: str
+
+
+def online_attentions(program) -> tuple:
+    """Per attention of `program` (`partir.attentions`), an `OnlineAttention` or an
+    `Unmatched` saying why not (module docstring). Kept with the program."""
+    return program.analysis(_online_attentions)
+
+
+def _online_attentions(program) -> tuple:
+    region = kernel_region(program)
+    return tuple(_match(program, region, a) for a in attentions(program))
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _match(program, region, a):
+    try:
+        return _matched(program, region, a)
+    except _NoMatch as e:
+        return Unmatched(a.score, str(e))
+
+
+def _need(ok: bool, reason: str) -> None:
+    if not ok:
+        raise _NoMatch(reason)
+
+
+def _matched(program, region, a) -> OnlineAttention:
+    forward = forward_like(program)
+    dims = _region_dims(program, region, a.scores)
+    chain, keys, x, sub = _chain(program, dims, forward, a)
+    p, row_sum = _softmax(program, forward, x, keys[-1] if keys else a.score_key_dim, sub)
+    cop = program.ops[a.combine]
+    _need(p in cop.operands, "the combine dot does not read the softmax's result")
+
+    def dot_users(v: int) -> list[int]:  # the backward dots of the region reading v
+        return [o for o in program.users[v] if region.dots[o] and not forward[o]]
+
+    grad_scores = [o for o in dot_users(a.value) if region.score[o]]
+    _need(len(grad_scores) == 1, "no backward dot dO V^T reads the values themselves (the backward pass reads "
+          "them from a loop's stack or a recomputation; blockwise attention keeps its forward and backward in "
+          "one region)")
+    d_out = next(u for u in program.ops[grad_scores[0]].operands if u != a.value)
+    grad_values = [o for o in dot_users(p) if d_out in program.ops[o].operands]
+    _need(len(grad_values) == 1, "no single backward dot P^T dO reads the weights")
+    key_dots = [o for o in dot_users(a.key) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
+    query_dots = [o for o in dot_users(a.query) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
+    _need(len(key_dots) == 1 and len(query_dots) == 1, "no single dS K and dS^T Q in the backward pass")
+    ds = [u for u in program.ops[key_dots[0]].operands if u != a.key]
+    _need(len(ds) == 1 and ds[0] in program.ops[query_dots[0]].operands, "dS K and dS^T Q read different dS")
+    rank = program.values[a.scores].rank
+    _need(program.values[ds[0]].shape == program.values[a.scores].shape
+          and dims.get(ds[0]) == {d: d for d in range(rank)}, "dS is not laid out as the scores")
+    dots = (a.score, a.combine, grad_scores[0], grad_values[0], key_dots[0], query_dots[0])
+    _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
+    ops = _component(program, region, (a.scores, program.ops[grad_scores[0]].results[0]), dots)
+    keys = tuple(keys)
+    return OnlineAttention(a, tuple(chain), keys, x, p, row_sum, keys[-1] if keys else a.score_key_dim, grad_scores[0],
+                           grad_values[0], key_dots[0], query_dots[0], d_out, ds[0], ops)
+
+
+def _chain(program, dims, forward, a):
+    """(op ids, keys' dim of each result, softmax input, its subtraction) from the
+    scores along the chain: the chain ends at the value a row constant is subtracted
+    from; ops reading chain values off it (the max, its gradient's masks) are the
+    region's, replaced with it."""
+    free = made_from_scalars(program)
+    chain, keys, v = [], [], a.scores
+    while True:
+        key = keys[-1] if keys else a.score_key_dim
+        users = [program.ops[o] for o in program.users[v] if forward[o]]
+        subs = [op for op in users if op.primitive == "sub" and op.operands[0] == v
+                and _row_constant(program, op.operands[1], key)]
+        if subs:
+            return chain, keys, v, subs[0]
+        nxt = [op for op in users if op.primitive in CHAIN_PRIMITIVES | {Link.CALL_IN, Link.CALL_OUT}]
+        _need(len(nxt) == 1, "no softmax: no x - max(x) along one line of ops from the scores")
+        op = nxt[0]
+        if not op.link:
+            _need(op.operands.count(v) == 1 and len(op.results) == 1, f"{op.primitive} reads the scores twice")
+            others = [u for u in op.operands if u != v]
+            _need(all(u < 0 or free[u] for u in others), f"{op.primitive} on the scores reads more than constants")
+            shape = program.values[op.results[0]].shape
+            _need(all(u < 0 or program.values[u].shape in (shape, ()) for u in others),
+                  f"{op.primitive} on the scores broadcasts an operand")
+        r = op.results[0]
+        key = [d for d, s in dims.get(r, {}).items() if s == a.score_key_dim]
+        _need(len(key) == 1, f"{op.primitive} on the scores loses the keys' dim")
+        chain.append(op.id)
+        keys.append(key[0])
+        v = r
+
+
+def _row_constant(program, c: int, key: int) -> bool:
+    """Is `c` the same along dim `key` (of size 1 there, or broadcast along it)? Any
+    such shift leaves the softmax as it is (a shift of a row changes none of its
+    weights): the blockwise attention shifts by its own running max."""
+    if c < 0:
+        return False
+    if program.values[c].shape[key] == 1:
+        return True
+    op = program.ops[program.producer[c]] if program.producer[c] >= 0 else None
+    return op is not None and op.primitive == "broadcast_in_dim" and key not in op.eqn.params["broadcast_dimensions"]
+
+
+def _softmax(program, forward, x: int, key: int, sub) -> tuple[int, int]:
+    """(the weights `exp(x - c) / sum(exp(x - c))` over `key` from the subtraction
+    `sub`, the row sums), or _NoMatch."""
+    e = _only(program, forward, sub.results[0], "exp")
+    sums = [program.ops[o] for o in program.users[e] if forward[o] and program.ops[o].primitive == "reduce_sum"]
+    _need(len(sums) == 1 and tuple(sums[0].eqn.params["axes"]) == (key,), "no softmax: no sum over the keys")
+    total = sums[0].results[0]
+    while True:
+        nxt = [program.ops[o] for o in program.users[total] if forward[o] and program.ops[o].primitive in _BROADCASTS]
+        if len(nxt) != 1:
+            break
+        total = nxt[0].results[0]
+    divs = [program.ops[o] for o in program.users[e] if program.ops[o].primitive == "div"
+            and program.ops[o].operands == (e, total)]
+    _need(len(divs) == 1, "no softmax: exp is not divided by its sum")
+    return divs[0].results[0], sums[0].results[0]
+
+
+def _only(program, forward, v: int, primitive: str) -> int:
+    found = [program.ops[o] for o in program.users[v] if forward[o] and program.ops[o].primitive == primitive]
+    _need(len(found) == 1, f"no softmax: no {primitive} of x - max(x)")
+    return found[0].results[0]
+
+
+def _component(program, region, seeds, dots) -> frozenset:
+    """The ops of the attention's region reached from `seeds` (the scores and dO V^T's
+    result), with `dots`; _NoMatch when anything else reads one of its values."""
+    seen, stack, ops = set(), list(seeds), set(dots)
+    while stack:
+        v = stack.pop()
+        if v < 0 or v in seen:
+            continue
+        seen.add(v)
+        for o in program.users[v]:
+            if o in dots:
+                continue
+            op = program.ops[o]
+            _need(region.ops[o] or op.link, f"{op.primitive} (op {o}) outside the attention reads its scores")
+            ops.add(o)
+            stack += [r for r in op.results if r >= 0]
+    dot_results = {r for o in dots for r in program.ops[o].results}
+    _need(not (seen - dot_results) & set(program.outputs), "the program returns a value of the attention's region")
+    return frozenset(ops)
+
+
+def online_reason(part, m: OnlineAttention, rings: dict) -> str | None:
+    """Why plan `part` (its ring dots `rings`, `partir.ring_moves`) cannot run attention
+    `m` blockwise, or None when it can: every one of its six dots must move the keys
+    and values (or their gradients) round one axis, in a plan without rematerialization
+    or pipelines, at the program's top level."""
+    a = m.attention
+    want = {a.score: "gather", a.combine: "gather", m.grad_scores: "gather", m.grad_queries_dot: "gather",
+            m.grad_keys_dot: "scatter", m.grad_values: "scatter"}
+    if any(o not in rings or rings[o].kind != k for o, k in want.items()):
+        return "not every dot of it moves its keys and values round a ring"
+    if len({rings[o].axis for o in want}) != 1:
+        return "its rings run over different axes"
+    if part.rematerialized or part.reused or part.pipelines or part.program.ops[a.score].region != 0:
+        return "it is rematerialized, pipelined or inside a loop (blockwise attention keeps no residuals there)"
+    prog = part.program
+    d_out = [_layout(part, o, prog.ops[o].operands.index(m.grad_out)) for o in (m.grad_scores, m.grad_values)]
+    queries = [_layout(part, o, prog.ops[o].operands.index(a.query)) for o in (a.score, m.grad_keys_dot)]
+    slots, partial, _ = part.block_layout(a.combine)
+    out = next(d for side, _, _, d in slots if side == "result")
+    if partial or d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
+        return "its dots read the output's gradient or the queries in different layouts"
+    return None
+
+
+def _layout(part, o: int, k: int) -> tuple:
+    """The dims of operand `k` as op `o` reads it."""
+    return next(d for side, j, _, d in part.block_layout(o)[0] if side == "operand" and j == k)

@@ -1,0 +1,75 @@
+"""Uneven stages inside a pipelined layer scan's stage program (`partir.StageSplit`):
+each stage runs ceil(L/S) layer slots, the first stages all of them with layers, the
+others one padding slot last.
+
+The stacked values keep their own [L, ...] layout (an array cannot be split unevenly
+over devices), so the stage program pads on the way in and cuts on the way out, and
+`slot_mask` says which slots hold a layer (a padding slot passes its carry on and makes
+zeros). A value split over the stage axis along another dim at rest (the layers'
+parameters, gradients and optimizer state: `partir.state_dim`) is exchanged, one
+all-to-all over the stage axis each way: `to_stage_rows` sends each stage the rows of
+its layers (zeros for its padding slot) and gathers its own whole along that dim,
+`from_stage_rows` does the reverse and drops the padding rows. A value whole along the
+stage axis: `stage_rows` takes the stage's layers (no data moves: every stage holds
+them all), `whole_rows` puts every stage's rows back, one all-reduce over the axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _first(split, s):
+    """The first layer stage `s` (a traced index) runs (`StageSplit.first`)."""
+    return s * (split.slots - 1) + jnp.minimum(s, split.fuller)
+
+
+def slot_mask(axis: str, split):
+    """[slots] booleans: which of this stage's slots hold a layer."""
+    s = jax.lax.axis_index(axis)
+    return jnp.arange(split.slots) < split.slots - (s >= split.fuller)
+
+
+def _masked(rows, mask):
+    return jnp.where(mask.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, jnp.zeros_like(rows))
+
+
+def stage_rows(a, axis: str, split):
+    """This stage's `split.slots` layers of `a` ([L, ...], whole along `axis`), zeros in
+    its padding slot."""
+    padded = jnp.concatenate([a, jnp.zeros((split.slots,) + a.shape[1:], a.dtype)])
+    rows = jax.lax.dynamic_slice_in_dim(padded, _first(split, jax.lax.axis_index(axis)), split.slots, 0)
+    return _masked(rows, slot_mask(axis, split))
+
+
+def whole_rows(y, axis: str, split):
+    """Every stage's rows `y` ([slots, ...], this stage's layers) as the [L, ...] value,
+    the same on every stage: each writes its layers into zeros, summed over `axis`."""
+    padded = jnp.zeros((split.length + split.slots,) + y.shape[1:], y.dtype)
+    mine = jax.lax.dynamic_update_slice_in_dim(padded, _masked(y, slot_mask(axis, split)),
+                                               _first(split, jax.lax.axis_index(axis)), 0)
+    return jax.lax.psum(mine[:split.length], axis)
+
+
+def _positions(split) -> np.ndarray:
+    """[S * slots]: the layer each stage's slot holds, stage-major; L for a padding slot."""
+    return np.array([split.first(s) + j if j < split.count(s) else split.length
+                     for s in range(split.stages) for j in range(split.slots)])
+
+
+def to_stage_rows(a, axis: str, split, dim: int):
+    """This stage's `split.slots` layers of `a` ([L, ...] split over `axis` along `dim`,
+    `axis` its minor axis there), whole along `axis` on `dim`, zeros in its padding slot."""
+    padded = jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
+    rows = jnp.take(padded, jnp.asarray(_positions(split)), axis=0)  # [S * slots, ...]: each stage's rows
+    return jax.lax.all_to_all(rows, axis, 0, dim, tiled=True)
+
+
+def from_stage_rows(y, axis: str, split, dim: int):
+    """The inverse of `to_stage_rows`: every stage's rows `y` ([slots, ...], whole along
+    `axis` on `dim`) as the [L, ...] value split over `axis` along `dim`."""
+    got = jax.lax.all_to_all(y, axis, dim, 0, tiled=True)  # [S * slots, ...]: stage-major
+    where = np.argsort(_positions(split), kind="stable")[:split.length]  # each layer's slot
+    return jnp.take(got, jnp.asarray(where), axis=0)

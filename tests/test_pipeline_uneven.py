@@ -1,0 +1,144 @@
+"""Uneven pipeline stages: L layers over S stages when S does not divide L. Each stage
+runs ceil(L/S) layer slots, the last stages one layer fewer (a padding slot that
+passes its carry on); the stacked values keep the user's [L, ...] layout. The step
+computes what plain `jax.jit` computes (loss, updated parameters, Adam moments)."""
+
+import collections
+import dataclasses
+import functools
+import io
+
+import jax
+import numpy as np
+import pytest
+
+import partir
+import search
+import tactics as T
+from automap._explain import stage_table
+from examples import gpt, llama
+from partir import MeshSpec
+from rich.console import Console
+
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+#: A GPT of 3 layers: 2 stages of 2 slots, the second holding one layer and a padding slot.
+THREE = gpt.GPTConfig(n_layers=3, d_model=16, n_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16, scan_layers=True,
+                      adam_eps=EPS)
+#: A Llama of 5 layers: 4 stages of 2 slots run 2, 1, 1 and 1 layers.
+FIVE = llama.LlamaConfig(n_layers=5, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16,
+                         scan_layers=True, adam_eps=EPS)
+
+
+@functools.cache
+def _lifted(config):
+    step, args = (llama if isinstance(config, llama.LlamaConfig) else gpt).make_train_step(config)
+    return step, args, partir.lift(step, *args)
+
+
+def _plan(config, mesh, others, microbatches=2):
+    _, _, prog = _lifted(config)
+    return T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=microbatches)]).partitioning
+
+
+def _same_step(part, config, backend):
+    step, args, prog = _lifted(config)
+    ours = partir.lower(part, backend=backend)(*args)
+    theirs = jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        assert np.shape(a) == np.shape(b), name
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_three_layers_over_two_stages_compute_what_jit_computes():
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+    _same_step(part, THREE, "shard_map")
+
+
+#: Llama of 5 layers over 4 stages with tactics on the other axes: (tactics, mesh).
+LLAMA_CASES = {
+    "dp": ([T.DataParallel("data")], MeshSpec.of(data=2, stage=4)),
+    "megatron": ([T.Megatron("model")], MeshSpec.of(model=2, stage=4)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jit", "shard_map"])
+@pytest.mark.parametrize("case", sorted(LLAMA_CASES))
+def test_five_llama_layers_over_four_stages_compute_what_jit_computes(case, backend):
+    others, mesh = LLAMA_CASES[case]
+    _same_step(_plan(FIVE, mesh, others), FIVE, backend)
+
+
+@pytest.mark.slow
+def test_three_layers_over_two_stages_under_the_jit_lowering():
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+    _same_step(part, THREE, "jit")
+
+
+def test_compiled_collectives_are_the_modeled_ones():
+    """Per (kind, axes, bytes), counted once per loop body: the tick loops' permutes of
+    one microbatch's activation, the all-to-alls exchanging each stage's layers of the
+    parameters in and of their gradients out, the data axis's gradient reductions."""
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+    _, args, prog = _lifted(THREE)
+    free = search.materialization(prog).from_scalars
+    text = partir.lower(part, backend="shard_map", free=free).lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    activation = THREE.batch // 4 // 2 * THREE.seq_len * THREE.d_model * 4  # f32, a microbatch of a data block
+    assert compiled[(partir.Kind.COLLECTIVE_PERMUTE, ("stage",), activation)] == 2  # forward and backward loop
+    assert compiled == modeled
+
+
+def test_each_stage_stores_its_share_of_the_layer_stack():
+    """The layers' parameters and Adam moments are split over the stage axis along
+    another dim (a dim of 3 layers cannot be split over 2): per device 1/S of them, as
+    XLA's arguments hold them."""
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+    _, args, prog = _lifted(THREE)
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    layers = [v for v in prog.inputs if "['layers']" in prog.name(v)]
+    assert cost.stage_bytes == sum(prog.values[v].nbytes for v in layers) / 2
+    compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
+    rest = sum(float(np.prod(part.tiling(v).shard_shape(prog.values[v].shape, part.mesh))) * prog.values[v].nbytes
+               / max(1, int(np.prod(prog.values[v].shape))) for v in prog.inputs if v not in layers)
+    assert compiled.memory_analysis().argument_size_in_bytes == cost.stage_bytes + rest
+
+
+def test_a_tick_lasts_as_long_as_the_busiest_stage():
+    """3 layers over 2 stages tick as long as 4 over 2: each stage runs 2 layer slots."""
+    ticks = []
+    for layers in (3, 4):
+        config = dataclasses.replace(THREE, n_layers=layers)
+        part = _plan(config, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+        ticks.append(search.CostModel(part, "cpu").cost().pipeline_ticks)
+    assert ticks[0] == pytest.approx(ticks[1])
+
+
+def test_the_last_stages_run_one_layer_fewer():
+    split = partir.StageSplit(126, 16)
+    assert [len(r) for r in split.layers()] == [8] * 14 + [7] * 2
+    assert [list(r) for r in partir.StageSplit(5, 4).layers()] == [[0, 1], [2], [3], [4]]
+
+
+def test_the_stage_table_says_which_layers_each_stage_runs():
+    out = Console(file=io.StringIO(), width=200)
+    out.print(stage_table("stage", 5, 1, ["data", "stage"], [2, 4]))
+    text = out.file.getvalue()
+    assert "uneven" in text
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    assert rows == [["0", "0..1", "0, 4"], ["1", "2..2 + 1 padding slot", "1, 5"],
+                    ["2", "3..3 + 1 padding slot", "2, 6"], ["3", "4..4 + 1 padding slot", "3, 7"]]
+
+
+def test_the_circular_schedule_over_uneven_stages_is_refused_naming_the_fix():
+    _, _, prog = _lifted(THREE)
+    with pytest.raises(T.TacticError, match="2 stages x 2 repeats do not divide the 3 layers.*repeats=1"):
+        T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Pipeline("stage", microbatches=2, repeats=2)])
+
+
+def test_remat_with_uneven_stages_is_refused_naming_the_fix():
+    _, _, prog = _lifted(THREE)
+    with pytest.raises(T.TacticError, match="Remat inside pipelined layers.*leave Remat out"):
+        T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Remat("full"), T.Pipeline("stage", microbatches=2)])
+
