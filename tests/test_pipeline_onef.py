@@ -94,12 +94,13 @@ def test_1f1b_has_gpipes_bubble_and_one_tick_loop():
     assert cost.bubble == pytest.approx(3 / 7) and cost.ticks == 4 + 2 * 4 - 2
 
 
-@pytest.mark.parametrize("tactics,match", [
-    ([T.Pipeline("stage", microbatches=4, schedule="1f1b", repeats=2)], "repeats=2.*give repeats=1"),
-    ([T.Remat("full"), T.Pipeline("stage", microbatches=2, schedule="1f1b")], "Remat.*gpipe schedule.*leave Remat out"),
+@pytest.mark.parametrize("tactics,match,layers", [
+    ([T.Pipeline("stage", microbatches=4, schedule="1f1b", repeats=2)], "repeats=2.*give repeats=1", 8),
+    ([T.Remat("full"), T.Pipeline("stage", microbatches=2, schedule="1f1b")], "Remat.*gpipe schedule.*leave Remat out", 8),
+    ([T.Pipeline("stage", microbatches=4, schedule="1f1b")], "1f1b schedule runs even stages.*3 layers.*divides", 3),
 ])
-def test_what_1f1b_cannot_run_is_refused_naming_it(tactics, match):
-    _, _, prog = _gpt(dataclasses.replace(TINY, n_layers=8))
+def test_what_1f1b_cannot_run_is_refused_naming_it(tactics, match, layers):
+    _, _, prog = _gpt(dataclasses.replace(TINY, n_layers=layers))
     with pytest.raises(T.TacticError, match=match):
         T.apply_schedule(prog, _mesh(2), [T.DataParallel("data")] + tactics)
 
