@@ -238,6 +238,7 @@ def test_memory_matches_xla_on_a_known_program():
     assert search.CostModel(part, "cpu").cost().memory_peak == pytest.approx(xla, rel=0.05)
 
 
+@pytest.mark.slow  # the step's numerics run by default: test_llama.py::test_master_weights_step_under_zero1_matches_jit
 def test_master_weights_step_under_zero1_with_its_state_donated_matches_xla():
     # Megatron's mixed precision as NeMo's benchmark rows run it: the float32 master copy
     # and adam moments sharded (ZeRO-1), parameters and optimizer state donated. Computed
