@@ -38,7 +38,7 @@ from ._args import LOWERINGS, Options
 #: --schedule words (AXIS is a mesh axis name): the tactics' (`tactics.WORDS`), pipeline
 #: stages over AXIS with M microbatches (R repeats: the circular schedule), and the
 #: search on all axes or some.
-SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("pp:AXIS:M[:R]", "auto", "auto:AXIS+AXIS")
+SCHEDULE_WORDS = tuple(f"{w}:AXIS" for w in WORDS) + ("pp:AXIS:M[:R][:SCHEDULE]", "auto", "auto:AXIS+AXIS")
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -129,20 +129,25 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
 
 
 def _pipeline(word: str, arg: str, mesh):
-    """The `Pipeline` of schedule word `word` ('pp:AXIS:M' or 'pp:AXIS:M:R', R the
-    circular schedule's repeats), whose text after 'pp:' is `arg`."""
+    """The `Pipeline` of schedule word `word` ('pp:AXIS:M', 'pp:AXIS:M:R', R the
+    circular schedule's repeats, either followed by ':SCHEDULE', one of
+    `partir.PIPELINE_SCHEDULES`), whose text after 'pp:' is `arg`."""
+    from partir import PIPELINE_SCHEDULES
     from tactics import Pipeline, TacticError
 
     axis, _, counts = arg.partition(":")
     if axis not in mesh.names:
         raise CliError(f"--schedule {word!r}: name a mesh axis after 'pp:' (one of {list(mesh.names)}), "
                        "e.g. pp:stage:8")
-    parts = [_positive(p) for p in counts.split(":")]
+    words = counts.split(":")
+    schedule = words.pop() if len(words) > 1 and words[-1] in PIPELINE_SCHEDULES else "gpipe"
+    parts = [_positive(p) for p in words]
     if not 1 <= len(parts) <= 2 or None in parts:
         raise CliError(f"--schedule {_cut(word)!r}: give the microbatch count after the axis, and optionally the "
-                       f"circular schedule's repeats, whole numbers >= 1, e.g. pp:{axis}:8 or pp:{axis}:8:2")
+                       f"circular schedule's repeats, whole numbers >= 1, then optionally the schedule (one of "
+                       f"{', '.join(PIPELINE_SCHEDULES)}), e.g. pp:{axis}:8, pp:{axis}:8:2 or pp:{axis}:8:1f1b")
     try:
-        return Pipeline(axis, microbatches=parts[0], repeats=parts[1] if len(parts) == 2 else 1)
+        return Pipeline(axis, microbatches=parts[0], repeats=parts[1] if len(parts) == 2 else 1, schedule=schedule)
     except TacticError as e:
         raise CliError(f"--schedule {word!r}: {e}") from None
 

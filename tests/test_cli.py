@@ -85,6 +85,8 @@ BAD = [
      "give the microbatch count after the axis"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data:4:2:1", "--out", "p.json"],
      "optionally the circular schedule's repeats"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data:4:zigzag", "--out", "p.json"],
+     "then optionally the schedule (one of gpipe, 1f1b)"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:stage:4", "--out", "p.json"],
      "name a mesh axis after 'pp:'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "four", "--out", "p.json"],
@@ -191,7 +193,7 @@ def test_a_schedule_word_pipelines_a_layer_scan_and_show_prints_its_stages(tmp_p
     assert any(line.split("│")[1:4] == ["     1 ", " 2..3   ", " 1, 3, 5, 7 "] for line in shown.splitlines())
 
 
-def test_a_pipeline_word_takes_the_circular_schedules_repeats():
+def test_a_pipeline_word_takes_the_circular_schedules_repeats_and_a_schedule():
     from automap._cli import parse_schedule
     from partir import MeshSpec
     from tactics import Pipeline
@@ -200,3 +202,5 @@ def test_a_pipeline_word_takes_the_circular_schedules_repeats():
     words = parse_schedule("dp:data,pp:stage:4:2", mesh, budget=1, seed=0, device="cpu", memory=None)
     assert words[1] == Pipeline("stage", microbatches=4, repeats=2)
     assert parse_schedule("pp:stage:4", mesh, budget=1, seed=0, device="cpu", memory=None) == [Pipeline("stage", 4)]
+    assert parse_schedule("pp:stage:8:1f1b", mesh, budget=1, seed=0, device="cpu", memory=None) == [
+        Pipeline("stage", 8, schedule="1f1b")]
