@@ -65,9 +65,10 @@ class AutomaticPartition(Tactic):
 
     `grad_accum` is how many micro-batches a step the program (the train step of one)
     runs with gradient accumulation: above 1, plans are chosen by the accumulated step,
-    T(1) + (grad_accum - 1) (T(2) - T(1)) from the step on one and on two micro-batches
-    (`search._accum`), as a run pays its per-micro-batch work that many times and its
-    gradient reduction and update once; memory is one micro-batch's.
+    each time term extrapolated as P(1) + (grad_accum - 1) (P(2) - P(1)) from the step on
+    one and on two micro-batches and overlap applied after (`search.accumulated_step`),
+    as a run pays its per-micro-batch work that many times and its gradient reduction
+    and update once; memory is one micro-batch's.
     """
 
     axes: tuple[str, ...] | None = None
