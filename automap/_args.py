@@ -52,7 +52,10 @@ class Options:
     - `static_argnums`, `donate_argnums`: as for `jax.jit`;
     - `budget_s`, `seed`: the automatic search's time budget and seed;
     - `best_effort`: take a plan over the memory limit, skip a tactic that cannot apply;
-    - `lowering`: how the plan runs, one of `LOWERINGS`.
+    - `lowering`: how the plan runs, one of `LOWERINGS`;
+    - `grad_accum`: how many micro-batches a step the program (the step of one) runs with
+      gradient accumulation; the search chooses by the accumulated step (see
+      `search.AutomaticPartition`), and fills it into a searching schedule that left it 1.
     """
 
     mesh: object
@@ -65,6 +68,7 @@ class Options:
     seed: object = 0
     best_effort: object = False
     lowering: object = "jit"
+    grad_accum: object = 1
     jax_mesh: Mesh | None = dataclasses.field(default=None, init=False, compare=False)
 
     def __post_init__(self):
@@ -91,6 +95,8 @@ class Options:
                                          example="memory_limit=80e9 (bytes per device)"))
         put("budget_s", check.number("budget_s", self.budget_s, example="budget_s=30", error=AutomapError))
         put("seed", check.number("seed", self.seed, integer=True, sign="any", example="seed=0", error=AutomapError))
+        put("grad_accum", check.number("grad_accum", self.grad_accum, integer=True, error=AutomapError,
+                                       example="grad_accum=32 (micro-batches a step)"))
 
     @classmethod
     def default(cls, name: str):
@@ -102,13 +108,19 @@ class Options:
         import search
 
         if self.schedule is not None:
-            # A search that leaves its lowering open prices the one this plan runs under.
-            return [dataclasses.replace(t, lowering=self.lowering)
-                    if isinstance(t, search.AutomaticPartition) and t.lowering is None else t for t in self.schedule]
+            # A search that leaves its lowering open prices the one this plan runs under,
+            # and one left at a micro-batch a step prices this plan's accumulation.
+            return [self._filled(t) if isinstance(t, search.AutomaticPartition) else t for t in self.schedule]
         # The search returns its best plan even over the limit: whether a plan may be
         # over it is this layer's verdict (`MemoryLimitError` unless best_effort).
         return [search.AutomaticPartition(budget_s=self.budget_s, seed=self.seed, device=self.device,
-                                          memory_limit=self.memory_limit, best_effort=True, lowering=self.lowering)]
+                                          memory_limit=self.memory_limit, best_effort=True, lowering=self.lowering,
+                                          grad_accum=self.grad_accum)]
+
+    def _filled(self, auto):
+        """Search `auto` with the settings it left open taken from these options."""
+        return dataclasses.replace(auto, lowering=self.lowering if auto.lowering is None else auto.lowering,
+                                   grad_accum=self.grad_accum if auto.grad_accum == 1 else auto.grad_accum)
 
     def donated(self) -> tuple[int, ...]:
         """`donate_argnums` as positions among the non-static arguments (what the lowered

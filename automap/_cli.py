@@ -77,6 +77,14 @@ def parse_episodes(text: str) -> int:
     return value
 
 
+def parse_grad_accum(text: str) -> int:
+    """A positive number of micro-batches a step."""
+    value = _positive(text)
+    if value is None:
+        raise CliError(f"--grad-accum {_cut(text)!r}: give the micro-batches a step, a positive integer like 8")
+    return value
+
+
 def _positive(text: str) -> int | None:
     """The positive integer `text` writes, or None."""
     try:
@@ -101,9 +109,10 @@ def parse_mesh(text: str):
         raise CliError(f"--mesh: {e}") from None
 
 
-def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=None, pipelines=()):
+def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=None, pipelines=(), grad_accum=1):
     """'dp:data,megatron:model,pp:stage:4,auto' -> tactics; `pipelines` are the
-    microbatch counts an `auto` may pipeline with."""
+    microbatch counts an `auto` may pipeline with, `grad_accum` the micro-batches a step
+    it prices."""
     out = []
     for word in (w.strip() for w in text.split(",") if w.strip()):
         name, _, arg = word.partition(":")
@@ -114,7 +123,7 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
                     raise CliError(f"--schedule {word!r}: {a!r} is not a mesh axis; the axes are {list(mesh.names)}")
             out.append(search.AutomaticPartition(axes=axes, budget_s=budget, seed=seed, device=device,
                                                  memory_limit=memory, max_episodes=episodes, best_effort=True,
-                                                 pipelines=pipelines))
+                                                 pipelines=pipelines, grad_accum=grad_accum))
         elif name == "pp":
             out.append(_pipeline(word, arg, mesh))
         elif name in WORDS:
@@ -246,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop the search after this many episodes (a plan that does not depend on the machine)")
     s.add_argument("--pipelines", default=None,
                    help="microbatch counts the search may pipeline a layer scan with, e.g. 4,8 (default: none)")
+    s.add_argument("--grad-accum", default=None,
+                   help="micro-batches a step the program (the step of one) runs with gradient accumulation: the "
+                        "search chooses by the accumulated step (default: 1)")
     s.add_argument("--out", required=True, help="where to write the plan (JSON)")
     s.add_argument("--lowering", default=Options.default("lowering"), choices=LOWERINGS,
                    help="how the plan runs by default: jit (XLA places the collectives) or shard_map "
@@ -296,8 +308,9 @@ def _settings(ns) -> dict:
         raise CliError(str(e)) from None
     device_name = ns.device if not ns.device.endswith((".json", ".toml")) else device
     pipelines = parse_pipelines(ns.pipelines) if ns.pipelines is not None else ()
+    grad_accum = parse_grad_accum(ns.grad_accum) if ns.grad_accum is not None else 1
     schedule = parse_schedule(ns.schedule, mesh, budget=budget, seed=seed, device=device_name, memory=memory,
-                              episodes=episodes, pipelines=pipelines)
+                              episodes=episodes, pipelines=pipelines, grad_accum=grad_accum)
     return dict(mesh=mesh, budget=budget, device=device_name, memory=memory, out=out, png=png, cache=cache,
                 schedule=schedule, lowering=ns.lowering)
 

@@ -113,6 +113,14 @@ def test_the_cache_key_holds_every_setting_of_the_schedule(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 3
 
 
+def test_grad_accum_is_priced_by_the_search_a_schedule_leaves_it_to():
+    step, args = gpt.make_train_step(SMALL, abstract=True)
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=5, device="cpu")
+    plan = automap.partition(step, mesh="data=2,model=4", schedule=[auto], grad_accum=4)(*args)
+    notes = [n for s in plan.history for n in s.notes]
+    assert any("priced over 4 micro-batches a step" in n for n in notes), notes
+
+
 def test_partition_returns_a_plan():
     step, args = gpt.make_train_step(SMALL)
     plan = automap.partition(step, mesh="data=2,model=4", schedule=[T.DataParallel("data"), T.Megatron("model")],

@@ -145,6 +145,7 @@ API = [
     ("budget NaN", lambda c: jit(c, budget_s=float("nan")), AutomapError, "budget_s=nan is not finite"),
     ("budget inf", lambda c: jit(c, budget_s=float("inf")), AutomapError, "budget_s=inf is not finite"),
     ("budget 0", lambda c: jit(c, budget_s=0), AutomapError, "budget_s=0 is out of range"),
+    ("grad_accum 0", lambda c: jit(c, grad_accum=0), AutomapError, "grad_accum=0 is out of range"),
     ("budget a string", lambda c: jit(c, budget_s="30"), AutomapError, "is a str, not a number"),
     ("memory 0", lambda c: jit(c, memory_limit=0), AutomapError, "memory_limit=0 is out of range"),
     ("memory negative", lambda c: jit(c, memory_limit=-1), AutomapError, "memory_limit=-1 is out of range"),

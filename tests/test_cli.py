@@ -89,6 +89,8 @@ BAD = [
      "then optionally the schedule (one of gpipe, 1f1b)"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:stage:4", "--out", "p.json"],
      "name a mesh axis after 'pp:'"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--grad-accum", "0", "--out", "p.json"],
+     "--grad-accum '0': give the micro-batches a step"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "four", "--out", "p.json"],
      "--pipelines 'four'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "9" * 5000, "--out", "p.json"],
