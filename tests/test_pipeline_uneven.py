@@ -142,3 +142,23 @@ def test_remat_with_uneven_stages_is_refused_naming_the_fix():
     with pytest.raises(T.TacticError, match="Remat inside pipelined layers.*leave Remat out"):
         T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Remat("full"), T.Pipeline("stage", microbatches=2)])
 
+
+
+def test_uneven_stages_hold_their_slots_residuals_not_every_layers():
+    # The plan holds the residuals between the scans whole along the stage axis, and the
+    # stages keep their slots' of them: 7 layers over 4 stages keep what 8 do (2 slots a
+    # stage), where sizing them as all 7 layers had put the 405B-shaped pipeline at
+    # 4006 GiB a device.
+    def peak(layers):
+        config = dataclasses.replace(U_CONFIG, n_layers=layers)
+        step, args = gpt.make_train_step(config, abstract=True)
+        part = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, stage=4),
+                                [T.DataParallel("data"), T.Pipeline("stage", microbatches=4)]).partitioning
+        return search.CostModel(part, "h100").cost().memory_peak
+
+    assert peak(7) <= peak(8)
+
+
+#: A GPT whose residuals dominate its peak (long sequence, small vocabulary).
+U_CONFIG = gpt.GPTConfig(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab=64, seq_len=256, batch=16,
+                         scan_layers=True)

@@ -186,11 +186,12 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     cols += _uneven_exchanges(part, pipe, link) if split.uneven else []
     stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in _layer_state(part, pipe))
     gone, extra = _recomputing(part, pipe)
-    # The residuals of the stage's layers (its ceil(L/S) slots' when uneven: held whole
-    # along the stage axis by the plan, kept as the stage's blocks by the lowering).
-    held = split.slots * stages / split.length if split.uneven else 1.0
-    kept = held * sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys
-                      if v >= 0 and v not in gone)
+    # The residuals of the stage's layers (its ceil(L/S) slots' of the L layers when
+    # uneven: held whole along the stage axis by the plan, kept as the stage's blocks by
+    # the lowering: `partir.kept_in_slots`).
+    slotted = partir.kept_in_slots(part, pipe) if split.uneven else frozenset()
+    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) * (split.slots / split.length if v in slotted else 1.0)
+               for v in pipe.scans.forward.ys if v >= 0 and v not in gone)
     layers = (pipe.scans.forward.length,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
@@ -378,6 +379,12 @@ class PipelinePricing:
             if pipe.schedule == "1f1b":  # the residuals between the scans: the ring's microbatches
                 ys = [v for v in pipe.scans.forward.ys if v >= 0 and partir.MICROBATCH in ext.tiling(v).axes()]
                 out[ys] = pipe.microbatches / pipe.in_flight(self.part.mesh.size(pipe.axis))
+            split = pipe.split(self.part.mesh.size(pipe.axis))
+            if pipe.repeats == 1 and split.uneven:
+                # Uneven stages keep the residuals between the scans as each stage's
+                # slots of its layers, where the plan holds them whole along the stage
+                # axis: all L layers (`partir.kept_in_slots`).
+                out[list(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots
         return out
 
     def stacks(self, entries, value_div) -> list:
