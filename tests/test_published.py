@@ -67,9 +67,16 @@ def test_a_bad_row_is_refused_naming_it(tmp_path):
 #: inside the pipeline gathers each layer's parameters again at every tick of both passes
 #: (6897 all-gathers, 590 GiB a device, 17.8 s over the fsdp axis) and scatters their
 #: gradients as often (8.9 s); the exposed communication is 18.6 s of the step. With the
-#: batch data parallel instead it models 19.3 s (-35%). Not met: kept here so that a
-#: change, either way, shows.
-OUT_OF_BAND = {"llama3-405b-h100-8192"}
+#: batch data parallel instead it models 19.3 s (-35%). NeMo's Llama 3.1 70B on 64 H100s
+#: (TP4 PP4 CP2 DP2, 64 microbatches) models 17.8 s against 14.72 s (-17%): 13.9 s of
+#: compute (1F1B's bubble 3/67 in it, where the run's 5 virtual stages have 3/323), and
+#: 3.9 s of exposed communication, of which the tensor-parallel all-reduces are 2.7 s
+#: (the run overlaps them with compute, `tp_comm_overlap`, which no tactic expresses)
+#: and ZeRO-1's gradient reduce-scatter runs at every tick (12060 of them, 133 GiB a
+#: device, 5.5 s, mostly hidden) where Megatron reduces once after the last
+#: microbatch; without ZeRO-1 it models 17.1 s. Not met: kept here so that a change,
+#: either way, shows.
+OUT_OF_BAND = {"llama3-405b-h100-8192", "nemo-llama31-70b-h100-64"}
 
 
 @pytest.mark.parametrize("row", CHECK, ids=[r.id for r in CHECK])
@@ -88,8 +95,14 @@ def test_check_row_within_band(row):
 #: grow beyond the gradient reductions they hide, and the hidden all-gathers over 32
 #: nodes slow FSDP 256's compute more than over 16. Not met: kept here so that a change
 #: to the ranking, either way, shows.
+#: NeMo's Llama 3.1 70B on 64 H100s (pipelined, `OUT_OF_BAND`: modeled 17% slow) is
+#: measured 5-8% faster per token per device than MaxText's 70B runs on 128 to 2048
+#: H100s, and modeled 11-12% slower: its exposed tensor-parallel all-reduces and
+#: per-tick ZeRO-1 reduce-scatters misrank it against all five.
 MISRANKED = {("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-1024"),
-             ("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-2048")}
+             ("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-2048"),
+             ("maxtext-llama3-70b-h100-128", "nemo-llama31-70b-h100-64")} | {
+    ("nemo-llama31-70b-h100-64", f"maxtext-llama3-70b-h100-{n}") for n in (256, 512, 1024, 2048)}
 
 
 def test_configurations_of_one_model_rank_as_measured():
@@ -125,7 +138,9 @@ def test_rankings_compare_throughput_across_batch_sizes():
 #: residual stacks of 2016 GiB are sized as all 126 layers' rather than the stage's 8
 #: slots' (noticed, not fixed here: search/cost sizes the residuals uneven stages keep as
 #: their blocks whole along the stage axis; an even 128-layer stack models 411 GiB).
-NO_FIT: set[str] = {"llama3-405b-h100-8192"}
+#: NeMo's Llama 3.1 70B (1F1B, `OUT_OF_BAND`) models 95 GiB: this project's 1F1B keeps
+#: the residuals of up to 2S - 1 = 7 microbatches a stage, where Megatron's keeps S - s.
+NO_FIT: set[str] = {"llama3-405b-h100-8192", "nemo-llama31-70b-h100-64"}
 
 
 @pytest.mark.parametrize("row", GPU_ROWS, ids=[r.id for r in GPU_ROWS])
