@@ -50,13 +50,18 @@ def test_data_file_has_the_rows_the_benchmark_needs():
     assert all(r.source for r in ROWS)
 
 
-def test_a_bad_row_is_refused_naming_it(tmp_path):
+def _load_edited(tmp_path, old: str, new: str):
+    """`published.load` of the data file with the first `old` replaced by `new`."""
     with open(published.RUNS, encoding="utf-8") as f:
-        text = f.read().replace('split = "fit"', 'split = "train"', 1)
+        text = f.read().replace(old, new, 1)
     bad = tmp_path / "runs.toml"
     bad.write_text(text)
+    return published.load(str(bad))
+
+
+def test_a_bad_row_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"maxtext-llama3-70b-h100-128.*split 'train' not in \('fit', 'check'\)"):
-        published.load(str(bad))
+        _load_edited(tmp_path, 'split = "fit"', 'split = "train"')
 
 
 #: Check rows whose modeled published configuration falls outside the band, and why:
@@ -150,23 +155,15 @@ def test_a_published_gpu_configuration_fits_the_gpu_it_ran_on(row):
 
 
 def test_a_pipeline_the_project_does_not_run_is_refused_naming_the_row(tmp_path):
-    with open(published.RUNS, encoding="utf-8") as f:
-        text = f.read().replace('schedule = "gpipe"', 'schedule = "interleaved-1f1b"', 1)
-    bad = tmp_path / "runs.toml"
-    bad.write_text(text)
     with pytest.raises(ValueError, match=r"llama3-405b-h100-8192.*pipeline schedule 'interleaved-1f1b' not in "
                                          r"\('gpipe', '1f1b'\)"):
-        published.load(str(bad))
+        _load_edited(tmp_path, 'schedule = "gpipe"', 'schedule = "interleaved-1f1b"')
 
 
 def test_a_row_whose_gradient_accumulation_does_not_divide_its_batch_is_refused(tmp_path):
-    with open(published.RUNS, encoding="utf-8") as f:
-        text = f.read().replace("grad_accum = 32", "grad_accum = 48", 1)
-    bad = tmp_path / "runs.toml"
-    bad.write_text(text)
     with pytest.raises(ValueError, match=r"nemo-llama31-8b-h100-8-cp2.*grad_accum must be a whole number >= 1 "
                                          r"dividing global_batch, got 48"):
-        published.load(str(bad))
+        _load_edited(tmp_path, "grad_accum = 32", "grad_accum = 48")
 
 
 def test_gradient_accumulation_reduces_and_updates_once_a_step():
