@@ -7,8 +7,10 @@ configuration (its schedule of tactics on `examples/llama.py` set to the run's s
 on the run's device preset, from abstract shapes; unrolled where only some layers are
 checkpointed), its relative error and its peak memory; and the plan
 `AutomaticPartition` finds for the same model, devices and global batch, with its
-modeled step divided by the published configuration's. Rows needing a pipeline
-tactics cannot express, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
+modeled step divided by the published configuration's. A row with a `pipeline` runs
+it over its mesh's `stage` axis (`schedule`), the pipeline's microbatches being the
+run's gradient accumulation (`pipelined`). Rows needing a pipeline schedule tactics
+cannot express, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
 configurations of one model, ranked by time per token per device as measured and as
 modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
@@ -57,8 +59,8 @@ from typing import Any  # noqa: E402
 
 #: The data file.
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "runs.toml")
-#: Search episodes per row: small, so that the whole benchmark stays within minutes, and
-#: deterministic.
+#: Search episodes per row (a row may ask for more: its `episodes`, and says why): small,
+#: so that the whole benchmark stays within minutes, and deterministic.
 EPISODES = 300
 #: Relative error band the modeled MFU of a published configuration must hold.
 BAND = 0.15
@@ -106,6 +108,10 @@ class Row:
     remat_note: str = ""
     why_not: str = ""
     master_weights: bool = False
+    pipeline: dict = dataclasses.field(default_factory=dict)
+    pipeline_note: str = ""
+    episodes: int = EPISODES
+    episodes_note: str = ""
 
     @property
     def mesh_axes(self) -> tuple:
@@ -136,6 +142,9 @@ def _check(row: dict, where: str) -> Row:
         problems.append(f"grad_accum must be a whole number >= 1 dividing global_batch, got {r.grad_accum!r}")
     if set(r.parallelism) - set(PARALLELISM):
         problems.append(f"parallelism keys {sorted(r.parallelism)} not within {PARALLELISM}")
+    problems += _pipeline_problems(r)
+    if not (isinstance(r.episodes, int) and r.episodes >= 1):
+        problems.append(f"episodes must be a whole number >= 1, got {r.episodes!r}")
     if r.expressible:
         size = 1
         for _, n in r.mesh_axes:
@@ -147,6 +156,36 @@ def _check(row: dict, where: str) -> Row:
     if problems:
         raise ValueError(f"{where} ({r.id}): " + "; ".join(problems))
     return r
+
+
+#: The keys of a row's `pipeline` table (`tactics.Pipeline`'s arguments but its axis,
+#: which is the mesh's `STAGE_AXIS`).
+PIPELINE_KEYS = ("microbatches", "schedule", "repeats")
+#: The mesh axis a published configuration's pipeline stages run over.
+STAGE_AXIS = "stage"
+
+
+def _pipeline_problems(r: Row) -> list[str]:
+    """What is wrong with the row's `pipeline` table against its mesh: a mesh with a
+    `STAGE_AXIS` and a pipeline go together; microbatches and repeats whole numbers >= 1,
+    the schedule one `partir` runs."""
+    import partir
+
+    staged = STAGE_AXIS in dict(r.mesh_axes)
+    if not r.pipeline:
+        return [f"a mesh with a {STAGE_AXIS!r} axis needs a `pipeline` table ({', '.join(PIPELINE_KEYS)})"] \
+            if staged else []
+    out = [] if staged else [f"a `pipeline` needs a {STAGE_AXIS!r} axis in the mesh"]
+    unknown = sorted(set(r.pipeline) - set(PIPELINE_KEYS))
+    if unknown:
+        out.append(f"pipeline keys {unknown} not within {PIPELINE_KEYS}")
+    for key in ("microbatches", "repeats"):
+        n = r.pipeline.get(key, 1)
+        if not (isinstance(n, int) and n >= 1):
+            out.append(f"pipeline {key} must be a whole number >= 1, got {n!r}")
+    if r.pipeline.get("schedule", "gpipe") not in partir.PIPELINE_SCHEDULES:
+        out.append(f"pipeline schedule {r.pipeline['schedule']!r} not in {partir.PIPELINE_SCHEDULES}")
+    return out
 
 
 def load(path: str = RUNS) -> list[Row]:
@@ -250,21 +289,32 @@ def schedule(r: Row) -> list:
     causal sequence ('zigzag': each device two chunks from opposite ends); the batch
     over `data`; FSDP over `fsdp`, or where the mesh has none, the optimizer state
     sharded over the data-parallel and context ranks (Megatron's distributed optimizer,
-    ZeRO-1)."""
+    ZeRO-1); then the row's `pipeline` over `STAGE_AXIS` (its microbatches are the run's
+    gradient accumulation: `pipelined`)."""
     import tactics
 
     axes = dict(r.mesh_axes)
     out = [tactics.ContextParallel("context", balance="zigzag")] if "context" in axes else []
     out += [tactics.DataParallel("data")] if "data" in axes else []
+    zero1 = [tactics.ZeRO(a, stage=1) for a in ("data", "context") if a in axes]
     if "model" in axes:
-        out += [tactics.Megatron("model"), tactics.FSDP("fsdp")]
+        out += [tactics.Megatron("model")] + ([tactics.FSDP("fsdp")] if "fsdp" in axes else zero1)
     elif "fsdp" in axes:
         out += [tactics.FSDP("fsdp", leave_room=False)]
     else:
-        out += [tactics.ZeRO(a, stage=1) for a in ("data", "context") if a in axes]
+        out += zero1
+    out += [tactics.Pipeline(STAGE_AXIS, **r.pipeline)] if r.pipeline else []
     if r.remat == "full/2":
         return out + [tactics.Remat("full", pattern=ODD_LAYERS)]
     return out + ([tactics.Remat(r.remat)] if r.remat != "none" else [])
+
+
+def pipelined(r: Row) -> bool:
+    """Whether the row's published configuration runs a pipeline: its program is then
+    the train step of the whole global batch, the pipeline's microbatches doing the
+    run's gradient accumulation (Megatron's GA is its pipeline's microbatches), not the
+    step of one micro-batch accumulated (`summary`)."""
+    return bool(r.pipeline)
 
 
 def donated_args(r: Row) -> tuple[int, ...]:
@@ -274,16 +324,19 @@ def donated_args(r: Row) -> tuple[int, ...]:
     return (0, 1) if r.master_weights else ()
 
 
-def summary(part, r: Row, device, two=None) -> dict:
+def summary(part, r: Row, device, two=None, *, whole: bool = False) -> dict:
     """Modeled step, peak, fit and MFU (the source's formula) of a partitioning of
     `program(r)`, the train step of one micro-batch (`micro_step_s`). The step: for
     GA 1, that train step; for GA > 1, `two` being the same plan on two micro-batches,
-    the accumulated step, the search's (`search.accumulated_step`: the module docstring)."""
+    the accumulated step, the search's (`search.accumulated_step`: the module docstring).
+    With `whole`, `part` is the train step of the whole global batch (a pipelined
+    configuration, `pipelined`), which is the step."""
     import search
 
-    if (two is None) != (r.grad_accum == 1):
+    accumulated = r.grad_accum > 1 and not whole
+    if (two is not None) != accumulated:
         raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
-                         "exactly when there is more than one")
+                         "exactly when there is more than one, and a pipelined step (`whole`) none")
     donated = donated_args(r)
     model = search.CostModel(part.copy(), device, donate_argnums=donated)
     cost = model.cost()
@@ -306,10 +359,11 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
 
     device = device or r.device
     mesh = partir.MeshSpec(r.mesh_axes)
-    part = _apply(program(r), mesh, schedule(r))
-    two = _apply(program(r, micro_batches=2), mesh, schedule(r)) if r.grad_accum > 1 else None
+    whole = pipelined(r)
+    part = _apply(program(r, micro_batches=r.grad_accum if whole else 1), mesh, schedule(r))
+    two = _apply(program(r, micro_batches=2), mesh, schedule(r)) if r.grad_accum > 1 and not whole else None
     out = {"id": r.id, "split": r.split, "published_step_s": published_step(r),
-           "published": summary(part, r, device, two)}
+           "published": summary(part, r, device, two, whole=whole)}
     peak = search.get_device(device).flops_for("bfloat16")
     out["published_mfu"] = FORMULAS[r.flops](r) / (peak * out["published_step_s"])
     out["error"] = out["published"]["mfu"] / out["published_mfu"] - 1
@@ -482,7 +536,8 @@ def _published(r: Row) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=None, help="run ids (default: all)")
-    parser.add_argument("--episodes", type=int, default=EPISODES, help="search episodes per row (0: no search)")
+    parser.add_argument("--episodes", type=int, default=None,
+                        help=f"search episodes per row (0: no search; default: the row's, {EPISODES} unless it says)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--fit", action="store_true", help="re-derive the fitted constants on the fit rows")
     args = parser.parse_args(argv)
@@ -496,7 +551,7 @@ def main(argv=None) -> None:
     searches: dict = {}
     for r in chosen:
         if r.expressible:
-            results[r.id] = model_row(r, args.episodes, searches=searches)
+            results[r.id] = model_row(r, r.episodes if args.episodes is None else args.episodes, searches=searches)
     _table(chosen, results)
     pairs = rankings(chosen, results)
     _ranking_table(pairs)
