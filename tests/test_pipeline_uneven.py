@@ -148,7 +148,9 @@ def test_the_circular_schedule_over_uneven_stages_is_refused_naming_the_fix():
 def test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in_less_memory():
     """Remat('full') over 3 layers in 2 stages (a padding slot on the second): each stage
     keeps its slots' layer inputs per microbatch and runs its layers again in the
-    backward ticks; the step equals jax.jit's, and the modeled peak falls as XLA's does."""
+    backward ticks; the step equals jax.jit's, the residuals in flight are the stage's 2
+    slots' layer inputs (a device's 4 sequences x 8 tokens x 16 wide, f32), and the
+    modeled peak falls as XLA's does."""
     step, args, prog = _lifted(THREE)
     peaks = {}
     for remat in (False, True):
@@ -157,8 +159,48 @@ def test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in
         xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
         peaks[remat] = (search.CostModel(part, "cpu").cost().memory_peak, xla)
     assert part.rematerialized
+    flight = search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes
+    assert flight == 2 * (THREE.batch // 4) * THREE.seq_len * THREE.d_model * 4
     ours, theirs = compiled(*args), jax.jit(step)(*args)
     for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
     (model_plain, xla_plain), (model_full, xla_full) = peaks[False], peaks[True]
     assert xla_full < xla_plain and model_full < model_plain
+
+
+#: Uneven stages rematerializing their layers (slow): (config, mesh, policy, backend).
+REMAT_CASES = {
+    "gpt-full-jit": (THREE, MeshSpec.of(data=4, stage=2), "full", "jit"),
+    "llama-dots-shard_map": (FIVE, MeshSpec.of(data=2, stage=4), "dots", "shard_map"),
+    "llama-dots-jit": (FIVE, MeshSpec.of(data=2, stage=4), "dots", "jit"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(REMAT_CASES))
+def test_uneven_stages_rematerializing_their_layers_compile_the_modeled_collectives(case):
+    """With DataParallel, both lowerings: the step equals jax.jit's, and XLA's
+    collectives are exactly the modeled ones (the recomputation adds none here)."""
+    config, mesh, policy, backend = REMAT_CASES[case]
+    part = _plan(config, mesh, [T.DataParallel("data"), T.Remat(policy)])
+    _same_step(part, config, backend)
+    _, args, _ = _lifted(config)
+    text = partir.lower(part, backend=backend).lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert compiled == modeled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [None, "dots"])
+def test_a_stage_of_uneven_stages_keeps_its_slots_residuals(policy):
+    """3 layers over 2 stages keep in flight what 4 over 2 keep: each stage 2 layer
+    slots' residuals of every microbatch (the plan holds them whole along the stage
+    axis, all 3 layers; the stage keeps its own slots only)."""
+    flight = []
+    for layers in (3, 4):
+        config = dataclasses.replace(THREE, n_layers=layers)
+        remat = [T.Remat(policy)] if policy else []
+        part = _plan(config, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")] + remat)
+        flight.append(search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes)
+    assert flight[0] == pytest.approx(flight[1])

@@ -186,12 +186,15 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     cols += _uneven_exchanges(part, pipe, link) if split.uneven else []
     stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in _layer_state(part, pipe))
     gone, extra = _recomputing(part, pipe)
-    # The residuals of the stage's layers (its ceil(L/S) slots' when uneven: held whole
-    # along the stage axis by the plan, kept as the stage's blocks by the lowering).
-    held = split.slots * stages / split.length if split.uneven else 1.0
+    # The residuals of the stage's layers (its ceil(L/S) slots' of the L layers when
+    # uneven: held whole along the stage axis by the plan, kept as the stage's blocks by
+    # the lowering).
+    held = split.slots / split.length if split.uneven else 1.0
     kept = held * sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys
                       if v >= 0 and v not in gone)
-    layers = (pipe.scans.forward.length,)
+    # The layer inputs stacked for recomputing: the stage's slots' (ceil(L/S), a padding
+    # slot keeping its carry), of every microbatch.
+    layers = (split.slots * stages,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
     kept *= pipe.in_flight(stages) / m  # (1F1B: a ring of the microbatches in flight)
