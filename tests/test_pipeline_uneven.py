@@ -196,7 +196,8 @@ def test_uneven_stages_rematerializing_their_layers_compile_the_modeled_collecti
 def test_a_stage_of_uneven_stages_keeps_its_slots_residuals(policy):
     """3 layers over 2 stages keep in flight what 4 over 2 keep: each stage 2 layer
     slots' residuals of every microbatch (the plan holds them whole along the stage
-    axis, all 3 layers; the stage keeps its own slots only)."""
+    axis, all 3 layers; the stage keeps its own slots only), and the memory model sizes
+    each residual kept between the scans so: 2/3 of its block at rest."""
     flight = []
     for layers in (3, 4):
         config = dataclasses.replace(THREE, n_layers=layers)
@@ -204,3 +205,13 @@ def test_a_stage_of_uneven_stages_keeps_its_slots_residuals(policy):
         part = _plan(config, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")] + remat)
         flight.append(search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes)
     assert flight[0] == pytest.approx(flight[1])
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")] + remat)
+    prog, model = part.program, search.CostModel(part, "cpu")
+    kept = partir.kept_in_slots(part, part.pipelines[0])
+    modeled = model._value_bytes()
+
+    def at_rest(v):
+        shape = prog.values[v].shape
+        return prog.values[v].nbytes / np.prod(shape) * np.prod(part.tiling(v).shard_shape(shape, part.mesh))
+
+    assert kept and all(modeled[v] == pytest.approx(at_rest(v) * 2 / 3) for v in kept)

@@ -367,7 +367,9 @@ class PipelinePricing:
         """Per value of the program, how many microbatches its block is cut into at once:
         M for a value of a pipelined layer or of the head between the scans split along
         the microbatch axis, M over the microbatches in flight for 1F1B's residuals
-        between the scans (its ring), else 1."""
+        between the scans (its ring), L/ceil(L/S) for uneven stages' residuals between
+        the scans (held whole along the stage axis by the plan, kept as each stage's
+        slots by the lowering: `partir.kept_in_slots`), else 1."""
         out = np.ones(n)
         prog = self.part.program
         for (pipe, ext, layouts, _), head in zip(self.costs, self.heads):
@@ -381,6 +383,9 @@ class PipelinePricing:
             if pipe.schedule == "1f1b":  # the residuals between the scans: the ring's microbatches
                 ys = [v for v in pipe.scans.forward.ys if v >= 0 and partir.MICROBATCH in ext.tiling(v).axes()]
                 out[ys] = pipe.microbatches / pipe.in_flight(self.part.mesh.size(pipe.axis))
+            split = pipe.split(self.part.mesh.size(pipe.axis))
+            if split.uneven:
+                out[sorted(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots
         return out
 
     def stacks(self, entries, value_div) -> list:
