@@ -5,11 +5,11 @@ on `data`, tensor parallel on `model`, GPipe or 1F1B stages on `stage`) at a few
 microbatch counts, and the schedules without a pipeline that the same mesh allows (FSDP
 over the data and stage axes, or data parallel with FSDP on `stage`, each with tensor
 parallelism), each with its modeled step time, peak memory per device, whether it fits
-80 GB, and the modeled bubble. Then the plan `AutomaticPartition` finds with the pipeline among its actions
-(`pipelines=MICROBATCHES`): its step, peak and fit, the pipeline it chose (or none, and
-why: the best pipelined plan it scored, against the plan it returned), the search time,
-and its step over the best expert's (the fastest configuration above that fits, else
-the one of smallest peak).
+80 GB, and the modeled bubble (GPipe also with Remat inside the stages). Then the plan
+`AutomaticPartition` finds with the pipeline among its actions (`pipelines=MICROBATCHES`):
+its step, peak and fit, the pipeline it chose (or none, and why: the best pipelined plan
+it scored, against the plan it returned), the search time, and its step over the best
+expert's (the fastest configuration above that fits, else the one of smallest peak).
 
 Run: `python benchmarks/pipeline_scale.py [--rows 70b-64 ...] [--budget S]`. Abstract
 shapes only.
@@ -37,6 +37,9 @@ DEVICE = "h100"
 MICROBATCHES = (8, 16, 32, 128)
 #: Pipeline schedules priced for the pipelined configuration.
 SCHEDULES = ("gpipe", "1f1b")
+#: Remat policies priced with the GPipe configurations (1F1B runs no Remat): GPipe keeps
+#: every microbatch's residuals of the stage's layers, which Remat cuts to what it keeps.
+REMAT_POLICIES = ("full", "dots")
 #: Microbatch counts the search may pipeline with.
 SEARCH_MICROBATCHES = (8, 16, 32)
 #: Seconds the search may take per row: issue 24 asks for under 120 s here, and the
@@ -73,13 +76,17 @@ def _pipelined(batch_per_replica: int) -> dict:
     """The published pipelined configuration at each microbatch count that divides a
     replica's batch, under GPipe and under 1F1B (`SCHEDULES`): data parallel, and with
     the parameters and optimizer state sharded over the data axis instead (FSDP, as
-    Megatron's distributed optimizer shards the optimizer state)."""
+    Megatron's distributed optimizer shards the optimizer state); under GPipe also with
+    each of `REMAT_POLICIES` inside the stages."""
     import tactics as T
 
     data = {"dp": lambda: [T.DataParallel("data"), T.Megatron("model")],
             "fsdp": lambda: [T.Megatron("model"), T.FSDP("data")]}
-    return {f"{d}+tp+pp {s} M={m}": make() + [T.Pipeline("stage", m, s)]
-            for d, make in data.items() for s in SCHEDULES for m in MICROBATCHES if batch_per_replica % m == 0}
+    remats = {"gpipe": (None, *REMAT_POLICIES)}
+    return {f"{d}+tp+pp {s} M={m}{'' if r is None else f' remat {r}'}":
+            make() + [T.Pipeline("stage", m, s)] + ([] if r is None else [T.Remat(r)])
+            for d, make in data.items() for s in SCHEDULES for r in remats.get(s, (None,))
+            for m in MICROBATCHES if batch_per_replica % m == 0}
 
 
 def run(row: Row, budget_s: float) -> None:

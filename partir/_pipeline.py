@@ -229,18 +229,14 @@ def _check_circular(part, pipe: Pipelining) -> None:
 
 
 def _check_uneven(part, pipe: Pipelining) -> None:
-    """Uneven stages' conditions (`StageSplit`): no more stages than layers, no
-    recomputed layers, and every stacked value's layer dim whole (an array cannot be
+    """Uneven stages' conditions (`StageSplit`): no more stages than layers, and every
+    stacked value's layer dim whole (an array cannot be
     split unevenly), the stage axis splitting at most one other dim, as its minor axis
     (`state_dim`: the stage program exchanges the stage's layers from there)."""
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
     if stages > length:
         raise PartitioningError(f"{stages} stages over {pipe.axis!r} are more than the {length} layers of the layer "
                                 "scan: some stage would run no layer; pick an axis of at most as many devices")
-    if part.rematerialized:
-        raise PartitioningError(f"Remat inside pipelined layers needs the stages to divide the {length} layers "
-                                f"({stages} stages over {pipe.axis!r} do not; uneven stages do not keep the "
-                                "recomputing inputs yet): leave Remat out or pick a stage count dividing the layers")
     for v in pipe.stacked():
         t = part.tiling(v)
         if t.dims[0] or state_dim(t, pipe.axis) == -1:

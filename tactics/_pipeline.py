@@ -38,7 +38,8 @@ class Pipeline(Tactic):
     values stay in contiguous blocks at rest; each step exchanges the stage's
     parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
     `microbatches` >= S, S*R dividing the layers, and no Remat; uneven stages (S not
-    dividing the layers) need repeats=1 and no Remat.
+    dividing the layers) need repeats=1 (Remat runs in them, a padding slot keeping
+    its carry only).
 
     With `schedule` "1f1b" the forward layers, the head and the backward layers run as
     one tick loop: a stage runs one microbatch's forward and an earlier one's backward

@@ -40,6 +40,15 @@ def _plan(config, mesh, others, microbatches=2):
     return T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=microbatches)]).partitioning
 
 
+@functools.cache
+def _three_compiled(remat: bool):
+    """(the plan, its compiled shard_map step) of THREE over data=4 x stage=2 with
+    DataParallel, and Remat('full') when `remat` (compiled once for the tests reading it)."""
+    _, args, _ = _lifted(THREE)
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")] + ([T.Remat("full")] if remat else []))
+    return part, partir.lower(part, backend="shard_map").lower(*args).compile()
+
+
 def _same_step(part, config, backend):
     step, args, prog = _lifted(config)
     ours = partir.lower(part, backend=backend)(*args)
@@ -94,12 +103,11 @@ def test_each_stage_stores_its_share_of_the_layer_stack():
     """The layers' parameters and Adam moments are split over the stage axis along
     another dim (a dim of 3 layers cannot be split over 2): per device 1/S of them, as
     XLA's arguments hold them."""
-    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")])
+    part, compiled = _three_compiled(False)
     _, args, prog = _lifted(THREE)
     cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
     layers = [v for v in prog.inputs if "['layers']" in prog.name(v)]
     assert cost.stage_bytes == sum(prog.values[v].nbytes for v in layers) / 2
-    compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
     rest = sum(float(np.prod(part.tiling(v).shard_shape(prog.values[v].shape, part.mesh))) * prog.values[v].nbytes
                / max(1, int(np.prod(prog.values[v].shape))) for v in prog.inputs if v not in layers)
     assert compiled.memory_analysis().argument_size_in_bytes == cost.stage_bytes + rest
@@ -137,10 +145,27 @@ def test_the_circular_schedule_over_uneven_stages_is_refused_naming_the_fix():
         T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Pipeline("stage", microbatches=2, repeats=2)])
 
 
-def test_remat_with_uneven_stages_is_refused_naming_the_fix():
-    _, _, prog = _lifted(THREE)
-    with pytest.raises(T.TacticError, match="Remat inside pipelined layers.*leave Remat out"):
-        T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Remat("full"), T.Pipeline("stage", microbatches=2)])
+def test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in_less_memory():
+    """Remat('full') over 3 layers in 2 stages (a padding slot on the second): each stage
+    keeps its slots' layer inputs per microbatch and runs its layers again in the
+    backward ticks; the step equals jax.jit's, the residuals in flight are the stage's 2
+    slots' layer inputs (a device's 4 sequences x 8 tokens x 16 wide, f32), and the
+    modeled peak falls as XLA's does."""
+    step, args, prog = _lifted(THREE)
+    peaks = {}
+    for remat in (False, True):
+        part, compiled = _three_compiled(remat)
+        ma = compiled.memory_analysis()
+        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+        peaks[remat] = (search.CostModel(part, "cpu").cost().memory_peak, xla)
+    assert part.rematerialized
+    flight = search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes
+    assert flight == 2 * (THREE.batch // 4) * THREE.seq_len * THREE.d_model * 4
+    ours, theirs = compiled(*args), jax.jit(step)(*args)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+    (model_plain, xla_plain), (model_full, xla_full) = peaks[False], peaks[True]
+    assert xla_full < xla_plain and model_full < model_plain
 
 
 
@@ -162,3 +187,51 @@ def test_uneven_stages_hold_their_slots_residuals_not_every_layers():
 #: A GPT whose residuals dominate its peak (long sequence, small vocabulary).
 U_CONFIG = gpt.GPTConfig(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab=64, seq_len=256, batch=16,
                          scan_layers=True)
+
+#: Uneven stages rematerializing their layers (slow): (config, mesh, policy, backend).
+REMAT_CASES = {
+    "gpt-full-jit": (THREE, MeshSpec.of(data=4, stage=2), "full", "jit"),
+    "llama-dots-shard_map": (FIVE, MeshSpec.of(data=2, stage=4), "dots", "shard_map"),
+    "llama-dots-jit": (FIVE, MeshSpec.of(data=2, stage=4), "dots", "jit"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(REMAT_CASES))
+def test_uneven_stages_rematerializing_their_layers_compile_the_modeled_collectives(case):
+    """With DataParallel, both lowerings: the step equals jax.jit's, and XLA's
+    collectives are exactly the modeled ones (the recomputation adds none here)."""
+    config, mesh, policy, backend = REMAT_CASES[case]
+    part = _plan(config, mesh, [T.DataParallel("data"), T.Remat(policy)])
+    _same_step(part, config, backend)
+    _, args, _ = _lifted(config)
+    text = partir.lower(part, backend=backend).lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert compiled == modeled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [None, "dots"])
+def test_a_stage_of_uneven_stages_keeps_its_slots_residuals(policy):
+    """3 layers over 2 stages keep in flight what 4 over 2 keep: each stage 2 layer
+    slots' residuals of every microbatch (the plan holds them whole along the stage
+    axis, all 3 layers; the stage keeps its own slots only), and the memory model sizes
+    each residual kept between the scans so: 2/3 of its block at rest."""
+    flight = []
+    for layers in (3, 4):
+        config = dataclasses.replace(THREE, n_layers=layers)
+        remat = [T.Remat(policy)] if policy else []
+        part = _plan(config, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")] + remat)
+        flight.append(search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes)
+    assert flight[0] == pytest.approx(flight[1])
+    part = _plan(THREE, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")] + remat)
+    prog, model = part.program, search.CostModel(part, "cpu")
+    kept = partir.kept_in_slots(part, part.pipelines[0])
+    modeled = model._value_bytes()
+
+    def at_rest(v):
+        shape = prog.values[v].shape
+        return prog.values[v].nbytes / np.prod(shape) * np.prod(part.tiling(v).shard_shape(shape, part.mesh))
+
+    assert kept and all(modeled[v] == pytest.approx(at_rest(v) * 2 / 3) for v in kept)

@@ -188,11 +188,13 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     gone, extra = _recomputing(part, pipe)
     # The residuals of the stage's layers (its ceil(L/S) slots' of the L layers when
     # uneven: held whole along the stage axis by the plan, kept as the stage's blocks by
-    # the lowering: `partir.kept_in_slots`).
-    slotted = partir.kept_in_slots(part, pipe) if split.uneven else frozenset()
-    kept = sum(_block_bytes(prog, v, part.tiling(v), mesh) * (split.slots / split.length if v in slotted else 1.0)
-               for v in pipe.scans.forward.ys if v >= 0 and v not in gone)
-    layers = (pipe.scans.forward.length,)
+    # the lowering).
+    held = split.slots / split.length if split.uneven else 1.0
+    kept = held * sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys
+                      if v >= 0 and v not in gone)
+    # The layer inputs stacked for recomputing: the stage's slots' (ceil(L/S), a padding
+    # slot keeping its carry), of every microbatch.
+    layers = (split.slots * stages,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
     kept *= pipe.in_flight(stages) / m  # (1F1B: a ring of the microbatches in flight)
@@ -365,7 +367,9 @@ class PipelinePricing:
         """Per value of the program, how many microbatches its block is cut into at once:
         M for a value of a pipelined layer or of the head between the scans split along
         the microbatch axis, M over the microbatches in flight for 1F1B's residuals
-        between the scans (its ring), else 1."""
+        between the scans (its ring), L/ceil(L/S) for uneven stages' residuals between
+        the scans (held whole along the stage axis by the plan, kept as each stage's
+        slots by the lowering: `partir.kept_in_slots`), else 1."""
         out = np.ones(n)
         prog = self.part.program
         for (pipe, ext, layouts, _), head in zip(self.costs, self.heads):
@@ -380,11 +384,8 @@ class PipelinePricing:
                 ys = [v for v in pipe.scans.forward.ys if v >= 0 and partir.MICROBATCH in ext.tiling(v).axes()]
                 out[ys] = pipe.microbatches / pipe.in_flight(self.part.mesh.size(pipe.axis))
             split = pipe.split(self.part.mesh.size(pipe.axis))
-            if pipe.repeats == 1 and split.uneven:
-                # Uneven stages keep the residuals between the scans as each stage's
-                # slots of its layers, where the plan holds them whole along the stage
-                # axis: all L layers (`partir.kept_in_slots`).
-                out[list(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots
+            if split.uneven:
+                out[sorted(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots
         return out
 
     def stacks(self, entries, value_div) -> list:
