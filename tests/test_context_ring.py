@@ -144,9 +144,12 @@ def test_a_ring_plan_with_fsdp_matches_jit(model):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_a_ring_plan_with_remat_under_scan_matches_jit(model):
     # The backward body reads the keys and values from the stacks the forward scan kept
-    # (split, and ringed too); Remat recomputes the forward's dots with their rings.
+    # (split, and ringed too); Remat recomputes the forward's dots with their rings. The
+    # stacks between the loops are what blockwise attention does not keep: the ring keeps
+    # the program's softmax, and says so.
     schedule = [tactics.DataParallel("data"), _ring(balance="zigzag"), tactics.Remat("full")]
-    _check(model, MeshSpec.of(data=2, cp=4), schedule, scan_layers=True)
+    with pytest.warns(UserWarning, match=KEPT):
+        _check(model, MeshSpec.of(data=2, cp=4), schedule, scan_layers=True)
 
 
 # -- the plan records the rings ------------------------------------------------------------
