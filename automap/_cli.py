@@ -69,19 +69,12 @@ def parse_budget(text: str) -> float:
     return check.number("--budget", value, given=_cut(text), example="--budget 30 (seconds)", error=CliError)
 
 
-def parse_episodes(text: str) -> int:
-    """A positive number of episodes."""
+def parse_count(text: str, flag: str, what: str) -> int:
+    """The positive integer `text` of option `flag`, else a `CliError` saying `what` to
+    give."""
     value = _positive(text)
     if value is None:
-        raise CliError(f"--episodes {_cut(text)!r}: give a positive integer like 200")
-    return value
-
-
-def parse_grad_accum(text: str) -> int:
-    """A positive number of micro-batches a step."""
-    value = _positive(text)
-    if value is None:
-        raise CliError(f"--grad-accum {_cut(text)!r}: give the micro-batches a step, a positive integer like 8")
+        raise CliError(f"{flag} {_cut(text)!r}: give {what}")
     return value
 
 
@@ -297,7 +290,7 @@ def _settings(ns) -> dict:
     except search.DeviceError as e:
         raise CliError(f"--device: {e}") from None
     memory = parse_memory(ns.memory) if ns.memory is not None else None
-    episodes = parse_episodes(ns.episodes) if ns.episodes is not None else None
+    episodes = None if ns.episodes is None else parse_count(ns.episodes, "--episodes", "a positive integer like 200")
     try:
         out = output_path(ns.out, "--out")
         png = picture_path(ns.png, "--png") if ns.png else None
@@ -308,7 +301,8 @@ def _settings(ns) -> dict:
         raise CliError(str(e)) from None
     device_name = ns.device if not ns.device.endswith((".json", ".toml")) else device
     pipelines = parse_pipelines(ns.pipelines) if ns.pipelines is not None else ()
-    grad_accum = parse_grad_accum(ns.grad_accum) if ns.grad_accum is not None else 1
+    grad_accum = 1 if ns.grad_accum is None else parse_count(ns.grad_accum, "--grad-accum",
+                                                             "the micro-batches a step, a positive integer like 8")
     schedule = parse_schedule(ns.schedule, mesh, budget=budget, seed=seed, device=device_name, memory=memory,
                               episodes=episodes, pipelines=pipelines, grad_accum=grad_accum)
     return dict(mesh=mesh, budget=budget, device=device_name, memory=memory, out=out, png=png, cache=cache,

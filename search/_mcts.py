@@ -61,9 +61,10 @@ TOP_KEPT = 32
 #: builds (see `TreeSearch.seed_macros`).
 BEAM = 4
 MACRO_DEPTH = 5
-#: Most of the time budget the compositions (`seeds`) may take: the rest is left to
-#: the beam and the tree search, which refine what the seeds found. Four mesh axes
-#: offer more compositions than a 30 s budget scores (see `_seeds.primary_first`).
+#: Most of the time budget the ordered pairs of macros and the compositions (`seeds`)
+#: may take: the rest is left to the beam and the tree search, which refine what they
+#: found. Four mesh axes offer more of them than a 30 s budget scores (see
+#: `_seeds.primary_first`).
 SEED_SHARE = 0.5
 #: Times one walk may come back to a state it passed (by actions that change nothing)
 #: before it ends there: a few, as UCT takes such edges while their bonus lasts; not
