@@ -28,6 +28,9 @@ THREE = gpt.GPTConfig(n_layers=3, d_model=16, n_heads=2, d_ff=32, vocab=32, seq_
 FIVE = llama.LlamaConfig(n_layers=5, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16,
                          scan_layers=True, adam_eps=EPS)
 
+#: A GPT whose residuals dominate its peak (long sequence, small vocabulary).
+LONG = gpt.GPTConfig(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab=64, seq_len=256, batch=16, scan_layers=True)
+
 
 @functools.cache
 def _lifted(config):
@@ -175,7 +178,7 @@ def test_uneven_stages_hold_their_slots_residuals_not_every_layers():
     # stage), where sizing them as all 7 layers had put the 405B-shaped pipeline at
     # 4006 GiB a device.
     def peak(layers):
-        config = dataclasses.replace(U_CONFIG, n_layers=layers)
+        config = dataclasses.replace(LONG, n_layers=layers)
         step, args = gpt.make_train_step(config, abstract=True)
         part = T.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, stage=4),
                                 [T.DataParallel("data"), T.Pipeline("stage", microbatches=4)]).partitioning
@@ -183,10 +186,6 @@ def test_uneven_stages_hold_their_slots_residuals_not_every_layers():
 
     assert peak(7) <= peak(8)
 
-
-#: A GPT whose residuals dominate its peak (long sequence, small vocabulary).
-U_CONFIG = gpt.GPTConfig(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab=64, seq_len=256, batch=16,
-                         scan_layers=True)
 
 #: Uneven stages rematerializing their layers (slow): (config, mesh, policy, backend).
 REMAT_CASES = {
