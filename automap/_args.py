@@ -109,18 +109,20 @@ class Options:
 
         if self.schedule is not None:
             # A search that leaves its lowering open prices the one this plan runs under,
-            # and one left at a micro-batch a step prices this plan's accumulation.
+            # one left at a micro-batch a step prices this plan's accumulation, and one
+            # left without donation prices this plan's (its peak is the one the plan runs at).
             return [self._filled(t) if isinstance(t, search.AutomaticPartition) else t for t in self.schedule]
         # The search returns its best plan even over the limit: whether a plan may be
         # over it is this layer's verdict (`MemoryLimitError` unless best_effort).
         return [search.AutomaticPartition(budget_s=self.budget_s, seed=self.seed, device=self.device,
                                           memory_limit=self.memory_limit, best_effort=True, lowering=self.lowering,
-                                          grad_accum=self.grad_accum)]
+                                          grad_accum=self.grad_accum, donate_argnums=self.donated())]
 
     def _filled(self, auto):
         """Search `auto` with the settings it left open taken from these options."""
         return dataclasses.replace(auto, lowering=self.lowering if auto.lowering is None else auto.lowering,
-                                   grad_accum=self.grad_accum if auto.grad_accum == 1 else auto.grad_accum)
+                                   grad_accum=self.grad_accum if auto.grad_accum == 1 else auto.grad_accum,
+                                   donate_argnums=auto.donate_argnums or self.donated())
 
     def donated(self) -> tuple[int, ...]:
         """`donate_argnums` as positions among the non-static arguments (what the lowered

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -69,6 +70,12 @@ class AutomaticPartition(Tactic):
     one and on two micro-batches and overlap applied after (`search.accumulated_step`),
     as a run pays its per-micro-batch work that many times and its gradient reduction
     and update once; memory is one micro-batch's.
+
+    `donate_argnums` lists the arguments (positions among the non-static ones) the plan
+    will be called with donated, as `jax.jit`'s: the cost model then lets an updated
+    output reuse its donated input's buffer (`CostModel`'s `donate_argnums`), so the
+    memory limit is held against the peak the plan will have when run so; `automap`
+    fills in its own where it is left at ().
     """
 
     axes: tuple[str, ...] | None = None
@@ -83,6 +90,7 @@ class AutomaticPartition(Tactic):
     pipelines: tuple[int, ...] = ()
     lowering: str | None = None
     grad_accum: int = 1
+    donate_argnums: tuple[int, ...] = ()
     progress: Callable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -108,6 +116,7 @@ class AutomaticPartition(Tactic):
         if not isinstance(self.pipelines, (tuple, list)):
             raise TacticError(f"AutomaticPartition pipelines={self.pipelines!r}: give microbatch counts as a tuple, "
                               "e.g. pipelines=(4, 8), or () for none")
+        object.__setattr__(self, "donate_argnums", _positions(self.donate_argnums))
         object.__setattr__(self, "pipelines", tuple(
             check.number(where + "pipelines", m, integer=True, example="pipelines=(4, 8)", error=TacticError)
             for m in self.pipelines))
@@ -176,7 +185,7 @@ class AutomaticPartition(Tactic):
         if not self.group:
             return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
         state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
-                                source=str(self), ctx=ctx, backend=self.backend)
+                                source=str(self), ctx=ctx, backend=self.backend, donated=self.donate_argnums)
         return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
 
     def _program_state(self, part, groups, axes, ctx, two=None):
@@ -191,6 +200,10 @@ class AutomaticPartition(Tactic):
         axes = tuple(part.mesh.names) if self.axes is None else tuple(self.axes)
         for a in axes:
             part.mesh.size(a)
+        args = max(part.program.input_args, default=-1) + 1
+        if any(i >= args for i in self.donate_argnums):
+            raise TacticError(f"AutomaticPartition donate_argnums={self.donate_argnums}: the program takes {args} "
+                              f"arguments (positions 0 to {args - 1} among the non-static ones); donate only those")
         r = roles(part.program)
         groups = input_groups(part.program, r.params + r.batch, group=self.group)
         macros = _seeds.macros(part, axes, self.pipelines, ring=self.backend == "shard_map") if self.macros else ()
@@ -244,7 +257,8 @@ class AutomaticPartition(Tactic):
 
     def _model(self, part) -> CostModel:
         """The cost model of `part` on the search's device, limit and lowering."""
-        return CostModel(part, self.device, memory_limit=self.memory_limit, backend=self.backend)
+        return CostModel(part, self.device, memory_limit=self.memory_limit, backend=self.backend,
+                         donate_argnums=self.donate_argnums)
 
     def _exact(self, part, costs: dict):
         """The exact cost of `part` (with the buffers live at its peak, for an error),
@@ -283,4 +297,17 @@ class AutomaticPartition(Tactic):
     def __str__(self) -> str:
         axes = "all axes" if self.axes is None else ", ".join(self.axes)
         accum = f", grad_accum={self.grad_accum}" if self.grad_accum > 1 else ""
-        return f"AutomaticPartition({axes}, seed={self.seed}{accum})"
+        donated = f", donate_argnums={self.donate_argnums}" if self.donate_argnums else ""
+        return f"AutomaticPartition({axes}, seed={self.seed}{accum}{donated})"
+
+
+def _positions(value) -> tuple[int, ...]:
+    """`donate_argnums` as a sorted tuple of distinct argument positions (so that equal
+    settings are one identity in plan cache keys)."""
+    fix = "give argument positions as a tuple, e.g. donate_argnums=(0, 1), or () for none"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise TacticError(f"AutomaticPartition donate_argnums={value!r} is not a tuple: {fix}")
+    return tuple(sorted({check.number("AutomaticPartition donate_argnums", i, integer=True, sign="non-negative",
+                                      example="donate_argnums=(0, 1)", error=TacticError) for i in value}))

@@ -199,7 +199,8 @@ class TwinState(PairedStates):
                 "costs extrapolated linearly in the layer count")
 
 
-def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, backend: str = "jit"):
+def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, backend: str = "jit",
+               donated: tuple[int, ...] = ()):
     """`(TwinState, None)` standing in for `part` (whose input `groups` are searched over
     `axes`), or `(None, why not)`. Each twin's macros apply with a context of its own,
     `ctx.child()` (`ctx` is the schedule's)."""
@@ -250,7 +251,8 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, ba
         for depth in depths:
             canon = _canonical_names(keys, layers, depth, head, tail)
             state, why = _twin(part, groups, axes, progs[depth], canon, depth, device=device,
-                               memory_limit=memory_limit, source=source, ctx=ctx.child(), backend=backend)
+                               memory_limit=memory_limit, source=source, ctx=ctx.child(), backend=backend,
+                               donated=donated)
             if state is None:
                 break
             states.append(state)
@@ -260,7 +262,7 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, ba
     return None, why
 
 
-def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, source, ctx, backend):
+def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, source, ctx, backend, donated):
     prog = part.program
     r = roles(tprog)
     by_first = {tprog.name(g.members[0]): g for g in input_groups(tprog, r.params + r.batch)}
@@ -282,5 +284,5 @@ def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, sour
         tv = tprog.resolve(canon[v])
         if part.tiling(v) != tpart.tiling(tv) or part.is_pinned(v) != tpart.is_pinned(tv):
             return None, f"earlier decisions differ between layers ({prog.name(v)})"
-    model = CostModel(tpart, device, memory_limit=memory_limit, backend=backend)
+    model = CostModel(tpart, device, memory_limit=memory_limit, backend=backend, donate_argnums=donated)
     return SearchState(tpart, model, aligned, axes, source, ctx), None

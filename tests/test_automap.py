@@ -121,6 +121,30 @@ def test_grad_accum_is_priced_by_the_search_a_schedule_leaves_it_to():
     assert any("priced over 4 micro-batches a step" in n for n in notes), notes
 
 
+def test_the_search_holds_the_limit_against_the_peak_with_the_plans_donation():
+    step, args = gpt.make_train_step(SMALL, abstract=True)
+
+    def plan(**settings):
+        # Over no axes and without macros (Remat) the search can only keep the program as
+        # it is: the limit alone decides whether it is accepted.
+        auto = search.AutomaticPartition(axes=(), macros=False, max_episodes=5, device="cpu", **settings)
+        return automap.partition(step, mesh="data=2,model=4", device="cpu", schedule=[auto],
+                                 donate_argnums=(0, 1))(*args)
+
+    free = plan()
+    assert "donate_argnums=(0, 1)" in str(free.history[0].tactic)  # filled in from automap's own
+    kept = search.CostModel(free.partitioning, "cpu").cost().memory_peak
+    donated = search.CostModel(free.partitioning, "cpu", donate_argnums=(0, 1)).cost().memory_peak
+    assert donated < kept
+    # A limit the plan meets only with its parameters and state donated: the search must
+    # credit the donation the plan runs with, not refuse a plan the run fits.
+    limited = plan(memory_limit=(donated + kept) / 2)
+    assert limited.cost.fits and limited.cost.memory_peak == donated
+    with pytest.raises(T.TacticError, match="no plan found fits"):
+        automap.partition(step, mesh="data=2,model=4", device="cpu", schedule=[
+            search.AutomaticPartition(axes=(), macros=False, max_episodes=5, device="cpu", memory_limit=(donated + kept) / 2)])(*args)
+
+
 def test_partition_returns_a_plan():
     step, args = gpt.make_train_step(SMALL)
     plan = automap.partition(step, mesh="data=2,model=4", schedule=[T.DataParallel("data"), T.Megatron("model")],

@@ -192,6 +192,10 @@ TACTICS = [
      "lowering='pmap': choose one of"),
     ("search axes repeated", lambda c: search.AutomaticPartition(axes=("data", "data")), TacticError,
      "names 'data' twice"),
+    ("search donate -1", lambda c: search.AutomaticPartition(donate_argnums=(-1,)), TacticError,
+     "donate_argnums=-1 is out of range"),
+    ("search donate 'params'", lambda c: search.AutomaticPartition(donate_argnums="params"), TacticError,
+     "is not a tuple: give argument positions"),
     ("search budget 10**400", lambda c: search.AutomaticPartition(budget_s=HUGE), TacticError, "too large for a float"),
     ("search memory 10**400", lambda c: search.AutomaticPartition(memory_limit=HUGE), TacticError,
      "too large for a float"),
@@ -211,6 +215,9 @@ CALLS = [
      "names argument 5, but step got 2"),
     ("donate_argnums out of range", lambda c: jit(c, donate_argnums=(2,)).plan_for(*ARGS), AutomapError,
      "names argument 2"),
+    ("search donating argument 2", lambda c: automap.partition(step, mesh=MESH, schedule=[
+        search.AutomaticPartition(donate_argnums=(2,), max_episodes=1)])(*ARGS), TacticError,
+     "the program takes 2 arguments"),
     ("unhashable static argument", lambda c: automap.jit(scalars, mesh=MESH, static_argnums=1, cache_dir=c.cache)
      .plan_for(jnp.ones((8, 4)), [1.0]), AutomapError, "is a list, which is not hashable"),
     ("a string leaf", lambda c: automap.partition(scalars, mesh=MESH)(ARGS[0], {"lr": "fast"}), AutomapError,
