@@ -207,12 +207,13 @@ def _apply(prog, mesh, tactic_list):
 def _search(r: Row, mesh, device, episodes: int):
     """(partitioning, plan) the search finds for the row's model on its devices: on
     the scanned program, whose plans are the unrolled one's (layer by layer alike), by
-    the step of the row's micro-batches a step."""
+    the step of the row's micro-batches a step, its memory with the arguments the run
+    donates (`donated_args`) donated, as its published configuration's is judged."""
     import search
     import tactics
 
     auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True,
-                                     grad_accum=r.grad_accum)
+                                     grad_accum=r.grad_accum, donate_argnums=donated_args(r))
     found = tactics.apply_schedule(program(r, scan=True), mesh, [auto])
     return found.partitioning, [a.describe(res.groups) for res in found.context.search for a in res.actions]
 
