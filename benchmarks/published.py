@@ -17,7 +17,10 @@ modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 A row with `master_weights` (Megatron's mixed precision: bfloat16 weights, a float32
 master copy and the adam moments in the optimizer state) is modeled on
 `examples/llama.py`'s `master_weights` train step with its parameters and optimizer
-state donated (`donated_args`), as Megatron updates them in place.
+state donated (`donated_args`), as Megatron updates them in place. A row with
+`tp_comm_overlap` (its run overlaps the tensor-parallel collectives with the matmuls,
+Transformer Engine's userbuffers) is modeled on its device with activation collectives
+run behind independent compute (`row_device`), its searched plan too.
 
 Figures are compared like with like: each source's model-flops formula (`FORMULAS`)
 turns its published figure into a step time and the modeled step into the same MFU.
@@ -127,6 +130,16 @@ def donated_args(r: Row) -> tuple[int, ...]:
     return (0, 1) if r.master_weights else ()
 
 
+def row_device(r: Row, device=None):
+    """The device the row is modeled on (`device`, else the row's), as its software runs
+    it: with the tensor-parallel collectives overlapped where the row says its run did
+    (`Row.tp_comm_overlap`: the data file's header)."""
+    import search
+
+    spec = search.get_device(device or r.device)
+    return dataclasses.replace(spec, overlap_activations=True) if r.tp_comm_overlap else spec
+
+
 def summary(part, r: Row, device, two=None, *, whole: bool = False) -> dict:
     """Modeled step, peak, fit and MFU (the source's formula) of a partitioning of
     `program(r)`, the train step of one micro-batch (`micro_step_s`). The step: for
@@ -160,7 +173,7 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
     import partir
     import search
 
-    device = device or r.device
+    device = row_device(r, device)
     mesh = partir.MeshSpec(r.mesh_axes)
     whole = pipelined(r)
     part = _apply(program(r, micro_batches=r.grad_accum if whole else 1), mesh, schedule(r))
@@ -268,13 +281,13 @@ def fit(rows: list[Row]) -> dict:
             raise ValueError(f"{r.id}: a fit row takes one micro-batch a step (grad_accum 1, got {r.grad_accum}): "
                              "the fit prices the train step alone; make the row a check row")
         part = _apply(program(r), partir.MeshSpec(r.mesh_axes), schedule(r))
-        models.append((r, search.CostModel(part, r.device), published_step(r)))
+        models.append((r, search.CostModel(part, row_device(r)), published_step(r)))
 
     def loss(x):
         gpu, tpu, attention = x
         total = 0.0
         for r, model, step in models:
-            base = search.get_device(r.device)
+            base = row_device(r)
             model.device = dataclasses.replace(base, matmul_efficiency=gpu if r.device in GPUS else tpu,
                                                attention_efficiency=attention)
             total += float(np.log(model.evaluate()[0] / step)) ** 2

@@ -61,6 +61,7 @@ class Row:
     remat_note: str = ""
     why_not: str = ""
     master_weights: bool = False
+    tp_comm_overlap: bool = False
     pipeline: dict = dataclasses.field(default_factory=dict)
     pipeline_note: str = ""
     episodes: int = EPISODES
