@@ -78,6 +78,15 @@ def parse_count(text: str, flag: str, what: str) -> int:
     return value
 
 
+def parse_positions(text: str, flag: str) -> tuple[int, ...]:
+    """'0,1' -> (0, 1): argument positions, non-negative integers, else a `CliError`."""
+    words = [w.strip() for w in text.split(",")]
+    if not all(w.isdigit() and len(w) <= check.SHOWN_CHARS for w in words):
+        raise CliError(f"{flag} {_cut(text)!r}: give argument positions separated by commas, e.g. {flag} 0,1 "
+                       "(the parameters and the optimizer state)")
+    return tuple(sorted({int(w) for w in words}))
+
+
 def _positive(text: str) -> int | None:
     """The positive integer `text` writes, or None."""
     try:
@@ -251,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-accum", default=None,
                    help="micro-batches a step the program (the step of one) runs with gradient accumulation: the "
                         "search chooses by the accumulated step (default: 1)")
+    s.add_argument("--donate", default=None,
+                   help="arguments the train step runs with donated (positions, e.g. 0,1): the memory limit is "
+                        "held against the peak with their buffers reused, as jax.jit's donate_argnums")
     s.add_argument("--out", required=True, help="where to write the plan (JSON)")
     s.add_argument("--lowering", default=Options.default("lowering"), choices=LOWERINGS,
                    help="how the plan runs by default: jit (XLA places the collectives) or shard_map "
@@ -305,8 +317,9 @@ def _settings(ns) -> dict:
                                                              "the micro-batches a step, a positive integer like 8")
     schedule = parse_schedule(ns.schedule, mesh, budget=budget, seed=seed, device=device_name, memory=memory,
                               episodes=episodes, pipelines=pipelines, grad_accum=grad_accum)
+    donated = parse_positions(ns.donate, "--donate") if ns.donate is not None else ()
     return dict(mesh=mesh, budget=budget, device=device_name, memory=memory, out=out, png=png, cache=cache,
-                schedule=schedule, lowering=ns.lowering)
+                schedule=schedule, lowering=ns.lowering, donated=donated)
 
 
 def _search(ns) -> int:
@@ -352,7 +365,7 @@ def _plan(partition, fn, args, cfg, schedule, best_effort):
 
     try:
         return partition(fn, mesh=cfg["mesh"], schedule=schedule, device=cfg["device"], memory_limit=cfg["memory"],
-                         best_effort=best_effort, lowering=cfg["lowering"])(*args)
+                         best_effort=best_effort, lowering=cfg["lowering"], donate_argnums=cfg["donated"])(*args)
     except MemoryLimitError as e:
         raise CliError(f"no plan fits --memory: {overflow(e.plan.cost)}; use a larger --mesh, a remat policy in the "
                        "train step or a larger --memory, or --best-effort to write this plan") from None

@@ -53,8 +53,9 @@ def test_a_searched_plan_is_a_cache_hit_for_automap_jit(tmp_path):
 def test_search_with_a_schedule_json_and_module_target(tmp_path):
     plan = tmp_path / "p.json"
     out = _run("search", "examples.mlp:factory", "--mesh", "data=2,model=4", "--schedule", "dp:data,megatron:model",
-               "--lowering", "shard_map", "--json", "--out", str(plan))
+               "--lowering", "shard_map", "--donate", "1,0", "--json", "--out", str(plan))
     assert out.returncode == 0, out.stderr
+    assert json.loads(plan.read_text())["donate_argnums"] == [0, 1]
     summary = json.loads(out.stdout)
     assert summary["schedule"] == ["DataParallel('data')", "Megatron('model')"] and summary["fits"]
     assert summary["lowering"] == json.loads(plan.read_text())["lowering"] == "shard_map"
@@ -91,6 +92,10 @@ BAD = [
      "name a mesh axis after 'pp:'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--grad-accum", "0", "--out", "p.json"],
      "--grad-accum '0': give the micro-batches a step"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--donate", "params", "--out", "p.json"],
+     "--donate 'params': give argument positions"),
+    (["search", "examples.mlp:factory", "--mesh", "data=8", "--donate", "0,7", "--out", "p.json"],
+     "names argument 7"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "four", "--out", "p.json"],
      "--pipelines 'four'"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--pipelines", "9" * 5000, "--out", "p.json"],
