@@ -212,7 +212,7 @@ def microbatched(part, pipe: Pipelining):
 
 def _check_circular(part, pipe: Pipelining) -> None:
     """The circular schedule's conditions: whole chunks, a microbatch back at the first
-    stage no later than it is needed there, no recomputed layers."""
+    stage no later than it is needed there."""
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
     if length % (stages * pipe.repeats):
         raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
@@ -222,10 +222,6 @@ def _check_circular(part, pipe: Pipelining) -> None:
         raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) needs at least as many microbatches "
                                 f"as stages ({stages}); {pipe.microbatches} microbatches would reach the first stage "
                                 f"again before it is free: give microbatches >= {stages}, or repeats=1")
-    if part.rematerialized:
-        raise PartitioningError(f"Remat inside pipelined layers runs only with repeats=1 (the circular schedule, "
-                                f"repeats={pipe.repeats}, does not keep the recomputing inputs yet): leave Remat out "
-                                "or use repeats=1")
 
 
 def _check_uneven(part, pipe: Pipelining) -> None:

@@ -37,7 +37,7 @@ class Pipeline(Tactic):
     times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
     values stay in contiguous blocks at rest; each step exchanges the stage's
     parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
-    `microbatches` >= S, S*R dividing the layers, and no Remat; uneven stages (S not
+    `microbatches` >= S and S*R dividing the layers (Remat runs in the chunks); uneven stages (S not
     dividing the layers) need repeats=1 (Remat runs in them, a padding slot keeping
     its carry only).
 

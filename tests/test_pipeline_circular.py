@@ -85,6 +85,60 @@ def test_circular_llama_over_four_stages():
     _same_step(_plan(4, 4, 2, DEEP_LLAMA), DEEP_LLAMA, "shard_map")
 
 
+# -- rematerialization inside the chunks ----------------------------------------------------
+@pytest.mark.parametrize("policy,first,backend", [
+    ("full", True, "shard_map"),
+    pytest.param("full", False, "jit", marks=pytest.mark.slow),
+    pytest.param("dots", True, "jit", marks=pytest.mark.slow),
+    pytest.param("dots", False, "shard_map", marks=pytest.mark.slow),
+])
+def test_circular_stages_rematerializing_their_chunks_compute_what_jit_computes(policy, first, backend):
+    """Remat before or after the Pipeline: the forward ticks keep each unit's layer
+    inputs in the stage's slot order, and each backward tick recomputes its chunk from
+    them."""
+    _, _, prog = _gpt()
+    remat, pipeline = [T.Remat(policy)], [T.Pipeline("stage", microbatches=2, repeats=2)]
+    schedule = [T.DataParallel("data")] + (remat + pipeline if first else pipeline + remat)
+    part = T.apply_schedule(prog, _mesh(2), schedule).partitioning
+    assert part.rematerialized and part.pipelines[0].repeats == 2
+    _same_step(part, TINY, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+def test_circular_remat_compiles_to_the_modeled_collectives(backend):
+    """What is kept for recomputing is never exchanged: the compiled collectives stay
+    the modeled ones."""
+    part = _plan(2, 2, 2, TINY, [T.DataParallel("data"), T.Remat("full")])
+    compiled, modeled = _collectives(part, TINY, backend)
+    assert compiled == modeled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages,microbatches,config", [(2, 4, TINY), (4, 4, DEEP)])
+def test_circular_remat_with_waiting_microbatches_and_four_stages(stages, microbatches, config):
+    """More microbatches than stages (they wait at the first stage between rounds), and
+    four stages of two chunks each."""
+    part = _plan(stages, microbatches, 2, config, [T.DataParallel("data"), T.Remat("full")])
+    _same_step(part, config, "shard_map")
+
+
+@pytest.mark.slow
+def test_circular_remat_lowers_the_modeled_peak_as_it_lowers_xlas():
+    """The layers' residuals give way to their inputs in flight, in the model and in
+    the compiled program alike (GPT, 32 tokens, S=2, M=2, R=2)."""
+    config = dataclasses.replace(TINY, seq_len=32, d_ff=64)
+    _, args, _ = _gpt(config)
+    peaks = []
+    for others in ([T.DataParallel("data")], [T.DataParallel("data"), T.Remat("full")]):
+        part = _plan(2, 2, 2, config, others)
+        ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
+        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+        peaks.append((search.CostModel(part, "cpu").cost().memory_peak, xla))
+    (model_plain, xla_plain), (model_full, xla_full) = peaks
+    assert xla_full < xla_plain and model_full < model_plain
+
+
 # -- the cost model ------------------------------------------------------------------------
 def _collectives(part, config, backend):
     """(XLA's collectives, the modeled ones), per (kind, axes, bytes), counted once per
@@ -141,18 +195,10 @@ def test_residuals_stay_in_the_stages_order_between_the_passes():
 @pytest.mark.parametrize("stages,microbatches,repeats,config,others,match", [
     (2, 1, 2, TINY, None, "at least as many microbatches as stages"),
     (4, 4, 2, TINY, None, "do not divide the 4 layers"),
-    (2, 2, 2, TINY, [T.DataParallel("data"), T.Remat("full")], "repeats=1"),
 ])
 def test_settings_the_circular_schedule_cannot_run_are_refused(stages, microbatches, repeats, config, others, match):
     with pytest.raises(T.TacticError, match=match):
         _plan(stages, microbatches, repeats, config, others)
-
-
-def test_remat_after_a_circular_pipeline_is_refused():
-    _, _, prog = _gpt()
-    schedule = [T.DataParallel("data"), T.Pipeline("stage", microbatches=2, repeats=2), T.Remat("full")]
-    with pytest.raises(T.TacticError, match="repeats=1"):
-        T.apply_schedule(prog, _mesh(2), schedule)
 
 
 def test_a_repeat_count_that_is_no_positive_integer_is_refused():

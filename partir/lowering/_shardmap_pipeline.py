@@ -256,10 +256,10 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
                      for a, i, r, b in zip(carry, d.carry, recv, back or recv))
         consts_m = [_micro(a, i, mc, M) for a, i in zip(consts, d.consts)]
         xs_m = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
-        if pipe.repeats > 1:  # the circular schedule: this unit's chunk of the stage's layers
-            xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
         more = remat.per_tick(mc, M, _micro) if reading else {}
         xs_m += remat.per_layer(mc, M, _micro) if reading else ()
+        if pipe.repeats > 1:  # the circular schedule: this unit's chunk of the stage's layers
+            xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
         xs_m += (real,) if real is not None else ()
         c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
                                          reverse=not forward)
@@ -268,9 +268,9 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         ys_kept = tuple(b if drop[i] else _rows(b, y, slot, lambda rows, y, i=i: _keep(
             rows, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid))
             for i, (b, y) in enumerate(zip(ys_kept, ys)))
-        made_kept = tuple(_keep(b, y, SAME if remat.dims[s] is None else SPLIT,
-                                None if remat.dims[s] is None else remat.dims[s] + 1, mc, valid)
-                          for s, b, y in zip(extra, made_kept, made))
+        made_kept = tuple(_rows(b, y, slot, lambda rows, y, s=s: _keep(
+            rows, y, SAME if remat.dims[s] is None else SPLIT, None if remat.dims[s] is None else remat.dims[s] + 1,
+            mc, valid)) for s, b, y in zip(extra, made_kept, made))
         recv = tuple(jax.lax.ppermute(c, pipe.axis, perm) for c in c_out)
         return (recv, back, kept, ys_kept, made_kept), None
 
