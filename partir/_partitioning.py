@@ -67,8 +67,8 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
         # Layer scans run as pipeline stages (`pipeline`), in the order they were added.
         self._pipelines: tuple = ()
         # Per sequence (a class of `partir.dim_classes`), the token order it is laid out
-        # in (`reorder`): (mesh axis, balance).
-        self._orders: dict[int, tuple[str, str]] = {}
+        # in (`reorder`): (mesh axis or axes, balance).
+        self._orders: dict[int, tuple] = {}
         # Per value moved round a ring (`ring`): (dim, mesh axis).
         self._rings: dict[int, tuple[int, str]] = {}
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)

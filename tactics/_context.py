@@ -38,7 +38,10 @@ class ContextParallel(Tactic):
     device two chunks from opposite ends; 'striped', every n-th token): the inputs
     along the sequence are permuted on the way in, the outputs back on the way out, and
     the iotas along it (rotary positions, causal masks) hold the permuted positions, so
-    the numbers are still the unsplit program's (`Partitioning.reorder`).
+    the numbers are still the unsplit program's (`Partitioning.reorder`). The order is
+    made for every axis that splits the sequence when the tactic applies, its own and
+    an earlier ContextParallel's (context parallelism over two mesh axes): balance the
+    one applied last, and each device of both holds its share of the work.
 
     `strategy='ring'` moves the same data in a ring instead (`partir.Partitioning.ring`):
     the keys and values stay split along the sequence at rest, and each dot that reads
@@ -84,7 +87,7 @@ class ContextParallel(Tactic):
             if len(sequence) != 1:
                 raise TacticError(f"{self}: the attentions run along {len(sequence)} different sequences; a "
                                   "balanced token order lays out one")
-            part.reorder(inputs[0][0], inputs[0][1], self.axis, self.balance, source=str(self))
+            _balance(part, inputs[0], self.axis, self.balance, str(self))
         for a in found:
             for v, d in ((a.key, a.key_dim), (a.value, a.value_dim)):
                 if self.axis in part.tiling(v).axes():
@@ -158,6 +161,20 @@ def _sequence_inputs(part, classes, sequence: set, axis: str) -> list[tuple[int,
         raise TacticError(f"ContextParallel({axis!r}): the {size} devices of {axis!r} do not divide the sequence of "
                           f"{', '.join(bad)}; pick an axis whose size divides the sequence length")
     return out
+
+
+def _balance(part, site: tuple[int, int], axis: str, balance: str, source: str) -> None:
+    """Lay the sequence that `site` (input, dim) runs along out in the `balance` order
+    for every axis that will split it: those splitting it already (an earlier
+    ContextParallel's), major first, then `axis`; one order, so that each device of
+    all of them holds its share of the causal work."""
+    v, d = site
+    axes = (*part.tiling(v).dims[d], axis)
+    try:
+        part.reorder(v, d, axes[0] if len(axes) == 1 else axes, balance, source=source)
+    except partir.PartitioningError as e:
+        raise TacticError(f"{e}. Over several axes, balance the ContextParallel applied last: its order "
+                          "is made for every axis that splits the sequence by then") from e
 
 
 def _linked(prog, classes, v: int, dim: int) -> list[tuple[int, int]]:
