@@ -63,6 +63,12 @@ def order_axes(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
+def _extends(axes: tuple[str, ...], before: tuple[str, ...]) -> bool:
+    """Whether an order for `axes` extends one for `before`: the same leading axes, more
+    of them."""
+    return len(axes) > len(before) and axes[:len(before)] == before
+
+
 @dataclass(frozen=True)
 class OrderSites:
     """Where a permuted sequence (one class of `partir.dim_classes`) meets the program:
@@ -151,7 +157,9 @@ class Orders:
         inputs and iotas along it and the outputs back (`partir._order`), so the
         numbers stay the program's. A `PartitioningError`, changing nothing, when an op
         does not commute with the permutation, the sequence length does not fit the
-        order, or the sequence already has another."""
+        order, or the sequence already has another, but for fewer of these axes (the
+        leading ones), which this one then replaces: a sequence split over one more
+        axis is balanced again for all of them."""
         from ._attention import dim_classes
 
         prog = self.program
@@ -169,7 +177,18 @@ class Orders:
         order_sites(prog, label)
         self._keep(_ORD, self._orders, label, (axis, order), Decision("reorder", v, dim, axis, source, order=order),
                    lambda old: f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence is "
-                               f"already laid out {old[1]!r} over {old[0]!r}")
+                               f"already laid out {old[1]!r} over {old[0]!r}",
+                   replaces=lambda old: _extends(axes, order_axes(old[0])))
+
+    def _unorder(self, entry, h: int) -> int:
+        """Undo the token order that log `entry` set (putting back the one it replaced,
+        if any); the key `h` updated."""
+        _, label, old = entry
+        h ^= hash((_ORD, label, self._orders.pop(label)))
+        if old is not None:
+            self._orders[label] = old
+            h ^= hash((_ORD, label, old))
+        return h
 
     @property
     def orders(self) -> dict[int, tuple]:

@@ -438,7 +438,7 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
                 self._pipelines = self._pipelines[:-1]
                 h ^= hash((_PIP, entry[1]))
             elif kind == _ORD:
-                h ^= hash((_ORD, entry[1], self._orders.pop(entry[1])))
+                h = self._unorder(entry, h)
             elif kind == _RNG:
                 h ^= hash((_RNG, entry[1], self._rings.pop(entry[1])))
                 self._touched_classes.add(self._of[entry[1]])
