@@ -120,6 +120,13 @@ def primary_first(seeds, score) -> tuple:
     return (*first, *(seq for seq in seeds if not all(t in primary for t in seq)))
 
 
+def dead_end(seq, dead) -> bool:
+    """Whether the tactics `seq` begin with a sequence in `dead`, one whose last tactic
+    did not apply after the others: seeding `seq` would stop there and score that
+    state again (the states a sequence reaches are its own, whatever came before)."""
+    return any(seq[:k] in dead for k in range(1, len(seq) + 1))
+
+
 def _roles(axis, offered) -> list[tuple]:
     """The roles `axis` may take among the `offered` macros, each a tuple of
     `(kind, tactic)` pairs: one per macro on it (`ROLE`), and Megatron with sequence
