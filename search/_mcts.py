@@ -378,8 +378,11 @@ class TreeSearch:
             if self.room():
                 self.seed_path([a], dead)
         root = self.tree[self.root_key]
-        scored = {a.tactic: self.tree[root.children[a]].value if a in root.children else 0.0 for a in self.macros}
-        ranked = sorted(self.macros, key=lambda a: -scored[a.tactic])
+        # Each single by its reward, then its speed: where variants do not fit alike (the
+        # reward reads the peak alone), the faster (a balanced context split) ranks first.
+        scored = {a.tactic: (self.tree[k].value, -self.cache[k][0]) if (k := root.children.get(a)) is not None
+                  else (0.0, -math.inf) for a in self.macros}
+        ranked = sorted(self.macros, key=lambda a: scored[a.tactic], reverse=True)
         pairs = [(first.tactic, second.tactic) for first in ranked for second in ranked if second != first]
         ordered = _seeds.primary_first([*pairs, *self.seeds], scored.get)
         seed_until = self.start + SEED_SHARE * self.budget_s
