@@ -2,8 +2,9 @@
 
 Plans people write for a mesh give each axis one role: data parallel or FSDP over the
 outer axes, tensor parallelism (with or without sequence parallelism) over one axis,
-context parallelism or pipeline stages over another, and a rematerialization policy for
-the whole. `compositions` lists every such assignment, so the search scores each of
+pipeline stages over another, context parallelism over one or more (their parameters
+sharded too where the plan shards them over its data axes), and a rematerialization
+policy for the whole. `compositions` lists every such assignment, so the search scores each of
 them before its tree search begins, whatever a beam of macro sequences would have kept:
 a search whose macro list grew (context parallelism) had crowded the four-tactic plan of
 Llama-3 70B out of its beam and settled 13% above it.
