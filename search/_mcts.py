@@ -334,8 +334,7 @@ class TreeSearch:
     # -- seeding and polishing -------------------------------------------------------
     def seed_path(self, seq, dead: set | None = None) -> _Scored:
         """Walk `seq` from the root as the tree would (creating its nodes), score where
-        it ends, back the reward up and return the scored plan; where an action does
-        not apply, the tactics up to it are added to `dead` (`_seeds.dead_end`)."""
+        it ends, back the reward up and return it; its dead end to `dead` (`_seeds.dead_end`)."""
         mark = self.state.mark()
         node, path, applied = self.tree[self.root_key], [self.tree[self.root_key]], []
         for a in seq:
@@ -368,18 +367,16 @@ class TreeSearch:
         `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
         people run at scale compose four or five tactics: data parallel, tensor and
         sequence parallel, FSDP on another axis, rematerialization), each role's best
-        variant first (`_seeds.primary_first`), but those that begin with a dead end (a
-        sequence seeded before whose last tactic did not apply: `_seeds.dead_end`). Pairs
-        and compositions take at most SEED_SHARE of the time budget. Then a beam from all of them: the BEAM best
-        sequences and the BEAM fastest are extended by every other macro, up to
-        MACRO_DEPTH of them."""
+        variant first (`_seeds.primary_first`), but those that begin with a dead end
+        (`_seeds.dead_end`). Pairs and compositions take at most SEED_SHARE of the time
+        budget. Then a beam from all of them: the BEAM best sequences and the BEAM
+        fastest are extended by every other macro, up to MACRO_DEPTH of them."""
         dead: set = set()  # sequences of tactics whose last did not apply: dead ends
         for a in self.macros:
             if self.room():
                 self.seed_path([a], dead)
         root = self.tree[self.root_key]
-        # Each single by its reward, then its speed: where variants do not fit alike (the
-        # reward reads the peak alone), the faster (a balanced context split) ranks first.
+        # By reward, then speed: variants that do not fit tie on reward (it reads the peak).
         scored = {a.tactic: (self.tree[k].value, -self.cache[k][0]) if (k := root.children.get(a)) is not None
                   else (0.0, -math.inf) for a in self.macros}
         ranked = sorted(self.macros, key=lambda a: scored[a.tactic], reverse=True)
