@@ -384,13 +384,17 @@ def test_a_sequence_split_over_two_axes_is_balanced_over_both():
         imbalance[balance] = causal_imbalance(part)
     assert list(part.orders.values()) == [(("a", "b"), "zigzag")]
     # Balanced for 'a' first, the order is made again for both; a rollback puts the
-    # order for 'a' back.
+    # order for 'a' back, after the change is replayed too (as the search's twins do).
     first = tactics.apply_schedule(prog, mesh, [tactics.ContextParallel("a", balance="zigzag")]).partitioning
     key, mark = first.key(), first.mark()
     tactics.ContextParallel("b", balance="zigzag").apply(first, tactics.Context())
     assert first.orders == part.orders
-    first.rollback(mark)
-    assert list(first.orders.values()) == [("a", "zigzag")] and first.key() == key
+    delta = first.delta(mark, key)
+    for _ in range(2):
+        first.rollback(mark)
+        assert list(first.orders.values()) == [("a", "zigzag")] and first.key() == key
+        first.replay(delta)
+        assert first.orders == part.orders
     # A plan file keeps the order's axes (JSON's list read back as the tuple).
     again = partir.Partitioning(prog, mesh)
     for d in part.decisions:
