@@ -12,7 +12,7 @@ from . import rules
 from ._attention import (MAX_HEAD_DIM, Attention, DimClasses, KernelRegion, attentions, dim_classes, is_mask,
                          kernel_region)
 from ._dump import dump
-from ._order import BALANCES, OrderSites, order_sites, token_order
+from ._order import BALANCES, OrderSites, order_axes, order_sites, token_order
 from ._graph import UnionFind, call_roots, computations, depended_on, made_from_scalars, makers_of
 from ._errors import PartitioningError, UnknownPrimitiveWarning
 from ._hlo import Collective, collective_buffers, collectives, collectives_of, summarize
@@ -40,7 +40,7 @@ from .lowering import CONSTRAIN_MODES, lower, register_backend
 from ._verify import check_equivalence
 
 __all__ = [
-    "BALANCES", "OrderSites", "order_sites", "token_order", "MAX_HEAD_DIM", "Attention", "DimClasses", "KernelRegion", "attentions", "dim_classes", "is_mask", "kernel_region",
+    "BALANCES", "OrderSites", "order_axes", "order_sites", "token_order", "MAX_HEAD_DIM", "Attention", "DimClasses", "KernelRegion", "attentions", "dim_classes", "is_mask", "kernel_region",
     "Layer", "REMAT_POLICIES", "Recompute", "residual_layers", "input_layers", "layers_of", "layer_keys", "recompute",
     "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",

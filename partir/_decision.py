@@ -21,7 +21,7 @@ class Decision:
     action: str
     value: int
     dim: int | None
-    axis: str | None
+    axis: str | tuple[str, ...] | None  # a tuple only for "reorder" over several axes
     source: str
     axes: tuple[str, ...] | None = None  # for "pin": the axes the value may not be split over
     tiling: Tiling | None = None  # for "constrain": the layout fixed
@@ -57,8 +57,10 @@ class Decision:
         v = program.resolve(data["value"])
         tiling = Tiling.from_json(data["tiling"]) if action == "constrain" else None
         axes = tuple(data["axes"]) if data.get("axes") is not None else None
-        return cls(action, v, data.get("dim"), data.get("axis"), data.get("source", "plan"), axes, tiling,
-                   data.get("order"))
+        axis = data.get("axis")
+        if isinstance(axis, list):  # a token order made for several axes, as JSON wrote its tuple
+            axis = tuple(axis)
+        return cls(action, v, data.get("dim"), axis, data.get("source", "plan"), axes, tiling, data.get("order"))
 
 
 def _check_action(action) -> None:

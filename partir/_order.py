@@ -57,6 +57,18 @@ def token_order(length: int, parts: int, balance: str) -> np.ndarray:
     return np.concatenate([np.concatenate([pieces[i], pieces[chunks - 1 - i]]) for i in range(parts)])
 
 
+def order_axes(axis) -> tuple[str, ...]:
+    """The mesh axes a token order is made for, major first, from the `axis` a
+    `Partitioning.reorder` took: one name, or a tuple (or a plan file's list) of them."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _extends(axes: tuple[str, ...], before: tuple[str, ...]) -> bool:
+    """Whether an order for `axes` extends one for `before`: the same leading axes, more
+    of them."""
+    return len(axes) > len(before) and axes[:len(before)] == before
+
+
 @dataclass(frozen=True)
 class OrderSites:
     """Where a permuted sequence (one class of `partir.dim_classes`) meets the program:
@@ -136,13 +148,18 @@ def _check_op(program, op, reads, makes) -> None:
 class Orders:
     """Mixin of `Partitioning`: the token orders its sequences are laid out in."""
 
-    def reorder(self, value, dim: int, axis: str, order: str, *, source: str = "user") -> None:
+    def reorder(self, value, dim: int, axis, order: str, *, source: str = "user") -> None:
         """Lay out the sequence that `dim` of `value` runs along (its class of
         `partir.dim_classes`) in the token `order` (`partir.BALANCES`) for a split over
-        `axis`: the lowerings permute the inputs and iotas along it and the outputs
-        back (`partir._order`), so the numbers stay the program's. A `PartitioningError`,
-        changing nothing, when an op does not commute with the permutation, the
-        sequence length does not fit the order, or the sequence already has another."""
+        `axis`, a mesh axis or a tuple of them, major first (a sequence split over
+        several axes, e.g. context parallelism over two: the order is made for all
+        their devices, so each holds its share of the work): the lowerings permute the
+        inputs and iotas along it and the outputs back (`partir._order`), so the
+        numbers stay the program's. A `PartitioningError`, changing nothing, when an op
+        does not commute with the permutation, the sequence length does not fit the
+        order, or the sequence already has another, but for fewer of these axes (the
+        leading ones), which this one then replaces: a sequence split over one more
+        axis is balanced again for all of them."""
         from ._attention import dim_classes
 
         prog = self.program
@@ -150,14 +167,31 @@ class Orders:
         val = prog.values[v]
         if not 0 <= dim < val.rank:
             raise PartitioningError(f"cannot reorder {prog.name(v)}: dim {dim} is out of range for shape {val.shape}")
-        token_order(val.shape[dim], self.mesh.size(axis), order)  # a clear error for a length it does not fit
+        axes = order_axes(axis)
+        if not axes or len(set(axes)) != len(axes):
+            raise PartitioningError(f"cannot reorder {prog.name(v)} over {axis!r}: give a mesh axis, or a tuple of "
+                                    "distinct mesh axes for a sequence split over several")
+        # A clear error for an unknown axis or a length the order does not fit.
+        token_order(val.shape[dim], self.mesh.devices_along(axes), order)
         label = dim_classes(prog).label(v, dim)
         order_sites(prog, label)
         self._keep(_ORD, self._orders, label, (axis, order), Decision("reorder", v, dim, axis, source, order=order),
                    lambda old: f"cannot reorder {prog.name(v)} dim {dim} {order!r} over {axis!r}: its sequence is "
-                               f"already laid out {old[1]!r} over {old[0]!r}")
+                               f"already laid out {old[1]!r} over {old[0]!r}",
+                   replaces=lambda old: _extends(axes, order_axes(old[0])))
+
+    def _unorder(self, entry, h: int) -> int:
+        """Undo the token order that log `entry` set (putting back the one it replaced,
+        if any); the key `h` updated."""
+        _, label, old = entry
+        h ^= hash((_ORD, label, self._orders.pop(label)))
+        if old is not None:
+            self._orders[label] = old
+            h ^= hash((_ORD, label, old))
+        return h
 
     @property
-    def orders(self) -> dict[int, tuple[str, str]]:
-        """Per reordered sequence (a class of `partir.dim_classes`), (axis, balance)."""
+    def orders(self) -> dict[int, tuple]:
+        """Per reordered sequence (a class of `partir.dim_classes`), (axis, balance): the
+        axis as `reorder` took it (a name, or a tuple of names; `order_axes`)."""
         return dict(self._orders)

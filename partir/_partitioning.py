@@ -67,8 +67,8 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
         # Layer scans run as pipeline stages (`pipeline`), in the order they were added.
         self._pipelines: tuple = ()
         # Per sequence (a class of `partir.dim_classes`), the token order it is laid out
-        # in (`reorder`): (mesh axis, balance).
-        self._orders: dict[int, tuple[str, str]] = {}
+        # in (`reorder`): (mesh axis or axes, balance).
+        self._orders: dict[int, tuple] = {}
         # Per value moved round a ring (`ring`): (dim, mesh axis).
         self._rings: dict[int, tuple[int, str]] = {}
         self._layouts: dict = {}  # (rule id, factor tiling) -> projected dims (see op_layout)
@@ -438,7 +438,7 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
                 self._pipelines = self._pipelines[:-1]
                 h ^= hash((_PIP, entry[1]))
             elif kind == _ORD:
-                h ^= hash((_ORD, entry[1], self._orders.pop(entry[1])))
+                h = self._unorder(entry, h)
             elif kind == _RNG:
                 h ^= hash((_RNG, entry[1], self._rings.pop(entry[1])))
                 self._touched_classes.add(self._of[entry[1]])

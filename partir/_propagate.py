@@ -23,17 +23,21 @@ class Propagation:
         self._decisions.append(d)
         self._log.append((_DEC,))
 
-    def _keep(self, kind: int, table: dict, key, entry, decision, clash) -> None:
+    def _keep(self, kind: int, table: dict, key, entry, decision, clash, replaces=None) -> None:
         """`table[key] = entry` (a token order, a ring), undone as `kind` on rollback and
         taken as `decision`: a no-op when it is there already, a `PartitioningError`
-        saying `clash(entry there)` when another is."""
+        saying `clash(entry there)` when another is, unless `replaces(entry there)` (a
+        token order extended to more axes): then it takes its place, and a rollback
+        puts it back."""
         old = table.get(key)
         if old == entry:
             return
         if old is not None:
-            raise PartitioningError(clash(old))
+            if replaces is None or not replaces(old):
+                raise PartitioningError(clash(old))
+            self._hash ^= hash((kind, key, old))
         table[key] = entry
-        self._log.append((kind, key))
+        self._log.append((kind, key, old))
         self._hash ^= hash((kind, key, entry))
         self._decide(decision)
 

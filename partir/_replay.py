@@ -88,8 +88,8 @@ class Replay:
             chosen.update(items)
             log.extend((kind, i) for i in items)
         for s, entry in delta.orders:
+            log.append((_ORD, s, self._orders.get(s)))
             self._orders[s] = entry
-            log.append((_ORD, s))
         for v, entry in delta.rings:
             self._rings[v] = entry
             self._touched_classes.add(self._of[v])

@@ -332,9 +332,9 @@ class TreeSearch:
             self.progress(self.stats.episodes, self.best.time, time.perf_counter() - self.start)
 
     # -- seeding and polishing -------------------------------------------------------
-    def seed_path(self, seq) -> _Scored:
+    def seed_path(self, seq, dead: set | None = None) -> _Scored:
         """Walk `seq` from the root as the tree would (creating its nodes), score where
-        it ends, back the reward up and return the scored plan."""
+        it ends, back the reward up and return it; its dead end to `dead` (`_seeds.dead_end`)."""
         mark = self.state.mark()
         node, path, applied = self.tree[self.root_key], [self.tree[self.root_key]], []
         for a in seq:
@@ -350,6 +350,8 @@ class TreeSearch:
             node.children[a] = key = self.state.key()
             node = self.tree.setdefault(key, _Node())
             path.append(node)
+        if dead is not None and len(applied) < len(seq):
+            dead.add(tuple(a.tactic for a in seq[:len(applied) + 1]))
         scored = self.score(applied)
         self.remember(scored)
         self.backup(path, scored.reward)
@@ -365,21 +367,24 @@ class TreeSearch:
         `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
         people run at scale compose four or five tactics: data parallel, tensor and
         sequence parallel, FSDP on another axis, rematerialization), each role's best
-        variant first (`_seeds.primary_first`). Pairs and compositions take at most
-        SEED_SHARE of the time budget. Then a beam from all of them: the BEAM best
-        sequences and the BEAM fastest are extended by every other macro, up to
-        MACRO_DEPTH of them."""
+        variant first (`_seeds.primary_first`), but those that begin with a dead end
+        (`_seeds.dead_end`). Pairs and compositions take at most SEED_SHARE of the time
+        budget. Then a beam from all of them: the BEAM best sequences and the BEAM
+        fastest are extended by every other macro, up to MACRO_DEPTH of them."""
+        dead: set = set()  # sequences of tactics whose last did not apply: dead ends
         for a in self.macros:
             if self.room():
-                self.seed_path([a])
+                self.seed_path([a], dead)
         root = self.tree[self.root_key]
-        scored = {a.tactic: self.tree[root.children[a]].value if a in root.children else 0.0 for a in self.macros}
-        ranked = sorted(self.macros, key=lambda a: -scored[a.tactic])
+        # By reward, then speed: variants that do not fit tie on reward (it reads the peak).
+        scored = {a.tactic: (self.tree[k].value, -self.cache[k][0]) if (k := root.children.get(a)) is not None
+                  else (0.0, -math.inf) for a in self.macros}
+        ranked = sorted(self.macros, key=lambda a: scored[a.tactic], reverse=True)
         pairs = [(first.tactic, second.tactic) for first in ranked for second in ranked if second != first]
         ordered = _seeds.primary_first([*pairs, *self.seeds], scored.get)
         seed_until = self.start + SEED_SHARE * self.budget_s
-        beam = [self.seed_path([Action.macro(t) for t in seq]) for seq in ordered
-                if self.room() and time.perf_counter() < seed_until]
+        beam = [self.seed_path([Action.macro(t) for t in seq], dead) for seq in ordered
+                if self.room() and time.perf_counter() < seed_until and not _seeds.dead_end(seq, dead)]
         for _ in range(MACRO_DEPTH - 2):
             # The best by reward, and the fastest whatever their memory: a fast sequence
             # that does not fit yet is one remat or FSDP away from the best plan, while
@@ -433,13 +438,8 @@ class TreeSearch:
         out = [seq + [a] for a in self.state.actions() + list(self.macros)]
         self.state.rollback(root)
         out += [[a] + seq for a in self.state.actions() if a not in seq]
-        out += [
-            [*seq[:i], m, *seq[i + 1 :]]
-            for i, a in enumerate(seq)
-            if a.kind == "macro"
-            for m in self.macros
-            if m not in seq
-        ]
+        out += [[*seq[:i], m, *seq[i + 1:]] for i, a in enumerate(seq) if a.kind == "macro" for m in self.macros
+                if m not in seq]
         return out + [[*seq[:i], *seq[i + 1 :]] for i in range(len(seq))]
 
     # -- the whole search ------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Plans people write for a mesh give each axis one role: data parallel or FSDP over the
 outer axes, tensor parallelism (with or without sequence parallelism) over one axis,
-context parallelism or pipeline stages over another, and a rematerialization policy for
-the whole. `compositions` lists every such assignment, so the search scores each of
+pipeline stages over another, context parallelism over one or more (their parameters
+sharded too where the plan shards them over its data axes), and a rematerialization
+policy for the whole. `compositions` lists every such assignment, so the search scores each of
 them before its tree search begins, whatever a beam of macro sequences would have kept:
 a search whose macro list grew (context parallelism) had crowded the four-tactic plan of
 Llama-3 70B out of its beam and settled 13% above it.
@@ -18,9 +19,11 @@ from tactics import FSDP, ContextParallel, DataParallel, Megatron, Pipeline, Rem
 
 #: The rematerialization policies the search may apply to every layer (`Remat`).
 REMAT_MACROS = ("dots", "full")
-#: The roles an axis may take once per plan (two tensor-parallel axes or two context
-#: axes are moves of the tree search, not textbook plans).
-ONCE = ("tensor", "context", "pipeline")
+#: The roles an axis may take once per plan (two tensor-parallel axes are moves of the
+#: tree search, not textbook plans). Context parallelism may take several: one context
+#: group over two mesh axes (a long sequence on few sequences a step, e.g. NeMo's
+#: Llama 3.1 70B, one micro-batch of 2 sequences on 64 GPUs, splits its tokens 16 ways).
+ONCE = ("tensor", "pipeline")
 #: The role each macro tactic gives its axis in a composition.
 ROLE = {DataParallel: "data", FSDP: "fsdp", Megatron: "tensor", ContextParallel: "context", Pipeline: "pipeline"}
 #: The order a composition's tactics apply in, by role: what splits weights by their
@@ -75,23 +78,35 @@ def compositions(offered) -> tuple[tuple, ...]:
     """Every plan that gives each searched axis at most one role, built from the macro
     tactics `offered` (`macros`): per axis nothing, data parallelism, FSDP, Megatron
     with or without sequence parallelism, context parallelism (each balance) or
-    pipeline stages (each microbatch count), tensor, context and pipeline roles on one
-    axis each (`ONCE`), then each remat policy offered or none. Plans of fewer than
-    three tactics are left out (the search seeds every pair anyway); the tactics of
-    each apply in `ORDER`."""
+    pipeline stages (each microbatch count), tensor and pipeline roles on one axis
+    each (`ONCE`), then each remat policy offered or none; where a plan has an FSDP
+    role, FSDP on its context axes too (`_sharded_context`). Plans of fewer than three
+    tactics are left out (the search seeds every pair anyway); the tactics of each
+    apply in `ORDER`."""
     axes = dict.fromkeys(m.axis for m in offered if not isinstance(m, Remat))
     by_axis = [[(), *_roles(a, offered)] for a in axes]
     remats = [()] + [(("remat", m),) for m in offered if isinstance(m, Remat)]
+    fsdp = {m.axis: m for m in offered if isinstance(m, FSDP)}
     out = []
     for per_axis in itertools.product(*by_axis):
         kinds = [k for role in per_axis for k, _ in role[:1]]
         if any(kinds.count(k) > 1 for k in ONCE):
             continue
+        sharded = _sharded_context(per_axis, fsdp) if "fsdp" in kinds else ()
         for remat in remats:
-            plan = sorted((t for role in (*per_axis, remat) for t in role), key=lambda t: ORDER.index(t[0]))
+            plan = sorted((t for role in (*per_axis, sharded, remat) for t in role), key=lambda t: ORDER.index(t[0]))
             if len(plan) >= 3:
                 out.append(tuple(tactic for _, tactic in plan))
     return tuple(out)
+
+
+def _sharded_context(per_axis, fsdp: dict) -> tuple:
+    """The FSDP roles a plan that shards its parameters (an FSDP role) adds on its
+    context axes (`fsdp`: the FSDP macro offered per axis): the parameters and optimizer
+    state sharded over every axis that splits the tokens, the batch or the sequence, as
+    Megatron's distributed optimizer shards over its data and context ranks and
+    MaxText's FSDP over its context axis."""
+    return tuple(("fsdp", fsdp[t.axis]) for role in per_axis for k, t in role[:1] if k == "context" and t.axis in fsdp)
 
 
 def variant_key(tactic) -> tuple:
@@ -118,6 +133,13 @@ def primary_first(seeds, score) -> tuple:
     primary = set(best.values())
     first = [seq for seq in seeds if all(t in primary for t in seq)]
     return (*first, *(seq for seq in seeds if not all(t in primary for t in seq)))
+
+
+def dead_end(seq, dead) -> bool:
+    """Whether the tactics `seq` begin with a sequence in `dead`, one whose last tactic
+    did not apply after the others: seeding `seq` would stop there and score that
+    state again (the states a sequence reaches are its own, whatever came before)."""
+    return any(seq[:k] in dead for k in range(1, len(seq) + 1))
 
 
 def _roles(axis, offered) -> list[tuple]:

@@ -38,7 +38,12 @@ class ContextParallel(Tactic):
     device two chunks from opposite ends; 'striped', every n-th token): the inputs
     along the sequence are permuted on the way in, the outputs back on the way out, and
     the iotas along it (rotary positions, causal masks) hold the permuted positions, so
-    the numbers are still the unsplit program's (`Partitioning.reorder`).
+    the numbers are still the unsplit program's (`Partitioning.reorder`). The order is
+    made for every axis that splits the sequence when the tactic applies, an earlier
+    ContextParallel's and its own (context parallelism over two mesh axes), and
+    replaces an earlier one's order for fewer of them: each device of all of them holds
+    its share of the work. (A ContextParallel without `balance` after a balanced one
+    leaves the order as it was, made for fewer devices than split the sequence.)
 
     `strategy='ring'` moves the same data in a ring instead (`partir.Partitioning.ring`):
     the keys and values stay split along the sequence at rest, and each dot that reads
@@ -84,7 +89,7 @@ class ContextParallel(Tactic):
             if len(sequence) != 1:
                 raise TacticError(f"{self}: the attentions run along {len(sequence)} different sequences; a "
                                   "balanced token order lays out one")
-            part.reorder(inputs[0][0], inputs[0][1], self.axis, self.balance, source=str(self))
+            _balance(part, inputs[0], self.axis, self.balance, str(self))
         for a in found:
             for v, d in ((a.key, a.key_dim), (a.value, a.value_dim)):
                 if self.axis in part.tiling(v).axes():
@@ -158,6 +163,21 @@ def _sequence_inputs(part, classes, sequence: set, axis: str) -> list[tuple[int,
         raise TacticError(f"ContextParallel({axis!r}): the {size} devices of {axis!r} do not divide the sequence of "
                           f"{', '.join(bad)}; pick an axis whose size divides the sequence length")
     return out
+
+
+def _balance(part, site: tuple[int, int], axis: str, balance: str, source: str) -> None:
+    """Lay the sequence that `site` (input, dim) runs along out in the `balance` order
+    for every axis that will split it: those splitting it already (an earlier
+    ContextParallel's), major first, then `axis`; one order, which replaces an earlier
+    ContextParallel's for its axes alone, so that each device of all of them holds its
+    share of the causal work."""
+    v, d = site
+    axes = (*part.tiling(v).dims[d], axis)
+    try:
+        part.reorder(v, d, axes[0] if len(axes) == 1 else axes, balance, source=source)
+    except partir.PartitioningError as e:
+        raise TacticError(f"{e}; a balanced ContextParallel lays the sequence out for the axes that split it "
+                          f"({', '.join(axes)}), replacing only an order made for the first of them") from e
 
 
 def _linked(prog, classes, v: int, dim: int) -> list[tuple[int, int]]:

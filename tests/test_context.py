@@ -6,6 +6,7 @@ other tactics."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -364,19 +365,55 @@ def test_the_search_takes_context_parallelism_where_memory_forces_it(limit, chos
     assert ("ContextParallel" in _searched_macros(prog, MeshSpec.of(data=8), "h100", limit)) == chosen
 
 
-def test_an_order_balanced_for_fewer_devices_than_split_the_sequence_is_costed_unbalanced():
-    # Split over 'a' (2) then 'b' (4), laid out zigzag for 'b' alone: the order's 8
-    # chunks fall one to a device, and the device holding the last chunk does as much
-    # as in the original order.
+def test_a_sequence_split_over_two_axes_is_balanced_over_both():
+    # Split over 'a' (2) then 'b' (4): an order made for 'b' alone falls one of its 8
+    # chunks to a device, and the device holding the last chunk does as much as in the
+    # original order; ContextParallel('b') balanced after ContextParallel('a') makes the
+    # order for both axes, 16 chunks two to a device, and every device does the same
+    # (measured on NeMo's Llama 3.1 70B row, CP over stage x context: 1.86x the average
+    # causal work on the busiest device, 16.3 s a step against 18.1 s).
     from search.cost._attention import causal_imbalance
 
     prog = _abstract("gpt", seq_len=2048)
     mesh = MeshSpec.of(a=2, b=4)
+    tokens = prog.inputs[prog.input_names.index("batch['tokens']")]
     imbalance = {}
     for balance in (None, "zigzag"):
         schedule = [tactics.ContextParallel("a"), tactics.ContextParallel("b", balance=balance)]
-        imbalance[balance] = causal_imbalance(tactics.apply_schedule(prog, mesh, schedule).partitioning)
-    assert imbalance["zigzag"] == imbalance[None] == 31 / 17
+        part = tactics.apply_schedule(prog, mesh, schedule).partitioning
+        imbalance[balance] = causal_imbalance(part)
+    assert list(part.orders.values()) == [(("a", "b"), "zigzag")]
+    # Balanced for 'a' first, the order is made again for both; a rollback puts the
+    # order for 'a' back, after the change is replayed too (as the search's twins do).
+    first = tactics.apply_schedule(prog, mesh, [tactics.ContextParallel("a", balance="zigzag")]).partitioning
+    key, mark = first.key(), first.mark()
+    tactics.ContextParallel("b", balance="zigzag").apply(first, tactics.Context())
+    assert first.orders == part.orders
+    delta = first.delta(mark, key)
+    for _ in range(2):
+        first.rollback(mark)
+        assert list(first.orders.values()) == [("a", "zigzag")] and first.key() == key
+        first.replay(delta)
+        assert first.orders == part.orders
+    # A plan file keeps the order's axes (JSON's list read back as the tuple).
+    again = partir.Partitioning(prog, mesh)
+    for d in part.decisions:
+        again.redo(partir.Decision.from_json(json.loads(json.dumps(d.to_json(prog))), prog))
+    assert again.orders == part.orders and again.key() == part.key()
+    for_b = tactics.apply_schedule(prog, mesh, [tactics.ContextParallel("a")]).partitioning
+    for_b.reorder(tokens, 1, "b", "zigzag")
+    for_b = tactics.apply_schedule(prog, mesh, [tactics.ContextParallel("b")], start=for_b).partitioning
+    assert causal_imbalance(for_b) == imbalance[None] == 31 / 17
+    assert imbalance["zigzag"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_sequence_balanced_over_two_axes_matches_jit():
+    # The permutation into the order made for 'a' and 'cp' together, and the iotas of
+    # the rotary table and the causal mask holding it, keep the numbers of plain jit.
+    schedule = [tactics.ContextParallel("a"), tactics.ContextParallel("cp", balance="zigzag")]
+    res = _check("llama", MeshSpec.of(a=2, cp=4), schedule, "jit", scan_layers=True)
+    assert list(res.partitioning.orders.values()) == [(("a", "cp"), "zigzag")]
 
 
 def test_the_experts_write_context_parallel_with_fsdp_and_tensor_parallelism():

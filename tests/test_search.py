@@ -392,3 +392,19 @@ def test_seeds_with_each_roles_best_variant_come_first():
     score = {ring: 0.9, gather: 0.5, dp: 0.7, fsdp: 0.6, T.Remat("full"): 0.1, T.Remat("dots"): 0.2}
     assert search.primary_first(seeds, score.get) == (
         (fsdp, ring), (dp, ring), (T.Remat("dots"), dp), (dp, gather), (fsdp, gather), (T.Remat("full"), dp))
+
+
+def test_parameters_are_sharded_over_the_axes_that_split_the_sequence():
+    # Two sequences on 2 x 2 x 2 devices: the batch splits over one axis, the sequence
+    # (context parallelism) over another; in 8 MB the parameters must be sharded over
+    # the sequence's axis too, as Megatron's distributed optimizer shards over its data
+    # and context ranks. The compositions give a plan's FSDP its context axes (7.6 MB);
+    # without them the search ended at 8.7 MB, a remat policy short of fitting.
+    cfg = llama.LlamaConfig(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab=512, seq_len=256,
+                            batch=2, scan_layers=True)
+    step, args = llama.make_train_step(cfg, abstract=True)
+    auto = search.AutomaticPartition(device="h100", memory_limit=8e6, max_episodes=300, budget_s=600)
+    _, result = _search(step, args, MeshSpec.of(x=2, y=2, z=2), [auto])
+    macros = [a.tactic for a in result.actions if a.kind == "macro"]
+    context = {t.axis for t in macros if isinstance(t, T.ContextParallel)}
+    assert result.fits and context & {t.axis for t in macros if isinstance(t, T.FSDP)}

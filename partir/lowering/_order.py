@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .._order import order_sites, token_order
+from .._order import order_axes, order_sites, token_order
 
 
 class Reordering:
@@ -22,7 +22,7 @@ class Reordering:
         self.iotas: dict[int, np.ndarray] = {}
         for label, (axis, balance) in sorted(part.orders.items()):
             sites = order_sites(prog, label)
-            n = part.mesh.size(axis)
+            n = part.mesh.devices_along(order_axes(axis))
 
             def perm(v, d):
                 return token_order(prog.values[v].shape[d], n, balance)

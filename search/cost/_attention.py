@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir import attentions, dim_classes, is_mask, kernel_region, token_order
+from partir import attentions, dim_classes, is_mask, kernel_region, order_axes, token_order
 
 #: The kernels' tile along the key axis (flash attention and cuDNN use 64-128 on
 #: H100; splash 128-512 on TPU): a causal kernel computes the diagonal tiles whole.
@@ -108,7 +108,7 @@ def causal_imbalance(part) -> float:
         n = part.mesh.devices_along(part.factor_tiling(a.score)[f])
         length = prog.values[a.scores].shape[a.score_query_dim]
         order = part.orders.get(classes.label(a.key, a.key_dim))
-        parts = None if order is None else part.mesh.size(order[0])
+        parts = None if order is None else part.mesh.devices_along(order_axes(order[0]))
         if n > 1 and length % n == 0 and (order is None or length % (2 * parts) == 0):
             worst = max(worst, _busiest(length, n, order and order[1], parts))
     return worst
