@@ -212,8 +212,9 @@ class AutomaticPartition(Tactic):
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
         """`(result, notes)` of a plan that fits the program exactly: the searched one,
         else the first runner-up that does (the search's peaks are estimates, extrapolated
-        on twins), else the searched one again; `fits` is the exact verdict."""
-        if self.memory_limit is None or self._exact(part, costs).fits:
+        on twins), else the searched one again; `fits` is the exact verdict, against the
+        device's HBM where no `memory_limit` was given (the limit the search held)."""
+        if self._exact(part, costs).fits:
             return dataclasses.replace(result, fits=True), said
         for actions, step, peak in result.alternatives:
             part.rollback(marks[0])

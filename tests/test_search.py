@@ -119,6 +119,19 @@ def test_memory_limit_makes_it_shard_parameters():
     _equivalent(res, step, args)
 
 
+def test_without_a_limit_the_device_memory_decides_whether_the_result_fits():
+    # A device of 10 KB: no plan of this MLP fits it; the best effort is returned, and
+    # says so (it once said it fitted whenever no memory_limit was given).
+    step, args = mlp.make_train_step(mlp.MLPConfig(d_in=64, d_hidden=256, d_out=64, n_layers=2, batch=16))
+    small = dataclasses.replace(search.get_device("cpu"), hbm_bytes=1e4)
+    auto = search.AutomaticPartition(budget_s=600, max_episodes=20, device=small, best_effort=True)
+    res, result = _search(step, args, MeshSpec.of(data=2), [auto])
+    assert not result.fits
+    assert not search.CostModel(res.partitioning, small).cost().fits
+    with pytest.raises(T.TacticError, match="no plan found fits"):
+        _search(step, args, MeshSpec.of(data=2), [dataclasses.replace(auto, best_effort=False)])
+
+
 def test_pure_data_parallel_wins_for_a_wide_batch():
     cfg = mlp.MLPConfig(d_in=64, d_hidden=128, d_out=64, batch=65536, adam_eps=EPS)
     step, args = mlp.make_train_step(cfg)
