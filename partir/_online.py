@@ -20,11 +20,20 @@ checks op by op:
 - the *backward*: the dots the differentiated program holds, `dO V^T` (reading the
   values), `P^T dO` (reading the weights and the same `dO`), and `dS K`, `dS^T Q`
   (reading one value `dS` of the scores' shape and dims: the scores' cotangent);
-- nothing outside those dots reads a value of the attention's region.
+- nothing outside those dots reads a value of the attention's region, and none of
+  its values leaves through a loop's boundary (a scan's stacked residual).
+
+An attention whose forward pass no backward dot reads, and which keeps nothing for a
+backward pass (the forward of a layer a user's `jax.checkpoint` recomputes in the
+backward loop, or an inference step), is matched forward only (`OnlineForward`): the
+chain, the softmax and the combine dot, run blockwise keeping only the output. The
+rerun of such a layer in the backward pass, with the backward dots in one body, is an
+`OnlineAttention` there.
 
 Anything else (dropout on the weights, a softmax written another way, the weights
-returned, forward and backward in different loops) keeps the program's softmax: the
-reason is recorded (`Unmatched`) and the tactic lists it in its notes.
+returned, the weights kept in a forward scan's stack for the backward scan) keeps the
+program's softmax: the reason is recorded (`Unmatched`) and the tactic lists it in its
+notes.
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ from dataclasses import dataclass
 from ._attention import attentions, forward_like, kernel_region, _region_dims
 from ._graph import made_from_scalars
 from ._nested import Link
+
+#: Link ops a blockwise attention's region may cross: a call's boundary only renames a
+#: value; a loop's (a scan's stacked residual, a carry) keeps it past the region.
+_CALL_LINKS = frozenset({Link.CALL_IN, Link.CALL_OUT})
 
 #: Primitives the chain from the scores to the softmax may hold: elementwise ops a
 #: block of the scores computes alone (with its block of any mask or scale), and a
@@ -79,6 +92,27 @@ class OnlineAttention:
 
 
 @dataclass(frozen=True)
+class OnlineForward:
+    """An attention with no backward pass of its own that the ring can run blockwise
+    (module docstring): `OnlineAttention`'s forward fields; `ops` the region's ops and
+    the two forward dots."""
+
+    attention: object
+    chain: tuple[int, ...]
+    chain_key_dims: tuple[int, ...]
+    x: int
+    weights: int
+    row_sum: int
+    key_dim: int
+    ops: frozenset
+
+    @property
+    def backward_dots(self) -> tuple[int, ...]:
+        """None: the backward pass is not this attention's (a rerun's, or none)."""
+        return ()
+
+
+@dataclass(frozen=True)
 class Unmatched:
     """An attention (score dot `score`) the ring runs with the program's softmax, and why."""
 
@@ -87,8 +121,9 @@ class Unmatched:
 
 
 def online_attentions(program) -> tuple:
-    """Per attention of `program` (`partir.attentions`), an `OnlineAttention` or an
-    `Unmatched` saying why not (module docstring). Kept with the program."""
+    """Per attention of `program` (`partir.attentions`), an `OnlineAttention`, an
+    `OnlineForward` (no backward dots of its own), or an `Unmatched` saying why not
+    (module docstring). Kept with the program."""
     return program.analysis(_online_attentions)
 
 
@@ -125,6 +160,10 @@ def _matched(program, region, a) -> OnlineAttention:
         return [o for o in program.users[v] if region.dots[o] and not forward[o]]
 
     grad_scores = [o for o in dot_users(a.value) if region.score[o]]
+    key = keys[-1] if keys else a.score_key_dim
+    if not grad_scores:
+        ops = _component(program, region, (a.scores,), (a.score, a.combine))
+        return OnlineForward(a, tuple(chain), tuple(keys), x, p, row_sum, key, ops)
     _need(len(grad_scores) == 1, "no backward dot dO V^T reads the values themselves (the backward pass reads "
           "them from a loop's stack or a recomputation; blockwise attention keeps its forward and backward in "
           "one region)")
@@ -142,8 +181,7 @@ def _matched(program, region, a) -> OnlineAttention:
     dots = (a.score, a.combine, grad_scores[0], grad_values[0], key_dots[0], query_dots[0])
     _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
     ops = _component(program, region, (a.scores, program.ops[grad_scores[0]].results[0]), dots)
-    keys = tuple(keys)
-    return OnlineAttention(a, tuple(chain), keys, x, p, row_sum, keys[-1] if keys else a.score_key_dim, grad_scores[0],
+    return OnlineAttention(a, tuple(chain), tuple(keys), x, p, row_sum, key, grad_scores[0],
                            grad_values[0], key_dots[0], query_dots[0], d_out, ds[0], ops)
 
 
@@ -228,6 +266,9 @@ def _component(program, region, seeds, dots) -> frozenset:
             if o in dots:
                 continue
             op = program.ops[o]
+            _need(not op.link or op.primitive in _CALL_LINKS,
+                  "its forward pass keeps a score-shaped value (its weights) in a loop's stack for the backward pass "
+                  "(a layer scan without jax.checkpoint); blockwise attention keeps no such residual")
             _need(region.ops[o] or op.link, f"{op.primitive} (op {o}) outside the attention reads its scores")
             ops.add(o)
             stack += [r for r in op.results if r >= 0]
@@ -236,26 +277,33 @@ def _component(program, region, seeds, dots) -> frozenset:
     return frozenset(ops)
 
 
-def online_reason(part, m: OnlineAttention, rings: dict) -> str | None:
+def online_reason(part, m, rings: dict) -> str | None:
     """Why plan `part` (its ring dots `rings`, `partir.ring_moves`) cannot run attention
-    `m` blockwise, or None when it can: every one of its six dots must move the keys
-    and values (or their gradients) round one axis, in a plan without rematerialization
-    or pipelines, at the program's top level."""
+    `m` (an `OnlineAttention` or `OnlineForward`) blockwise, or None when it can: every
+    one of its dots must move the keys and values (or their gradients) round one axis,
+    in a plan without a Remat tactic or pipelines (a layer scan's body and a user's
+    `jax.checkpoint` are fine: each body's match runs where the body runs)."""
     a = m.attention
-    want = {a.score: "gather", a.combine: "gather", m.grad_scores: "gather", m.grad_queries_dot: "gather",
-            m.grad_keys_dot: "scatter", m.grad_values: "scatter"}
+    want = {a.score: "gather", a.combine: "gather"}
+    if isinstance(m, OnlineAttention):
+        want.update({m.grad_scores: "gather", m.grad_queries_dot: "gather", m.grad_keys_dot: "scatter",
+                     m.grad_values: "scatter"})
     if any(o not in rings or rings[o].kind != k for o, k in want.items()):
         return "not every dot of it moves its keys and values round a ring"
     if len({rings[o].axis for o in want}) != 1:
         return "its rings run over different axes"
-    if part.rematerialized or part.reused or part.pipelines or part.program.ops[a.score].region != 0:
-        return "it is rematerialized, pipelined or inside a loop (blockwise attention keeps no residuals there)"
+    if part.rematerialized or part.reused or part.pipelines:
+        return "the plan rematerializes (a Remat tactic) or pipelines it (blockwise attention keeps no residuals there)"
+    slots, partial, _ = part.block_layout(a.combine)
+    if partial:
+        return "its combine dot leaves the output partial"
+    if isinstance(m, OnlineForward):
+        return None
     prog = part.program
     d_out = [_layout(part, o, prog.ops[o].operands.index(m.grad_out)) for o in (m.grad_scores, m.grad_values)]
     queries = [_layout(part, o, prog.ops[o].operands.index(a.query)) for o in (a.score, m.grad_keys_dot)]
-    slots, partial, _ = part.block_layout(a.combine)
     out = next(d for side, _, _, d in slots if side == "result")
-    if partial or d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
+    if d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
         return "its dots read the output's gradient or the queries in different layouts"
     return None
 

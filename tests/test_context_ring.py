@@ -100,6 +100,21 @@ def test_a_causal_zigzag_ring_runs_online_softmax_and_matches_jit():
     _check_online("gpt", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), _ring(balance="zigzag")])
 
 
+#: A tiny GPT for the default run's scanned case: one compile each for jit and the plan.
+TINY = {"d_model": 16, "n_heads": 2, "d_ff": 32, "vocab": 32, "seq_len": 16, "batch": 2}
+
+
+def test_a_checkpointed_layer_scan_runs_online_softmax_and_matches_jit():
+    # Each layer checkpointed in a scan: the forward body runs its attention forward
+    # only, blockwise, keeping nothing of it; the backward body recomputes it and runs
+    # its backward blockwise in the same body. No warning (the suite's warnings are
+    # errors), and the numbers are plain jit's.
+    step, args = _step("gpt", scan_layers=True, remat=True, **TINY)
+    result = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(cp=2), [_ring(balance="zigzag")])
+    assert "2 of 2 attentions run blockwise" in " | ".join(result.history[-1].notes)
+    partir.check_equivalence(step, args, result.partitioning, rtol=RTOL, atol=ATOL, backend="shard_map")
+
+
 ONLINE_SLOW = [
     # model, mesh, schedule, config changes
     ("llama", MeshSpec.of(other=4, cp=2), [tactics.Megatron("other"), _ring(balance="striped")], {}),

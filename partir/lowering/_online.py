@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import made_from_scalars
-from .._online import OnlineAttention, Unmatched, online_attentions, online_reason
+from .._online import OnlineAttention, OnlineForward, Unmatched, online_attentions, online_reason
 from .._tiling import Tiling
 from ._eval import bind_equation
 from ._ring import _next
@@ -40,7 +40,7 @@ class OnlineRings:
 
     def __init__(self, interp, enabled: bool):
         self.interp = interp
-        self.found: dict[int, OnlineAttention] = {}
+        self.found: dict[int, OnlineAttention | OnlineForward] = {}
         if enabled:
             for m in online_attentions(interp.prog):
                 reason = m.reason if isinstance(m, Unmatched) else online_reason(interp.part, m, interp.rings)
@@ -79,7 +79,8 @@ class OnlineRings:
 
     def run(self, frame, oid: int) -> None:
         """Op `oid` of a blockwise attention: its forward pass at the combine dot, its
-        backward pass at the first backward dot; every other op has nothing to do."""
+        backward pass (an `OnlineAttention`'s) at the first backward dot; every other op
+        has nothing to do."""
         m = self.ops[oid]
         a = m.attention
         if oid == a.combine:
@@ -108,7 +109,7 @@ class OnlineRings:
         cache[v] = x
         return x
 
-    def _logits(self, m: OnlineAttention, scores, block, size: int):
+    def _logits(self, m, scores, block, size: int):
         """The chain's result (the softmax's input) on one block of the scores, key
         block `block` of `size` keys; the chain's constants cut to the same block."""
         prog, part, mesh = self.interp.prog, self.interp.part, self.interp.mesh
@@ -134,8 +135,9 @@ class OnlineRings:
             x = bind_equation(op.eqn, args)[0]
         return x
 
-    def _forward(self, frame, m: OnlineAttention) -> None:
+    def _forward(self, frame, m) -> None:
         interp, a = self.interp, m.attention
+        self.done.discard(a.score)  # a loop's body traced again runs its backward again
         prog = interp.prog
         score, combine = prog.ops[a.score], prog.ops[a.combine]
         ring = interp.rings[a.score]
@@ -225,7 +227,7 @@ def _unlinked(prog, v: int):
     return parent.jaxpr.eqns[i].invars[region.invars.index(v)].val
 
 
-def _is_chain(prog, m: OnlineAttention, o: int, u: int) -> bool:
+def _is_chain(prog, m, o: int, u: int) -> bool:
     """Is `u`, read by chain op `o`, the chain's own value (the scores so far)?"""
     k = m.chain.index(o)
     if k == 0:
