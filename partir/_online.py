@@ -39,6 +39,7 @@ notes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._attention import attentions, forward_like, kernel_region, _region_dims
 from ._graph import made_from_scalars
@@ -89,6 +90,12 @@ class OnlineAttention:
     def backward_dots(self) -> tuple[int, ...]:
         """The four dots of the backward pass."""
         return (self.grad_scores, self.grad_values, self.grad_queries_dot, self.grad_keys_dot)
+
+    @property
+    def backward_operands(self) -> tuple[int, int, int]:
+        """The queries, keys and values as the backward dots read them: the forward's."""
+        a = self.attention
+        return (a.query, a.key, a.value)
 
 
 @dataclass(frozen=True)
@@ -148,41 +155,71 @@ def _need(ok: bool, reason: str) -> None:
         raise _NoMatch(reason)
 
 
-def _matched(program, region, a) -> OnlineAttention:
+def _matched(program, region, a):
     forward = forward_like(program)
     dims = _region_dims(program, region, a.scores)
     chain, keys, x, sub = _chain(program, dims, forward, a)
-    p, row_sum = _softmax(program, forward, x, keys[-1] if keys else a.score_key_dim, sub)
-    cop = program.ops[a.combine]
-    _need(p in cop.operands, "the combine dot does not read the softmax's result")
+    key = keys[-1] if keys else a.score_key_dim
+    p, row_sum = _softmax(program, forward, x, key, sub)
+    _need(p in program.ops[a.combine].operands, "the combine dot does not read the softmax's result")
+    head = (a, tuple(chain), tuple(keys), x, p, row_sum, key)
+    if not [o for o in program.users[a.value] if region.score[o] and not forward[o]]:
+        stacked = []  # no backward dot reads the values here: a forward pass alone, or one keeping residuals
+        ops = _component(program, region, (a.scores,), (a.score, a.combine), stacked)
+        if not stacked:
+            return OnlineForward(*head, ops)
+        from ._online_scans import across_scans
+
+        return across_scans(program, region, dims, head, stacked, ops)
+    grads = backward_dots(program, region, dims, a.scores, (a.query, a.key, a.value), p)
+    dots = (a.score, a.combine) + grads.dots
+    _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
+    ops = _component(program, region, (a.scores, program.ops[grads.grad_scores].results[0]), dots)
+    return OnlineAttention(*head, *grads, ops)
+
+
+class Backward(NamedTuple):
+    """The backward dots of an attention (`OnlineAttention`'s fields of the same names)."""
+
+    grad_scores: int
+    grad_values: int
+    grad_queries_dot: int
+    grad_keys_dot: int
+    grad_out: int
+    grad_logits: int
+
+    @property
+    def dots(self) -> tuple[int, ...]:
+        """`dO V^T`, `P^T dO`, `dS K`, `dS^T Q`."""
+        return (self.grad_scores, self.grad_values, self.grad_queries_dot, self.grad_keys_dot)
+
+
+def backward_dots(program, region, dims, scores: int, operands: tuple[int, int, int], p: int) -> Backward:
+    """The backward dots reading `operands` (the queries, keys and values as the backward
+    pass reads them) and `p` (the weights as it reads them), their `dS` laid out as
+    `scores` (`dims`: `_region_dims` of them), or _NoMatch."""
+    forward = forward_like(program)
+    query, key, value = operands
 
     def dot_users(v: int) -> list[int]:  # the backward dots of the region reading v
         return [o for o in program.users[v] if region.dots[o] and not forward[o]]
 
-    grad_scores = [o for o in dot_users(a.value) if region.score[o]]
-    key = keys[-1] if keys else a.score_key_dim
-    if not grad_scores:
-        ops = _component(program, region, (a.scores,), (a.score, a.combine))
-        return OnlineForward(a, tuple(chain), tuple(keys), x, p, row_sum, key, ops)
-    _need(len(grad_scores) == 1, "no backward dot dO V^T reads the values themselves (the backward pass reads "
-          "them from a loop's stack or a recomputation; blockwise attention keeps its forward and backward in "
-          "one region)")
-    d_out = next(u for u in program.ops[grad_scores[0]].operands if u != a.value)
+    def reading_region(v: int) -> list[int]:
+        return [o for o in dot_users(v) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
+
+    grad_scores = [o for o in dot_users(value) if region.score[o]]
+    _need(len(grad_scores) == 1, "no single backward dot dO V^T reads the values")
+    d_out = next(u for u in program.ops[grad_scores[0]].operands if u != value)
     grad_values = [o for o in dot_users(p) if d_out in program.ops[o].operands]
     _need(len(grad_values) == 1, "no single backward dot P^T dO reads the weights")
-    key_dots = [o for o in dot_users(a.key) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
-    query_dots = [o for o in dot_users(a.query) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
+    key_dots, query_dots = reading_region(key), reading_region(query)
     _need(len(key_dots) == 1 and len(query_dots) == 1, "no single dS K and dS^T Q in the backward pass")
-    ds = [u for u in program.ops[key_dots[0]].operands if u != a.key]
+    ds = [u for u in program.ops[key_dots[0]].operands if u != key]
     _need(len(ds) == 1 and ds[0] in program.ops[query_dots[0]].operands, "dS K and dS^T Q read different dS")
-    rank = program.values[a.scores].rank
-    _need(program.values[ds[0]].shape == program.values[a.scores].shape
+    rank = program.values[scores].rank
+    _need(program.values[ds[0]].shape == program.values[scores].shape
           and dims.get(ds[0]) == {d: d for d in range(rank)}, "dS is not laid out as the scores")
-    dots = (a.score, a.combine, grad_scores[0], grad_values[0], key_dots[0], query_dots[0])
-    _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
-    ops = _component(program, region, (a.scores, program.ops[grad_scores[0]].results[0]), dots)
-    return OnlineAttention(a, tuple(chain), tuple(keys), x, p, row_sum, key, grad_scores[0],
-                           grad_values[0], key_dots[0], query_dots[0], d_out, ds[0], ops)
+    return Backward(grad_scores[0], grad_values[0], key_dots[0], query_dots[0], d_out, ds[0])
 
 
 def _chain(program, dims, forward, a):
@@ -253,9 +290,11 @@ def _only(program, forward, v: int, primitive: str) -> int:
     return found[0].results[0]
 
 
-def _component(program, region, seeds, dots) -> frozenset:
+def _component(program, region, seeds, dots, stacked: list | None = None) -> frozenset:
     """The ops of the attention's region reached from `seeds` (the scores and dO V^T's
-    result), with `dots`; _NoMatch when anything else reads one of its values."""
+    result), with `dots`; _NoMatch when anything else reads one of its values. With
+    `stacked`, the scan's stacked outputs (`Link.SCAN_YS` ops) leaving the region are
+    added to it instead (not followed) and are no reason."""
     seen, stack, ops = set(), list(seeds), set(dots)
     while stack:
         v = stack.pop()
@@ -266,6 +305,9 @@ def _component(program, region, seeds, dots) -> frozenset:
             if o in dots:
                 continue
             op = program.ops[o]
+            if stacked is not None and op.primitive == Link.SCAN_YS:
+                stacked.append(o)
+                continue
             _need(not op.link or op.primitive in _CALL_LINKS,
                   "its forward pass keeps a score-shaped value (its weights) in a loop's stack for the backward pass "
                   "(a layer scan without jax.checkpoint); blockwise attention keeps no such residual")
@@ -279,13 +321,13 @@ def _component(program, region, seeds, dots) -> frozenset:
 
 def online_reason(part, m, rings: dict) -> str | None:
     """Why plan `part` (its ring dots `rings`, `partir.ring_moves`) cannot run attention
-    `m` (an `OnlineAttention` or `OnlineForward`) blockwise, or None when it can: every
+    `m` (an `OnlineAttention`, `OnlineForward` or `OnlineAcrossScans`) blockwise, or None when it can: every
     one of its dots must move the keys and values (or their gradients) round one axis,
     in a plan without a Remat tactic or pipelines (a layer scan's body and a user's
     `jax.checkpoint` are fine: each body's match runs where the body runs)."""
     a = m.attention
     want = {a.score: "gather", a.combine: "gather"}
-    if isinstance(m, OnlineAttention):
+    if m.backward_dots:
         want.update({m.grad_scores: "gather", m.grad_queries_dot: "gather", m.grad_keys_dot: "scatter",
                      m.grad_values: "scatter"})
     if any(o not in rings or rings[o].kind != k for o, k in want.items()):
@@ -297,11 +339,13 @@ def online_reason(part, m, rings: dict) -> str | None:
     slots, partial, _ = part.block_layout(a.combine)
     if partial:
         return "its combine dot leaves the output partial"
-    if isinstance(m, OnlineForward):
+    if not m.backward_dots:
         return None
     prog = part.program
+    query = m.backward_operands[0]
     d_out = [_layout(part, o, prog.ops[o].operands.index(m.grad_out)) for o in (m.grad_scores, m.grad_values)]
-    queries = [_layout(part, o, prog.ops[o].operands.index(a.query)) for o in (a.score, m.grad_keys_dot)]
+    queries = [_layout(part, a.score, prog.ops[a.score].operands.index(a.query)),
+               _layout(part, m.grad_keys_dot, prog.ops[m.grad_keys_dot].operands.index(query))]
     out = next(d for side, _, _, d in slots if side == "result")
     if d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
         return "its dots read the output's gradient or the queries in different layouts"
