@@ -331,17 +331,25 @@ def test_automap_tells_a_search_the_lowering_its_plan_runs_under():
 #: A shape where each device's row of scores dominates: 512 tokens, 8-wide heads.
 LONG = gpt.GPTConfig(d_model=64, d_ff=128, n_heads=8, seq_len=512, vocab=128, batch=2)
 #: The blockwise attention's compiled peak against the program's softmax round the ring
-#: at LONG (measured on XLA:CPU: 0.56, which runs the ring's steps breadth first; one
+#: at LONG (measured on XLA:CPU: 0.56 unrolled, 0.48 in a layer scan, where the program
+#: stacks its weights per layer; XLA:CPU runs the ring's steps breadth first, and one
 #: block at a time would be lower still).
 BLOCKWISE_PEAK = 0.7
+#: The same with each layer checkpointed in the scan (measured 0.72): the program's
+#: softmax keeps no stacked weights there either, only the backward body's row.
+CHECKPOINTED_PEAK = 0.8
+PEAK_CASES = [({}, BLOCKWISE_PEAK),
+              pytest.param({"scan_layers": True}, BLOCKWISE_PEAK, marks=pytest.mark.slow),
+              pytest.param({"scan_layers": True, "remat": True}, CHECKPOINTED_PEAK, marks=pytest.mark.slow)]
 
 
-def test_a_blockwise_ring_holds_less_than_the_programs_softmax_as_modeled():
-    # The same permutes as the ring of the program's softmax, no row of scores: XLA's
-    # peak falls, and the model follows it.
+@pytest.mark.parametrize("changes,peak", PEAK_CASES, ids=["unrolled", "scan", "scan-checkpoint"])
+def test_a_blockwise_ring_holds_less_than_the_programs_softmax_as_modeled(changes, peak):
+    # The same permutes as the ring of the program's softmax, no row of scores (nor a
+    # stack of them): XLA's peak falls, and the model follows it.
     import search
 
-    step, args = gpt.make_train_step(LONG, abstract=True)
+    step, args = gpt.make_train_step(dataclasses.replace(LONG, **changes), abstract=True)
     part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, cp=4),
                                   [tactics.DataParallel("data"), _ring()]).partitioning
     f = search.compare_with_xla(part, args, backend="shard_map")
@@ -350,7 +358,7 @@ def test_a_blockwise_ring_holds_less_than_the_programs_softmax_as_modeled():
     assert 1 - MEMORY_BAND <= f.memory_ratio <= 1 + MEMORY_BAND, (f.memory_model, f.memory_xla)
     kept = partir.lower(part, backend="shard_map", online_softmax=False).lower(*args).compile().memory_analysis()
     programs = kept.temp_size_in_bytes + kept.argument_size_in_bytes + kept.output_size_in_bytes - kept.alias_size_in_bytes
-    assert f.memory_xla < BLOCKWISE_PEAK * programs
+    assert f.memory_xla < peak * programs
 
 
 def test_the_blockwise_backward_computes_q_k_again():
