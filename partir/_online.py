@@ -30,16 +30,16 @@ chain, the softmax and the combine dot, run blockwise keeping only the output. T
 rerun of such a layer in the backward pass, with the backward dots in one body, is an
 `OnlineAttention` there.
 
-Anything else (dropout on the weights, a softmax written another way, the weights
-returned, the weights kept in a forward scan's stack for the backward scan) keeps the
-program's softmax: the reason is recorded (`Unmatched`) and the tactic lists it in its
-notes.
+A forward pass that stacks residuals for a backward layer scan is matched across the
+scan pair (`partir._online_scans`). Anything else (dropout on the weights, a softmax
+written another way, the weights returned, a value of the region carried round a
+loop) keeps the program's softmax: the reason is recorded (`Unmatched`) and the tactic
+lists it in its notes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from ._attention import attentions, forward_like, kernel_region, _region_dims
 from ._graph import made_from_scalars
@@ -59,17 +59,17 @@ _BROADCASTS = frozenset({"broadcast_in_dim", "reshape"})
 
 
 @dataclass(frozen=True)
-class OnlineAttention:
-    """One attention the ring can run with an online softmax (module docstring).
+class OnlineForward:
+    """An attention's forward pass the ring can run with an online softmax (module
+    docstring); alone, an attention with no backward pass of its own (a checkpointed
+    layer's first pass, whose rerun holds the backward dots, or an inference step).
 
     `chain`: op ids from the score dot's result to the softmax input `x` (link ops
     included: identities); `chain_key_dims`: per chain op, the keys' dim of its result.
     `weights`: the softmax's result `P`, `row_sum` its row sums (before they are
-    broadcast back), `key_dim` the keys' dim of `x` and `P`.
-    `grad_scores`, `grad_values`, `grad_queries_dot`, `grad_keys_dot`: the backward dots
-    `dO V^T`, `P^T dO`, `dS K`, `dS^T Q` (op ids); `grad_out` the value `dO`,
-    `grad_logits` the value `dS`. `ops`: every op whose work the blockwise attention
-    does instead (the region's ops, links included, and the six dots)."""
+    broadcast back), `key_dim` the keys' dim of `x` and `P`. `ops`: every op whose
+    work the blockwise attention does instead (the region's ops, links included, and
+    its dots)."""
 
     attention: object
     chain: tuple[int, ...]
@@ -78,13 +78,27 @@ class OnlineAttention:
     weights: int
     row_sum: int
     key_dim: int
+    ops: frozenset
+
+    @property
+    def backward_dots(self) -> tuple[int, ...]:
+        """The dots of its backward pass: none."""
+        return ()
+
+
+@dataclass(frozen=True)
+class OnlineAttention(OnlineForward):
+    """An attention the ring can run with an online softmax, forward and backward
+    (module docstring): `OnlineForward`'s fields, and `grad_scores`, `grad_values`,
+    `grad_queries_dot`, `grad_keys_dot`: the backward dots `dO V^T`, `P^T dO`, `dS K`,
+    `dS^T Q` (op ids); `grad_out` the value `dO`, `grad_logits` the value `dS`."""
+
     grad_scores: int
     grad_values: int
     grad_queries_dot: int
     grad_keys_dot: int
     grad_out: int
     grad_logits: int
-    ops: frozenset
 
     @property
     def backward_dots(self) -> tuple[int, ...]:
@@ -96,27 +110,6 @@ class OnlineAttention:
         """The queries, keys and values as the backward dots read them: the forward's."""
         a = self.attention
         return (a.query, a.key, a.value)
-
-
-@dataclass(frozen=True)
-class OnlineForward:
-    """An attention with no backward pass of its own that the ring can run blockwise
-    (module docstring): `OnlineAttention`'s forward fields; `ops` the region's ops and
-    the two forward dots."""
-
-    attention: object
-    chain: tuple[int, ...]
-    chain_key_dims: tuple[int, ...]
-    x: int
-    weights: int
-    row_sum: int
-    key_dim: int
-    ops: frozenset
-
-    @property
-    def backward_dots(self) -> tuple[int, ...]:
-        """None: the backward pass is not this attention's (a rerun's, or none)."""
-        return ()
 
 
 @dataclass(frozen=True)
@@ -172,32 +165,17 @@ def _matched(program, region, a):
 
         return across_scans(program, region, dims, head, stacked, ops)
     grads = backward_dots(program, region, dims, a.scores, (a.query, a.key, a.value), p)
-    dots = (a.score, a.combine) + grads.dots
+    dots = (a.score, a.combine) + grads[:4]
     _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
-    ops = _component(program, region, (a.scores, program.ops[grads.grad_scores].results[0]), dots)
-    return OnlineAttention(*head, *grads, ops)
+    ops = _component(program, region, (a.scores, program.ops[grads[0]].results[0]), dots)
+    return OnlineAttention(*head, ops, *grads)
 
 
-class Backward(NamedTuple):
-    """The backward dots of an attention (`OnlineAttention`'s fields of the same names)."""
-
-    grad_scores: int
-    grad_values: int
-    grad_queries_dot: int
-    grad_keys_dot: int
-    grad_out: int
-    grad_logits: int
-
-    @property
-    def dots(self) -> tuple[int, ...]:
-        """`dO V^T`, `P^T dO`, `dS K`, `dS^T Q`."""
-        return (self.grad_scores, self.grad_values, self.grad_queries_dot, self.grad_keys_dot)
-
-
-def backward_dots(program, region, dims, scores: int, operands: tuple[int, int, int], p: int) -> Backward:
-    """The backward dots reading `operands` (the queries, keys and values as the backward
-    pass reads them) and `p` (the weights as it reads them), their `dS` laid out as
-    `scores` (`dims`: `_region_dims` of them), or _NoMatch."""
+def backward_dots(program, region, dims, scores: int, operands: tuple[int, int, int], p: int) -> tuple[int, ...]:
+    """`OnlineAttention`'s backward fields, in order (the four dots, `dO`, `dS`): the
+    backward dots reading `operands` (the queries, keys and values as the backward pass
+    reads them) and `p` (the weights as it reads them), their `dS` laid out as `scores`
+    (`dims`: `_region_dims` of them), or _NoMatch."""
     forward = forward_like(program)
     query, key, value = operands
 
@@ -219,7 +197,7 @@ def backward_dots(program, region, dims, scores: int, operands: tuple[int, int, 
     rank = program.values[scores].rank
     _need(program.values[ds[0]].shape == program.values[scores].shape
           and dims.get(ds[0]) == {d: d for d in range(rank)}, "dS is not laid out as the scores")
-    return Backward(grad_scores[0], grad_values[0], key_dots[0], query_dots[0], d_out, ds[0])
+    return (grad_scores[0], grad_values[0], key_dots[0], query_dots[0], d_out, ds[0])
 
 
 def _chain(program, dims, forward, a):
@@ -309,8 +287,8 @@ def _component(program, region, seeds, dots, stacked: list | None = None) -> fro
                 stacked.append(o)
                 continue
             _need(not op.link or op.primitive in _CALL_LINKS,
-                  "its forward pass keeps a score-shaped value (its weights) in a loop's stack for the backward pass "
-                  "(a layer scan without jax.checkpoint); blockwise attention keeps no such residual")
+                  f"a value of it crosses a loop's boundary ({op.primitive}) other than as a layer scan's stacked "
+                  "residual; blockwise attention keeps no such value")
             _need(region.ops[o] or op.link, f"{op.primitive} (op {o}) outside the attention reads its scores")
             ops.add(o)
             stack += [r for r in op.results if r >= 0]

@@ -22,43 +22,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._nested import Link
-from ._online import _component, _need, backward_dots
+from ._online import OnlineAttention, _component, _need, backward_dots
 from ._scans import layer_scans
 
 
 @dataclass(frozen=True)
-class OnlineAcrossScans:
+class OnlineAcrossScans(OnlineAttention):
     """An attention whose forward runs in a forward layer scan's body and whose backward
-    runs in the paired backward scan's body (module docstring). The forward fields and
-    the backward dots as `OnlineAttention`'s; `backward_operands`: the backward body's
-    slices of the queries', keys' and values' stacks; `saved`: (the forward body's
-    residual whose stack slot carries the output and log-sum-exp, its stack, the
-    backward body's slice of it); `dropped`: the forward body's other score-shaped
-    residuals (stacked as a scalar per layer); `ops`: both bodies' ops of it, the
-    stacks' links included."""
+    runs in the paired backward scan's body (module docstring): `OnlineAttention`'s
+    fields (`ops`: both bodies' ops of it, the stacks' links included), and `slices`:
+    the backward body's slices of the queries', keys' and values' stacks; `saved`: (the
+    forward body's residual whose stack slot carries the output and log-sum-exp, its
+    stack, the backward body's slice of it); `dropped`: the same for each other
+    score-shaped residual (stacked as a scalar per layer)."""
 
-    attention: object
-    chain: tuple[int, ...]
-    chain_key_dims: tuple[int, ...]
-    x: int
-    weights: int
-    row_sum: int
-    key_dim: int
-    grad_scores: int
-    grad_values: int
-    grad_queries_dot: int
-    grad_keys_dot: int
-    grad_out: int
-    grad_logits: int
-    backward_operands: tuple[int, int, int]
+    slices: tuple[int, int, int]
     saved: tuple[int, int, int]
     dropped: tuple[tuple[int, int, int], ...]
-    ops: frozenset
 
     @property
-    def backward_dots(self) -> tuple[int, ...]:
-        """The four dots of the backward pass."""
-        return (self.grad_scores, self.grad_values, self.grad_queries_dot, self.grad_keys_dot)
+    def backward_operands(self) -> tuple[int, int, int]:
+        """The queries, keys and values as the backward dots read them: `slices`."""
+        return self.slices
 
 
 def across_scans(program, region, dims, head: tuple, stacked: list[int], forward_ops) -> OnlineAcrossScans:
@@ -83,12 +68,12 @@ def across_scans(program, region, dims, head: tuple, stacked: list[int], forward
         operands.append(_slice(program, pair.backward.body, program.ops[ys[0]].results[0], links))
     _need(p in slices, "the forward scan stacks no weights for the backward scan")
     grads = backward_dots(program, region, dims, a.scores, tuple(operands), slices[p])
-    seeds = (*slices.values(), program.ops[grads.grad_scores].results[0])
-    backward_ops = _component(program, region, seeds, grads.dots)
+    seeds = (*slices.values(), program.ops[grads[0]].results[0])
+    backward_ops = _component(program, region, seeds, grads[:4])
     stacks = sorted((program.ops[o].operands[0], program.ops[o].results[0], slices[program.ops[o].operands[0]])
                     for o in stacked)
     ops = frozenset(forward_ops) | backward_ops | links
-    return OnlineAcrossScans(*head, *grads, tuple(operands), stacks[0], tuple(stacks[1:]), ops)
+    return OnlineAcrossScans(*head, ops, *grads, tuple(operands), stacks[0], tuple(stacks[1:]))
 
 
 def _slice(program, body: int, stack: int, links: set) -> int:

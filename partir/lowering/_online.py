@@ -17,6 +17,13 @@ gradient of each block travels with the block, one device adding its part per st
 and reaches the device holding the block one send after the last step (the block's
 own device adds its part at the end). Sends: `n - 1` per key or value rotation and per
 partial sum, as the ring dots the plan lists (`partir.ring_moves`) count them.
+
+Each runs where its ops are: in a loop's body it runs once per iteration. A forward
+pass alone (`partir.OnlineForward`: a checkpointed layer's first pass) keeps nothing.
+Across a layer scan pair (`partir.OnlineAcrossScans`) the forward body stacks the
+output and log-sum-exp (`SavedRows`) in the slot of one score-shaped residual and a
+scalar in the others' (`OnlineRings.unmoved`: they cross the loops' boundaries as
+the device made them), and the backward body reads them from its slice.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ class OnlineRings:
 
     def __init__(self, interp, enabled: bool):
         self.interp = interp
-        self.found: dict[int, OnlineAttention | OnlineForward | OnlineAcrossScans] = {}
+        self.found: dict[int, OnlineForward] = {}  # its subclasses included
         if enabled:
             for m in online_attentions(interp.prog):
                 reason = m.reason if isinstance(m, Unmatched) else online_reason(interp.part, m, interp.rings)
