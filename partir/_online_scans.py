@@ -30,7 +30,7 @@ from ._scans import layer_scans
 class OnlineAcrossScans(OnlineAttention):
     """An attention whose forward runs in a forward layer scan's body and whose backward
     runs in the paired backward scan's body (module docstring): `OnlineAttention`'s
-    fields (`ops`: both bodies' ops of it, the stacks' links included), and `slices`:
+    fields (`ops`: both bodies' ops of it, its residual stacks' links included), and `slices`:
     the backward body's slices of the queries', keys' and values' stacks; `saved`: (the
     forward body's residual whose stack slot carries the output and log-sum-exp, its
     stack, the backward body's slice of it); `dropped`: the same for each other
@@ -64,8 +64,8 @@ def across_scans(program, region, dims, head: tuple, stacked: list[int], forward
     for v in (a.query, a.key, a.value):
         ys = [o for o in program.users[v] if program.ops[o].primitive == Link.SCAN_YS]
         _need(len(ys) == 1, "the backward scan reads its queries, keys or values from no stack of their own")
-        links.add(ys[0])
-        operands.append(_slice(program, pair.backward.body, program.ops[ys[0]].results[0], links))
+        # Their stacks stay (the blockwise backward reads them): their links are not the attention's.
+        operands.append(_slice(program, pair.backward.body, program.ops[ys[0]].results[0], set()))
     _need(p in slices, "the forward scan stacks no weights for the backward scan")
     grads = backward_dots(program, region, dims, a.scores, tuple(operands), slices[p])
     seeds = (*slices.values(), program.ops[grads[0]].results[0])
