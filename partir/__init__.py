@@ -27,7 +27,8 @@ from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation
                           scan_body_of, user_checkpoints)
 from ._decision import Decision, Reshard
 from ._partitioning import Partitioning
-from ._online import CHAIN_PRIMITIVES, OnlineAttention, Unmatched, online_attentions, online_reason
+from ._online import CHAIN_PRIMITIVES, OnlineAttention, OnlineForward, Unmatched, online_attentions, online_reason
+from ._online_scans import OnlineAcrossScans
 from ._rings import RING_KINDS, RingMove, ring_moves
 from ._pipeline import (MICROBATCH, SCHEDULES as PIPELINE_SCHEDULES, Pipelining, ScanLayout, StageSplit, kept_in_slots, made_at, state_dim,
                         microbatched, stage_chunks)
@@ -45,7 +46,7 @@ __all__ = [
     "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",
     "Collective", "CONSTRAIN_MODES", "Kind", "UnionFind", "call_roots", "computations", "depended_on", "made_from_scalars", "makers_of", "Decision", "FactorRule", "MICROBATCH", "PIPELINE_SCHEDULES", "Pipelining", "ScanLayout", "StageSplit", "made_at", "state_dim", "check_pipelines", "kept_in_slots", "microbatched", "stage_chunks", "HeadLayout", "check_pipeline", "head_layout", "onef_outputs", "LayerScans", "ScanCall", "body_regions", "layer_scans", "Link", "MeshSpec", "Op", "Partitioning",
-    "PartitioningError", "Program", "Region", "Reshard", "CHAIN_PRIMITIVES", "OnlineAttention", "Unmatched", "online_attentions", "online_reason", "RING_KINDS", "RingMove", "ring_moves", "Tiling", "Transition",
+    "PartitioningError", "Program", "Region", "Reshard", "CHAIN_PRIMITIVES", "OnlineAttention", "OnlineForward", "OnlineAcrossScans", "Unmatched", "online_attentions", "online_reason", "RING_KINDS", "RingMove", "ring_moves", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
     "dump",
     "factor_rule", "lift", "lower", "lowering_mesh", "path_matches", "register_backend", "rules", "summarize",

@@ -20,11 +20,21 @@ checks op by op:
 - the *backward*: the dots the differentiated program holds, `dO V^T` (reading the
   values), `P^T dO` (reading the weights and the same `dO`), and `dS K`, `dS^T Q`
   (reading one value `dS` of the scores' shape and dims: the scores' cotangent);
-- nothing outside those dots reads a value of the attention's region.
+- nothing outside those dots reads a value of the attention's region, and none of
+  its values leaves through a loop's boundary (a scan's stacked residual).
 
-Anything else (dropout on the weights, a softmax written another way, the weights
-returned, forward and backward in different loops) keeps the program's softmax: the
-reason is recorded (`Unmatched`) and the tactic lists it in its notes.
+An attention whose forward pass no backward dot reads, and which keeps nothing for a
+backward pass (the forward of a layer a user's `jax.checkpoint` recomputes in the
+backward loop, or an inference step), is matched forward only (`OnlineForward`): the
+chain, the softmax and the combine dot, run blockwise keeping only the output. The
+rerun of such a layer in the backward pass, with the backward dots in one body, is an
+`OnlineAttention` there.
+
+A forward pass that stacks residuals for a backward layer scan is matched across the
+scan pair (`partir._online_scans`). Anything else (dropout on the weights, a softmax
+written another way, the weights returned, a value of the region carried round a
+loop) keeps the program's softmax: the reason is recorded (`Unmatched`) and the tactic
+lists it in its notes.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ from dataclasses import dataclass
 from ._attention import attentions, forward_like, kernel_region, _region_dims
 from ._graph import made_from_scalars
 from ._nested import Link
+
+#: Link ops a blockwise attention's region may cross: a call's boundary only renames a
+#: value; a loop's (a scan's stacked residual, a carry) keeps it past the region.
+_CALL_LINKS = frozenset({Link.CALL_IN, Link.CALL_OUT})
 
 #: Primitives the chain from the scores to the softmax may hold: elementwise ops a
 #: block of the scores computes alone (with its block of any mask or scale), and a
@@ -45,17 +59,17 @@ _BROADCASTS = frozenset({"broadcast_in_dim", "reshape"})
 
 
 @dataclass(frozen=True)
-class OnlineAttention:
-    """One attention the ring can run with an online softmax (module docstring).
+class OnlineForward:
+    """An attention's forward pass the ring can run with an online softmax (module
+    docstring); alone, an attention with no backward pass of its own (a checkpointed
+    layer's first pass, whose rerun holds the backward dots, or an inference step).
 
     `chain`: op ids from the score dot's result to the softmax input `x` (link ops
     included: identities); `chain_key_dims`: per chain op, the keys' dim of its result.
     `weights`: the softmax's result `P`, `row_sum` its row sums (before they are
-    broadcast back), `key_dim` the keys' dim of `x` and `P`.
-    `grad_scores`, `grad_values`, `grad_queries_dot`, `grad_keys_dot`: the backward dots
-    `dO V^T`, `P^T dO`, `dS K`, `dS^T Q` (op ids); `grad_out` the value `dO`,
-    `grad_logits` the value `dS`. `ops`: every op whose work the blockwise attention
-    does instead (the region's ops, links included, and the six dots)."""
+    broadcast back), `key_dim` the keys' dim of `x` and `P`. `ops`: every op whose
+    work the blockwise attention does instead (the region's ops, links included, and
+    its dots)."""
 
     attention: object
     chain: tuple[int, ...]
@@ -64,18 +78,38 @@ class OnlineAttention:
     weights: int
     row_sum: int
     key_dim: int
+    ops: frozenset
+
+    @property
+    def backward_dots(self) -> tuple[int, ...]:
+        """The dots of its backward pass: none."""
+        return ()
+
+
+@dataclass(frozen=True)
+class OnlineAttention(OnlineForward):
+    """An attention the ring can run with an online softmax, forward and backward
+    (module docstring): `OnlineForward`'s fields, and `grad_scores`, `grad_values`,
+    `grad_queries_dot`, `grad_keys_dot`: the backward dots `dO V^T`, `P^T dO`, `dS K`,
+    `dS^T Q` (op ids); `grad_out` the value `dO`, `grad_logits` the value `dS`."""
+
     grad_scores: int
     grad_values: int
     grad_queries_dot: int
     grad_keys_dot: int
     grad_out: int
     grad_logits: int
-    ops: frozenset
 
     @property
     def backward_dots(self) -> tuple[int, ...]:
         """The four dots of the backward pass."""
         return (self.grad_scores, self.grad_values, self.grad_queries_dot, self.grad_keys_dot)
+
+    @property
+    def backward_operands(self) -> tuple[int, int, int]:
+        """The queries, keys and values as the backward dots read them: the forward's."""
+        a = self.attention
+        return (a.query, a.key, a.value)
 
 
 @dataclass(frozen=True)
@@ -87,8 +121,9 @@ class Unmatched:
 
 
 def online_attentions(program) -> tuple:
-    """Per attention of `program` (`partir.attentions`), an `OnlineAttention` or an
-    `Unmatched` saying why not (module docstring). Kept with the program."""
+    """Per attention of `program` (`partir.attentions`), an `OnlineAttention`, an
+    `OnlineForward` (no backward dots of its own), or an `Unmatched` saying why not
+    (module docstring). Kept with the program."""
     return program.analysis(_online_attentions)
 
 
@@ -113,38 +148,56 @@ def _need(ok: bool, reason: str) -> None:
         raise _NoMatch(reason)
 
 
-def _matched(program, region, a) -> OnlineAttention:
+def _matched(program, region, a):
     forward = forward_like(program)
     dims = _region_dims(program, region, a.scores)
     chain, keys, x, sub = _chain(program, dims, forward, a)
-    p, row_sum = _softmax(program, forward, x, keys[-1] if keys else a.score_key_dim, sub)
-    cop = program.ops[a.combine]
-    _need(p in cop.operands, "the combine dot does not read the softmax's result")
+    key = keys[-1] if keys else a.score_key_dim
+    p, row_sum = _softmax(program, forward, x, key, sub)
+    _need(p in program.ops[a.combine].operands, "the combine dot does not read the softmax's result")
+    head = (a, tuple(chain), tuple(keys), x, p, row_sum, key)
+    if not [o for o in program.users[a.value] if region.score[o] and not forward[o]]:
+        stacked = []  # no backward dot reads the values here: a forward pass alone, or one keeping residuals
+        ops = _component(program, region, (a.scores,), (a.score, a.combine), stacked)
+        if not stacked:
+            return OnlineForward(*head, ops)
+        from ._online_scans import across_scans
+
+        return across_scans(program, region, dims, head, stacked, ops)
+    grads = backward_dots(program, region, dims, a.scores, (a.query, a.key, a.value), p)
+    dots = (a.score, a.combine) + grads[:4]
+    _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
+    ops = _component(program, region, (a.scores, program.ops[grads[0]].results[0]), dots)
+    return OnlineAttention(*head, ops, *grads)
+
+
+def backward_dots(program, region, dims, scores: int, operands: tuple[int, int, int], p: int) -> tuple[int, ...]:
+    """`OnlineAttention`'s backward fields, in order (the four dots, `dO`, `dS`): the
+    backward dots reading `operands` (the queries, keys and values as the backward pass
+    reads them) and `p` (the weights as it reads them), their `dS` laid out as `scores`
+    (`dims`: `_region_dims` of them), or _NoMatch."""
+    forward = forward_like(program)
+    query, key, value = operands
 
     def dot_users(v: int) -> list[int]:  # the backward dots of the region reading v
         return [o for o in program.users[v] if region.dots[o] and not forward[o]]
 
-    grad_scores = [o for o in dot_users(a.value) if region.score[o]]
-    _need(len(grad_scores) == 1, "no backward dot dO V^T reads the values themselves (the backward pass reads "
-          "them from a loop's stack or a recomputation; blockwise attention keeps its forward and backward in "
-          "one region)")
-    d_out = next(u for u in program.ops[grad_scores[0]].operands if u != a.value)
+    def reading_region(v: int) -> list[int]:
+        return [o for o in dot_users(v) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
+
+    grad_scores = [o for o in dot_users(value) if region.score[o]]
+    _need(len(grad_scores) == 1, "no single backward dot dO V^T reads the values")
+    d_out = next(u for u in program.ops[grad_scores[0]].operands if u != value)
     grad_values = [o for o in dot_users(p) if d_out in program.ops[o].operands]
     _need(len(grad_values) == 1, "no single backward dot P^T dO reads the weights")
-    key_dots = [o for o in dot_users(a.key) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
-    query_dots = [o for o in dot_users(a.query) if any(region.values[u] for u in program.ops[o].operands if u >= 0)]
+    key_dots, query_dots = reading_region(key), reading_region(query)
     _need(len(key_dots) == 1 and len(query_dots) == 1, "no single dS K and dS^T Q in the backward pass")
-    ds = [u for u in program.ops[key_dots[0]].operands if u != a.key]
+    ds = [u for u in program.ops[key_dots[0]].operands if u != key]
     _need(len(ds) == 1 and ds[0] in program.ops[query_dots[0]].operands, "dS K and dS^T Q read different dS")
-    rank = program.values[a.scores].rank
-    _need(program.values[ds[0]].shape == program.values[a.scores].shape
+    rank = program.values[scores].rank
+    _need(program.values[ds[0]].shape == program.values[scores].shape
           and dims.get(ds[0]) == {d: d for d in range(rank)}, "dS is not laid out as the scores")
-    dots = (a.score, a.combine, grad_scores[0], grad_values[0], key_dots[0], query_dots[0])
-    _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
-    ops = _component(program, region, (a.scores, program.ops[grad_scores[0]].results[0]), dots)
-    keys = tuple(keys)
-    return OnlineAttention(a, tuple(chain), keys, x, p, row_sum, keys[-1] if keys else a.score_key_dim, grad_scores[0],
-                           grad_values[0], key_dots[0], query_dots[0], d_out, ds[0], ops)
+    return (grad_scores[0], grad_values[0], key_dots[0], query_dots[0], d_out, ds[0])
 
 
 def _chain(program, dims, forward, a):
@@ -215,9 +268,11 @@ def _only(program, forward, v: int, primitive: str) -> int:
     return found[0].results[0]
 
 
-def _component(program, region, seeds, dots) -> frozenset:
+def _component(program, region, seeds, dots, stacked: list | None = None) -> frozenset:
     """The ops of the attention's region reached from `seeds` (the scores and dO V^T's
-    result), with `dots`; _NoMatch when anything else reads one of its values."""
+    result), with `dots`; _NoMatch when anything else reads one of its values. With
+    `stacked`, the scan's stacked outputs (`Link.SCAN_YS` ops) leaving the region are
+    added to it instead (not followed) and are no reason."""
     seen, stack, ops = set(), list(seeds), set(dots)
     while stack:
         v = stack.pop()
@@ -228,6 +283,12 @@ def _component(program, region, seeds, dots) -> frozenset:
             if o in dots:
                 continue
             op = program.ops[o]
+            if stacked is not None and op.primitive == Link.SCAN_YS:
+                stacked.append(o)
+                continue
+            _need(not op.link or op.primitive in _CALL_LINKS,
+                  f"a value of it crosses a loop's boundary ({op.primitive}) other than as a layer scan's stacked "
+                  "residual; blockwise attention keeps no such value")
             _need(region.ops[o] or op.link, f"{op.primitive} (op {o}) outside the attention reads its scores")
             ops.add(o)
             stack += [r for r in op.results if r >= 0]
@@ -236,26 +297,35 @@ def _component(program, region, seeds, dots) -> frozenset:
     return frozenset(ops)
 
 
-def online_reason(part, m: OnlineAttention, rings: dict) -> str | None:
+def online_reason(part, m, rings: dict) -> str | None:
     """Why plan `part` (its ring dots `rings`, `partir.ring_moves`) cannot run attention
-    `m` blockwise, or None when it can: every one of its six dots must move the keys
-    and values (or their gradients) round one axis, in a plan without rematerialization
-    or pipelines, at the program's top level."""
+    `m` (an `OnlineAttention`, `OnlineForward` or `OnlineAcrossScans`) blockwise, or None when it can: every
+    one of its dots must move the keys and values (or their gradients) round one axis,
+    in a plan without a Remat tactic or pipelines (a layer scan's body and a user's
+    `jax.checkpoint` are fine: each body's match runs where the body runs)."""
     a = m.attention
-    want = {a.score: "gather", a.combine: "gather", m.grad_scores: "gather", m.grad_queries_dot: "gather",
-            m.grad_keys_dot: "scatter", m.grad_values: "scatter"}
+    want = {a.score: "gather", a.combine: "gather"}
+    if m.backward_dots:
+        want.update({m.grad_scores: "gather", m.grad_queries_dot: "gather", m.grad_keys_dot: "scatter",
+                     m.grad_values: "scatter"})
     if any(o not in rings or rings[o].kind != k for o, k in want.items()):
         return "not every dot of it moves its keys and values round a ring"
     if len({rings[o].axis for o in want}) != 1:
         return "its rings run over different axes"
-    if part.rematerialized or part.reused or part.pipelines or part.program.ops[a.score].region != 0:
-        return "it is rematerialized, pipelined or inside a loop (blockwise attention keeps no residuals there)"
-    prog = part.program
-    d_out = [_layout(part, o, prog.ops[o].operands.index(m.grad_out)) for o in (m.grad_scores, m.grad_values)]
-    queries = [_layout(part, o, prog.ops[o].operands.index(a.query)) for o in (a.score, m.grad_keys_dot)]
+    if part.rematerialized or part.reused or part.pipelines:
+        return "the plan rematerializes (a Remat tactic) or pipelines it (blockwise attention keeps no residuals there)"
     slots, partial, _ = part.block_layout(a.combine)
+    if partial:
+        return "its combine dot leaves the output partial"
+    if not m.backward_dots:
+        return None
+    prog = part.program
+    query = m.backward_operands[0]
+    d_out = [_layout(part, o, prog.ops[o].operands.index(m.grad_out)) for o in (m.grad_scores, m.grad_values)]
+    queries = [_layout(part, a.score, prog.ops[a.score].operands.index(a.query)),
+               _layout(part, m.grad_keys_dot, prog.ops[m.grad_keys_dot].operands.index(query))]
     out = next(d for side, _, _, d in slots if side == "result")
-    if partial or d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
+    if d_out[0] != d_out[1] or d_out[0] != out or queries[0] != queries[1]:
         return "its dots read the output's gradient or the queries in different layouts"
     return None
 

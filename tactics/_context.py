@@ -59,9 +59,12 @@ class ContextParallel(Tactic):
     query row (flash attention's); the forward keeps the output and the row
     log-sum-exp, the backward recomputes each block's weights, so no device holds a
     whole row of scores. It does so where `partir.online_attentions` matches the
-    attention op by op; any other (a softmax written otherwise, dropout on the weights,
-    forward and backward in two loops or rematerialized) keeps the program's softmax
-    round the ring, listed in the tactic's notes and warned of when lowered.
+    attention op by op, at the top level and in layer scans (each checkpointed layer's
+    forward and its rerun; without checkpoint, the output and log-sum-exp stacked
+    across the scan pair in the place of the weights); any other (a softmax written
+    otherwise, dropout on the weights, a plan with a Remat tactic or pipelines) keeps
+    the program's softmax round the ring, listed in the tactic's notes and warned of
+    when lowered.
     `partir.lower(..., backend='shard_map', online_softmax=False)` keeps it for all.
     XLA's partitioner cannot be made to emit the ring from layouts: the plan lowers
     with `lowering='shard_map'` only (the `jit` lowering refuses it before any work).

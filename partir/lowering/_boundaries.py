@@ -33,7 +33,10 @@ def fit(t: Tiling, rank: int) -> Tiling:
 
 def _placeholder(interp, x, v: int) -> bool:
     """Is `x` what a scan stacks instead of a residual it no longer keeps (a scalar per
-    iteration), standing for value `v`?"""
+    iteration, or a blockwise attention's saved rows, `SavedRows`, as the device
+    made them: `OnlineRings.unmoved`), standing for value `v`?"""
+    if v in interp.online.unmoved:
+        return True
     if interp.remat is not None and v in interp.remat.scans.placeholders:
         return True
     return jnp.ndim(x) == 0 and interp.prog.values[v].rank > 0

@@ -17,21 +17,38 @@ gradient of each block travels with the block, one device adding its part per st
 and reaches the device holding the block one send after the last step (the block's
 own device adds its part at the end). Sends: `n - 1` per key or value rotation and per
 partial sum, as the ring dots the plan lists (`partir.ring_moves`) count them.
+
+Each runs where its ops are: in a loop's body it runs once per iteration. A forward
+pass alone (`partir.OnlineForward`: a checkpointed layer's first pass) keeps nothing.
+Across a layer scan pair (`partir.OnlineAcrossScans`) the forward body stacks the
+output and log-sum-exp (`SavedRows`) in the slot of one score-shaped residual and a
+scalar in the others' (`OnlineRings.unmoved`: they cross the loops' boundaries as
+the device made them), and the backward body reads them from its slice.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .._graph import made_from_scalars
-from .._online import OnlineAttention, Unmatched, online_attentions, online_reason
+from .._online import OnlineAttention, OnlineForward, Unmatched, online_attentions, online_reason
+from .._online_scans import OnlineAcrossScans
 from .._tiling import Tiling
 from ._eval import bind_equation
 from ._ring import _next
 from ._online_masks import BlockConstants, tiling_spec
+
+
+class SavedRows(NamedTuple):
+    """What a blockwise attention's forward pass leaves its backward pass: this device's
+    output rows and their log-sum-exp (a layer scan stacks them per layer, unmoved)."""
+
+    out: object
+    lse: object
 
 
 class OnlineRings:
@@ -40,7 +57,7 @@ class OnlineRings:
 
     def __init__(self, interp, enabled: bool):
         self.interp = interp
-        self.found: dict[int, OnlineAttention] = {}
+        self.found: dict[int, OnlineForward] = {}  # its subclasses included
         if enabled:
             for m in online_attentions(interp.prog):
                 reason = m.reason if isinstance(m, Unmatched) else online_reason(interp.part, m, interp.rings)
@@ -52,15 +69,18 @@ class OnlineRings:
                     warnings.warn(f"ring attention on {name} keeps the program's softmax (each device holds its "
                                   f"query rows' whole scores): {reason}", stacklevel=2)
         self.ops = {o: m for m in self.found.values() for o in m.ops}
+        # Residuals stacked across a layer scan pair as this device made them (`SavedRows`
+        # or a scalar per layer): they cross the loops' boundaries unmoved.
+        self.unmoved = {v for m in self.found.values() if isinstance(m, OnlineAcrossScans)
+                        for vs in (m.saved, *m.dropped) for v in vs}
         self.values = {r for m in self.found.values() for o in m.ops for r in interp.prog.ops[o].results}
         self.constants = BlockConstants(interp, self._whole)
         self.clear()
 
     def clear(self) -> None:
         """Forget the previous trace's saved outputs (per score dot: output and
-        log-sum-exp), the backward passes run, and the constants made whole."""
-        self.saved: dict[int, tuple] = {}
-        self.done: set[int] = set()
+        log-sum-exp) and the constants made whole."""
+        self.saved: dict[int, SavedRows] = {}
         self.wholes: dict[int, object] = {}
 
     def skips(self, frame, results) -> bool:
@@ -79,14 +99,14 @@ class OnlineRings:
 
     def run(self, frame, oid: int) -> None:
         """Op `oid` of a blockwise attention: its forward pass at the combine dot, its
-        backward pass at the first backward dot; every other op has nothing to do."""
+        backward pass (an `OnlineAttention`'s) at the first backward dot; every other op
+        has nothing to do."""
         m = self.ops[oid]
         a = m.attention
         if oid == a.combine:
             self._forward(frame, m)
-        elif oid in m.backward_dots and a.score not in self.done:
-            self.done.add(a.score)
-            self._backward(frame, m)
+        elif oid in m.backward_dots and not frame.has(self.interp.prog.ops[m.grad_values].results[0]):
+            self._backward(frame, m)  # once per run of the region: it makes the four dots' results
 
     # -- the pieces ------------------------------------------------------------------
     def _whole(self, v: int):
@@ -108,7 +128,7 @@ class OnlineRings:
         cache[v] = x
         return x
 
-    def _logits(self, m: OnlineAttention, scores, block, size: int):
+    def _logits(self, m, scores, block, size: int):
         """The chain's result (the softmax's input) on one block of the scores, key
         block `block` of `size` keys; the chain's constants cut to the same block."""
         prog, part, mesh = self.interp.prog, self.interp.part, self.interp.mesh
@@ -134,7 +154,7 @@ class OnlineRings:
             x = bind_equation(op.eqn, args)[0]
         return x
 
-    def _forward(self, frame, m: OnlineAttention) -> None:
+    def _forward(self, frame, m) -> None:
         interp, a = self.interp, m.attention
         prog = interp.prog
         score, combine = prog.ops[a.score], prog.ops[a.combine]
@@ -168,7 +188,11 @@ class OnlineRings:
                 keys, values, row_max, row_sum, acc = jax.lax.optimization_barrier((*sent, row_max, row_sum, acc))
         out = acc / _to_out(combine, a.value, values, row_sum)
         lse = jnp.where(jnp.isneginf(row_max), 0, row_max) + jnp.log(row_sum)
-        self.saved[a.score] = (out, lse)
+        self.saved[a.score] = SavedRows(out, lse)
+        if isinstance(m, OnlineAcrossScans):  # stacked for the backward scan, in the place of its residuals
+            frame.put(m.saved[0], self.saved[a.score])
+            for v, _, _ in m.dropped:
+                frame.put(v, jnp.zeros((), out.dtype))
         interp.put_results(frame, a.combine, [interp.order.made(a.out, out)])
 
     def _backward(self, frame, m: OnlineAttention) -> None:
@@ -178,12 +202,13 @@ class OnlineRings:
         dq_op, dk_op, dv_op = (prog.ops[o] for o in (m.grad_queries_dot, m.grad_keys_dot, m.grad_values))
         ring = interp.rings[a.score]
         n = interp.mesh.size(ring.axis)
-        out, lse = self.saved[a.score]
+        out, lse = frame.env[m.saved[2]] if isinstance(m, OnlineAcrossScans) else self.saved[a.score]
+        query, key, value = m.backward_operands
         d_out = interp.read_operand(frame, m.grad_values, dv_op.operands.index(m.grad_out))
         after = d_out
-        q = interp.read_operand(frame, m.grad_keys_dot, dk_op.operands.index(a.query), after)
-        keys = interp.read_operand(frame, m.grad_queries_dot, dq_op.operands.index(a.key), after)
-        values = interp.read_operand(frame, m.grad_scores, prog.ops[m.grad_scores].operands.index(a.value), after)
+        q = interp.read_operand(frame, m.grad_keys_dot, dk_op.operands.index(query), after)
+        keys = interp.read_operand(frame, m.grad_queries_dot, dq_op.operands.index(key), after)
+        values = interp.read_operand(frame, m.grad_scores, prog.ops[m.grad_scores].operands.index(value), after)
         # Rotated again after the backward pass's dO and apart from the forward's ring.
         keys, values, q = jax.lax.optimization_barrier((keys, values, q, d_out))[:3]
         size = keys.shape[a.key_dim]
@@ -199,9 +224,9 @@ class OnlineRings:
             _, weights_vjp = jax.vjp(lambda t, vb=values: _dot(combine, a.value, vb, t), p)
             (dp,) = weights_vjp(d_out)
             (ds,) = logits_vjp(p * (dp - delta))
-            part_dq = _dot(dq_op, a.key, keys, ds)
+            part_dq = _dot(dq_op, key, keys, ds)
             dq = part_dq if dq is None else dq + part_dq
-            parts = (_dot(dk_op, a.query, q, ds), _dot(dv_op, m.grad_out, d_out, p))
+            parts = (_dot(dk_op, query, q, ds), _dot(dv_op, m.grad_out, d_out, p))
             if s == 0:
                 own = parts
             else:
@@ -225,7 +250,7 @@ def _unlinked(prog, v: int):
     return parent.jaxpr.eqns[i].invars[region.invars.index(v)].val
 
 
-def _is_chain(prog, m: OnlineAttention, o: int, u: int) -> bool:
+def _is_chain(prog, m, o: int, u: int) -> bool:
     """Is `u`, read by chain op `o`, the chain's own value (the scores so far)?"""
     k = m.chain.index(o)
     if k == 0:

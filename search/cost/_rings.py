@@ -20,7 +20,7 @@ value's own shard while the ring runs.
 
 from __future__ import annotations
 
-from partir import Kind, OnlineAttention, Reshard, online_attentions, online_reason
+from partir import Kind, OnlineAcrossScans, Reshard, Unmatched, online_attentions, online_reason
 
 from ._comm import CollectiveCost
 
@@ -87,17 +87,21 @@ class OnlineMemory:
     blockwise (`partir.online_reason`), the program's score-shaped values are no
     buffer; the row sums stand for the saved log-sum-exp (same shape, same life from
     the forward pass to the backward); `dO V^T`'s result stands for the backward's
-    transient score blocks, `ONLINE_BLOCKS` of them, one step's. On a breadth-first
-    backend (XLA:CPU, which drops the optimization barriers that order the steps) each
-    step runs as soon as its blocks arrive: the backward's recomputed weights, all
-    `n` blocks of them, are made as soon as the forward's queries and keys are there
-    and live until the backward reads them (the weights' value, a row), and the
-    backward's `n` steps' blocks are live together."""
+    transient score blocks, `ONLINE_BLOCKS` of them, one step's. Across a layer scan
+    pair (`partir.OnlineAcrossScans`) the score-shaped stacks are no buffer either: the
+    stack in whose slot the output and log-sum-exp travel holds those, per layer. A
+    forward pass alone (`partir.OnlineForward`: a layer the user checkpoints) keeps
+    nothing. On a breadth-first backend (XLA:CPU, which drops the optimization barriers
+    that order the steps) each step runs as soon as its blocks arrive: the backward's
+    recomputed weights, all `n` blocks of them, are made as soon as the forward's
+    queries and keys are there and live until the backward reads them (the weights'
+    value, a row; across a scan pair, a row in the backward body, where they are
+    recomputed), and the backward's `n` steps' blocks are live together."""
 
     def __init__(self, part, device):
         prog = part.program
         self.part, self.breadth_first = part, device.breadth_first
-        self.found = [m for m in online_attentions(prog) if isinstance(m, OnlineAttention)]
+        self.found = [m for m in online_attentions(prog) if not isinstance(m, Unmatched)]
         self.dropped = {m.attention.score: _dropped(prog, m) for m in self.found}
 
     def running(self, rings) -> list:
@@ -110,27 +114,38 @@ class OnlineMemory:
         if not running:
             return value_bytes
         out = value_bytes.copy()
-        mesh = self.part.mesh
+        prog, mesh = self.part.program, self.part.mesh
         for m in running:
             a = m.attention
             n = mesh.size(rings[a.score].axis)
             block = float(value_bytes[a.scores]) / n  # the scores as their dot makes them, one key block
             out[list(self.dropped[a.score])] = 0.0
-            if self.breadth_first:
-                out[m.weights] = value_bytes[m.weights]
+            across = isinstance(m, OnlineAcrossScans)
+            if across:  # the output and log-sum-exp, per layer
+                rows = float(value_bytes[a.out] + value_bytes[m.row_sum])
+                inner, stack, piece = m.saved
+                out[[inner, piece]] = rows
+                out[stack] = rows * prog.values[stack].shape[0]
+            if not m.backward_dots:
+                continue
             blocks = n * BREADTH_FIRST_ROWS if self.breadth_first else ONLINE_BLOCKS
-            out[self.part.program.ops[m.grad_scores].results[0]] = block * blocks
+            if self.breadth_first and across:  # the backward body's recomputed weights, a row
+                blocks += n
+            elif self.breadth_first:
+                out[m.weights] = value_bytes[m.weights]
+            out[prog.ops[m.grad_scores].results[0]] = block * blocks
         return out
 
     def recomputed(self, rings) -> list[int]:
         """The score dots whose `Q K^T` the backward pass computes again."""
-        return [m.attention.score for m in self.running(rings)]
+        return [m.attention.score for m in self.running(rings) if m.backward_dots]
 
 
 def _dropped(prog, m) -> tuple[int, ...]:
     """The values of attention `m`'s region the blockwise attention never makes (all
-    but the dots' results it returns and the row sum standing for its saved lse)."""
-    kept = {r for o in (m.attention.combine, m.grad_queries_dot, m.grad_keys_dot, m.grad_values)
-            for r in prog.ops[o].results}
-    kept.add(m.row_sum)
+    but the dots' results it returns and, with a backward pass in its region, the row
+    sum standing for its saved lse)."""
+    kept = {r for o in (m.attention.combine, *m.backward_dots) for r in prog.ops[o].results}
+    if m.backward_dots and not isinstance(m, OnlineAcrossScans):
+        kept.add(m.row_sum)
     return tuple(sorted({r for o in m.ops for r in prog.ops[o].results if r >= 0} - kept))
