@@ -93,8 +93,11 @@ class ContextParallel(Tactic):
                 raise TacticError(f"{self}: the attentions run along {len(sequence)} different sequences; a "
                                   "balanced token order lays out one")
             _balance(part, inputs[0], self.axis, self.balance, str(self))
+        laid = set()  # keys and values this tactic laid out (a recomputed attention shares them)
         for a in found:
             for v, d in ((a.key, a.key_dim), (a.value, a.value_dim)):
+                if v in laid:
+                    continue
                 if self.axis in part.tiling(v).axes():
                     raise TacticError(f"{self}: {prog.name(v)} is already split over {self.axis!r}; the keys and "
                                       "values of attention are laid out over the context axis by this tactic: "
@@ -103,8 +106,10 @@ class ContextParallel(Tactic):
                     for u, e in _linked(prog, classes, v, d):
                         _split_at_rest(part, u, e, self.axis, str(self))
                         part.ring(u, e, self.axis, source=str(self))
+                        laid.add(u)
                 else:
                     part.pin(v, axes=(self.axis,), source=str(self))
+                laid.add(v)
         for a in found:
             # The keys' gradients split along the sequence, but as boundaries: each is
             # summed over the queries (a reduce-scatter), and propagation from them

@@ -136,6 +136,10 @@ ONLINE_SLOW = [
     ("gpt", MeshSpec.of(other=4, cp=2), [tactics.Megatron("other"), _ring()], {"scan_layers": True}),
     ("llama", MeshSpec.of(fsdp=4, cp=2), [tactics.FSDP("fsdp"), _ring(balance="zigzag")], {"scan_layers": True}),
     ("llama", MeshSpec.of(other=2, cp=4), [tactics.Megatron("other"), _ring()], {"scan_layers": True}),
+    # 'dots' saves the projections: the rerun attention reads the very keys and values
+    # the first forward did.
+    ("llama", MeshSpec.of(other=2, cp=4), [tactics.Megatron("other"), _ring(balance="zigzag")],
+     {"scan_layers": True, "remat": True, "remat_policy": "dots"}),
 ]
 
 
@@ -187,6 +191,19 @@ def _abstract(model: str, **changes):
     module, config = MODELS[model]
     step, args = module.make_train_step(dataclasses.replace(config, **changes), abstract=True)
     return partir.lift(step, *args)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_a_ring_lays_out_the_keys_a_rerun_attention_shares_once(scan):
+    # Under jax.checkpoint's 'dots' policy the projections are saved: the attention the
+    # backward pass runs again reads the first forward's keys and values, which the
+    # tactic has just laid out round the ring (it once took them for an earlier
+    # tactic's and refused the plan).
+    prog = _abstract("llama", scan_layers=scan, remat=True, remat_policy="dots")
+    part = tactics.apply_schedule(prog, MeshSpec.of(other=2, cp=4),
+                                  [tactics.Megatron("other"), _ring(balance="zigzag")]).partitioning
+    for a in partir.attentions(prog):
+        assert "cp" in part.tiling(a.key).dims[a.key_dim] and "cp" in part.tiling(a.value).dims[a.value_dim]
 
 
 def test_a_ring_is_a_decision_a_plan_replays_and_a_rollback_undoes():
