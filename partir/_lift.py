@@ -47,7 +47,7 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
-def _build(closed, in_tree, out_tree, input_names, input_args, output_names, origin) -> Program:
+def _build(closed, in_tree, out_tree, input_names, input_args, output_names, origin, rolled=()) -> Program:
     b = _Builder()
     top = b.region("top", -1, closed.jaxpr, closed.consts)
     env = {}
@@ -64,7 +64,7 @@ def _build(closed, in_tree, out_tree, input_names, input_args, output_names, ori
     prog = Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
                    in_tree=in_tree, out_tree=out_tree, input_names=input_names, input_args=input_args,
                    output_names=output_names, closed_jaxpr=closed, fallbacks=sorted(b.fallbacks),
-                   value_names=b.names, origin=origin)
+                   value_names=b.names, origin=origin, rolled=rolled)
     prog.classes  # part of building the IR: every partitioning needs them
     return prog
 
