@@ -23,7 +23,7 @@ cut from the stacked outputs one layer at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -183,7 +183,9 @@ def _loop(eqns, starts, period, layers, outvars) -> Loop:
     carries = tuple(s.made for s in slots if s.kind == CARRY)
     inside = {id(e) for reg in regions for e in reg}
     used = _used_outside(eqns, inside, outvars)
-    outs = tuple(sorted({d[v] for d in defs for v in d if v in used}))
+    # The last region's carries leave as the scan's final carry, not stacked.
+    outs = tuple(sorted({d[v] for r, d in enumerate(defs) for v in d
+                         if v in used and not (r == len(defs) - 1 and d[v] in carries)}))
     return Loop(tuple(starts), period, layers, slots, carries, outs)
 
 
@@ -299,6 +301,15 @@ def _rolled(closed: ClosedJaxpr, fwd: Loop, bwd: Loop | None) -> ClosedJaxpr:
     eqns = jaxpr.eqns
     feeds = _feeds(eqns, fwd, bwd) if bwd is not None else []
     echoes = tuple(sorted({f.echo for f in feeds if f is not None and f.echo is not None}))
+    # What the outer equations read of the regions, cut from the stacked outputs (the
+    # backward scan reads the forward's stacked, never cut).
+    inside = {id(e) for loop in (fwd, bwd) if loop is not None for s in loop.starts for e in eqns[s:s + loop.period]}
+    wanted = _used_outside(eqns, inside, jaxpr.outvars)
+    # The forward's stacked outputs: what the backward scan reads, and what the outer
+    # equations do (a stacked output nothing reads would still be made whole).
+    fed = {f.out for f in feeds if f is not None and f.out is not None}
+    fwd = replace(fwd, outs=tuple(p for p in fwd.outs if p in fed or any(
+        fwd.var_at(eqns, r, p) in wanted for r in range(len(fwd.starts) - (p in fwd.carries)))))
 
     def step(*args):
         env = dict(zip(jaxpr.constvars, closed.consts))
@@ -306,14 +317,14 @@ def _rolled(closed: ClosedJaxpr, fwd: Loop, bwd: Loop | None) -> ClosedJaxpr:
         lo, hi = fwd.span
         _run(eqns[:lo], env)
         stacks = _stacks(fwd, fwd.slots, env)
-        ys, echoed = _scan(eqns, fwd, env, stacks, echoes)
+        ys, echoed = _scan(eqns, fwd, env, stacks, echoes, wanted)
         if bwd is None:
             _run(eqns[hi:], env)
         else:
             blo, bhi = bwd.span
             _run(eqns[hi:blo], env)
             given = {k: _given(f, ys, stacks, echoed) for k, f in enumerate(feeds) if f is not None and f != _Feed()}
-            _scan(eqns, bwd, env, {**_stacks(bwd, bwd.slots, env, skip=given), **given}, ())
+            _scan(eqns, bwd, env, {**_stacks(bwd, bwd.slots, env, skip=given), **given}, (), wanted)
             _run(eqns[bhi:], env)
         return [x.val if isinstance(x, Literal) else env[x] for x in jaxpr.outvars]
 
@@ -363,9 +374,10 @@ def _dropped(v) -> bool:
     return type(v).__name__ == "DropVar"
 
 
-def _scan(eqns, loop: Loop, env, stacks: dict, echoes: tuple):
+def _scan(eqns, loop: Loop, env, stacks: dict, echoes: tuple, wanted: set):
     """Run `loop` as a scan on `env` (binding what the rest of the step reads of its
-    regions); (its stacked outputs by position, its echoed carries in by slot index)."""
+    regions that is `wanted`); (its stacked outputs by position, its echoed carries in
+    by slot index)."""
     first = loop.starts[0]
     template = eqns[first:first + loop.period]
     consts = [s for s in loop.slots if s.kind == CONST]
@@ -390,6 +402,6 @@ def _scan(eqns, loop: Loop, env, stacks: dict, echoes: tuple):
     for r, layer in enumerate(loop.layers):
         for pos, y in by_pos.items():
             var = loop.var_at(eqns, r, pos)
-            if var not in env:
+            if var not in env and var in wanted:
                 env[var] = jax.lax.index_in_dim(y, layer, keepdims=False)
     return by_pos, dict(zip(echoes, ys[len(loop.outs):]))
