@@ -4,14 +4,15 @@ The per-layer arrays are stacked in the step; the stage axis splits each along a
 dim at rest and each step exchanges the stage's layers in and their gradients out. The
 step computes what plain `jax.jit` computes (loss, updated parameters, Adam moments)."""
 
+import collections
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import partir
+import search
 import tactics as T
 from examples import gpt, llama
 from partir import MeshSpec
@@ -57,3 +58,48 @@ def test_unrolled_gpt_pipelines_as_its_scan_form_does():
     assert [s.forward.rolled for s in partir.layer_scans(prog)] == [True]
     assert all("stage" in part.tiling(v).axes() for v in _layer_state(prog))
     _same_step(part, TWO, "shard_map")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+def test_unrolled_llama_pipelines_with_megatron(backend):
+    """Llama, four layers over two stages, four microbatches, data parallel and Megatron
+    on the other axes: Megatron finds each layer's weights through the stacking (they
+    are split over 'model' as in the scan form) and the step equals `jax.jit`'s."""
+    part = _plan(FOUR, MeshSpec.of(data=2, model=2, stage=2), [T.DataParallel("data"), T.Megatron("model")], 4)
+    prog = part.program
+    assert all("model" in part.tiling(v).axes() for v in _layer_state(prog) if "['mlp']['w_up']" in prog.name(v))
+    _same_step(part, FOUR, backend)
+
+
+@pytest.mark.slow
+def test_unrolled_gpt_under_the_jit_lowering():
+    _same_step(_plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2), TWO, "jit")
+
+
+def _collectives(part, config, backend):
+    """(XLA's collectives, the modeled ones), per (kind, axes, bytes)."""
+    _, args, _ = _rolled(config)
+    free = search.materialization(part.program).from_scalars
+    lowered = partir.lower(part, backend=backend, **({"free": free} if backend == "shard_map" else {}))
+    text = lowered.lower(*args).compile().as_text()
+    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
+    return compiled, collections.Counter((c.kind, c.axes, int(c.bytes))
+                                         for c in search.CostModel(part, "cpu").cost().collectives)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,backend", [(TWO, "shard_map"), (TWO, "jit"), (FOUR, "shard_map"), (FOUR, "jit")])
+def test_compiled_collectives_are_the_modeled_ones(config, backend):
+    """One all-to-all over the stage axis per layer parameter each way (the stage's
+    layers in, their gradients out), the tick loops' permutes, the other axes'
+    collectives: XLA's are exactly the modeled ones."""
+    if config is TWO:
+        part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
+    else:
+        part = _plan(FOUR, MeshSpec.of(data=2, model=2, stage=2), [T.DataParallel("data"), T.Megatron("model")], 4)
+    compiled, modeled = _collectives(part, config, backend)
+    per_layer = len(_layer_state(part.program)) // 3 // config.n_layers  # parameters, not the Adam moments
+    exchanges = sum(n for (kind, axes, _), n in compiled.items() if kind == partir.Kind.ALL_TO_ALL and axes == ("stage",))
+    assert exchanges == 2 * per_layer
+    assert compiled == modeled
