@@ -224,6 +224,10 @@ def _check_circular(part, pipe: Pipelining) -> None:
     """The circular schedule's conditions: whole chunks, a microbatch back at the first
     stage no later than it is needed there."""
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
+    if pipe.scans.forward.rolled:
+        raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) does not run layers rolled from "
+                                "unrolled ones (their stages exchange the layers in contiguous blocks): use "
+                                "repeats=1, or write the layers as a jax.lax.scan")
     if length % (stages * pipe.repeats):
         raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
                                 "layer scan into whole chunks (the circular schedule runs no uneven stages): pick "

@@ -5,9 +5,11 @@ dim at rest and each step exchanges the stage's layers in and their gradients ou
 step computes what plain `jax.jit` computes (loss, updated parameters, Adam moments)."""
 
 import collections
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -103,3 +105,53 @@ def test_compiled_collectives_are_the_modeled_ones(config, backend):
     exchanges = sum(n for (kind, axes, _), n in compiled.items() if kind == partir.Kind.ALL_TO_ALL and axes == ("stage",))
     assert exchanges == 2 * per_layer
     assert compiled == modeled
+
+
+def _unlike_step(params, x):
+    """A train step over two layers of one structure that run different activations."""
+    def loss(params):
+        h = x
+        for p, act in zip(params, (jnp.tanh, jnp.sin)):
+            h = act(h @ p["w"])
+        return jnp.sum(h * h)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@pytest.mark.slow
+def test_layers_that_are_not_alike_are_refused_naming_the_difference():
+    params = [{"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 4))}]
+    prog = partir.lift(_unlike_step, params, jnp.ones((2, 4)))
+    with pytest.raises(partir.PartitioningError, match=r"(?s)layers' forward passes differ: .*tanh.*sin.*jax\.lax\.scan"):
+        partir.roll_layers(prog)
+
+
+#: `tests/test_pipeline.py`'s deep GPT on H100s (its stage axis across nodes), unrolled.
+DEEP = gpt.GPTConfig(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, vocab=1024, seq_len=512, batch=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_limit,pipelined", [(16e9, True), (80e9, False)])
+def test_the_search_pipelines_rolled_layers_where_the_model_says_it_wins(memory_limit, pipelined):
+    """As for the scan form: with 16 GB data parallelism over the stage axis does not
+    fit and the search pipelines (the exchanges over the slow links priced); with 80 GB
+    it does not. No twins: the rolled program is searched itself."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    prog = partir.roll_layers(partir.lift(step, *args))
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(8,), memory_limit=memory_limit, max_episodes=30,
+                                     device="h100")
+    result = T.apply_schedule(prog, MeshSpec.of(stage=4, data=8), [T.DataParallel("data"), auto])
+    assert bool(result.partitioning.pipelines) == pipelined
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline,match", [
+    (T.Pipeline("stage", microbatches=4, repeats=2), "circular schedule .* does not run layers rolled"),
+    (T.Pipeline("stage", microbatches=4, schedule="1f1b"), "1f1b schedule does not run layers rolled"),
+])
+def test_schedules_that_do_not_run_rolled_layers_are_refused(pipeline, match):
+    step, args = gpt.make_train_step(dataclasses.replace(TWO, n_layers=4))
+    prog = partir.roll_layers(partir.lift(step, *args))
+    with pytest.raises(T.TacticError, match=match):
+        T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.DataParallel("data"), pipeline])
