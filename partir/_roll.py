@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
 from ._errors import PartitioningError
+from ._ir import _source
 
 #: How a region's outer value is fed to the scan body (`Slot.kind`): the same value for
 #: every layer, the previous region's value, one value per layer stacked on [L].
@@ -167,18 +168,19 @@ def _loop(eqns, starts, period, layers, outvars) -> Loop:
     template = regions[0]
     ext: dict = {}  # template var -> per-region vars
     for t, e in enumerate(template):
-        _same_eqn(e, [reg[t] for reg in regions], t)
+        _same_eqn(e, [reg[t] for reg in regions], t, layers)
         for a, x in enumerate(e.invars):
             if isinstance(x, Literal):
                 continue
             ins = [reg[t].invars[a] for reg in regions]
             if x in defs[0]:
                 if any(defs[r].get(v) != defs[0][x] for r, v in enumerate(ins)):
-                    raise _Mismatch(f"equation {t} ({e.primitive}) reads different positions of its layer")
+                    raise _Mismatch(f"equation {t} ({_show(e)}) reads different values of its layer in different "
+                                    "layers")
                 continue
             seen = ext.setdefault(x, ins)
             if seen != ins:
-                raise _Mismatch(f"equation {t} ({e.primitive}) reads one value where others read two")
+                raise _Mismatch(f"equation {t} ({_show(e)}) reads one value in a layer where another reads two")
     slots = tuple(_slot(x, vals, defs) for x, vals in ext.items())
     carries = tuple(s.made for s in slots if s.kind == CARRY)
     inside = {id(e) for reg in regions for e in reg}
@@ -206,12 +208,16 @@ def _used_outside(eqns, inside: set, outvars) -> set:
     return used | {v for v in outvars if not isinstance(v, Literal)}
 
 
-def _same_eqn(e, others, t: int) -> None:
-    for o in others[1:]:
+def _same_eqn(e, others, t: int, layers) -> None:
+    for o, layer in zip(others[1:], layers[1:]):
         if o.primitive != e.primitive or len(o.invars) != len(e.invars) or \
                 [v.aval for v in o.outvars] != [v.aval for v in e.outvars] or not _same(o.params, e.params):
-            raise _Mismatch(f"equation {t} of a layer is {e.primitive} {[str(v.aval) for v in e.outvars]}, "
-                            f"of another {o.primitive} {[str(v.aval) for v in o.outvars]}")
+            raise _Mismatch(f"equation {t} of layer {layers[0]}'s is {_show(e)}, of layer {layer}'s {_show(o)}")
+
+
+def _show(eqn) -> str:
+    """An equation for people: its primitive, where the user's code made it, its results."""
+    return f"{eqn.primitive}{_source(eqn)} {' '.join(str(v.aval) for v in eqn.outvars)}"
 
 
 def _same(a, b) -> bool:
