@@ -155,3 +155,14 @@ def test_schedules_that_do_not_run_rolled_layers_are_refused(pipeline, match):
     prog = partir.roll_layers(partir.lift(step, *args))
     with pytest.raises(T.TacticError, match=match):
         T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.DataParallel("data"), pipeline])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["uneven", "checkpoint", "remat"])
+def test_rolled_layers_compose_as_the_scan_form_does(case):
+    """Three layers over two stages (uneven: a padding slot), the user's
+    `jax.checkpoint` on each layer, `Remat('full')`: the step equals `jax.jit`'s."""
+    config = dataclasses.replace(TWO, n_layers=3) if case == "uneven" else \
+        dataclasses.replace(TWO, remat=True) if case == "checkpoint" else TWO
+    others = [T.DataParallel("data")] + ([T.Remat("full")] if case == "remat" else [])
+    _same_step(_plan(config, MeshSpec.of(data=4, stage=2), others, 2), config, "shard_map")
