@@ -144,6 +144,9 @@ def _pass(eqns, params, count: int, begin: int, *, reverse: bool, outvars) -> Lo
         _refuse(f"the layers' {what} passes are of different lengths ({sorted(periods)} equations apart): "
                 "they are not alike")
     period = periods.pop()
+    if period == 0:
+        _refuse(f"the {what} pass reads every layer's parameters in one equation ({eqns[starts[0]].primitive}), "
+                "not one layer after another")
     found, problem = [], "no cut"
     for shift in range(min(period, starts[0] - begin + 1)):
         try:
@@ -153,7 +156,7 @@ def _pass(eqns, params, count: int, begin: int, *, reverse: bool, outvars) -> Lo
     if not found:
         _refuse(f"the layers' {what} passes differ: {problem}")
     # Every cut found computes the step; the one passing on fewest values is the layer
-    # boundary (the residual stream alone), the earliest of those.
+    # boundary (the residual stream alone), the first tried (the latest cut) of those.
     return min(found, key=lambda loop: len(loop.carries))
 
 

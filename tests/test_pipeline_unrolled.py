@@ -4,13 +4,11 @@ The per-layer arrays are stacked in the step; the stage axis splits each along a
 dim at rest and each step exchanges the stage's layers in and their gradients out. The
 step computes what plain `jax.jit` computes (loss, updated parameters, Adam moments)."""
 
-import collections
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import partir
@@ -18,6 +16,8 @@ import search
 import tactics as T
 from examples import gpt, llama
 from partir import MeshSpec
+from test_pipeline_circular import _collectives  # (the step and arguments are the unrolled ones)
+from test_pipeline_uneven import _same_step
 
 EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
 #: The GPT example unrolled, two layers: one per stage of two.
@@ -36,15 +36,6 @@ def _rolled(config):
 def _plan(config, mesh, others, microbatches):
     _, _, prog = _rolled(config)
     return T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=microbatches)]).partitioning
-
-
-def _same_step(part, config, backend):
-    step, args, prog = _rolled(config)
-    ours = partir.lower(part, backend=backend)(*args)
-    theirs = jax.jit(step)(*args)
-    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
-        assert np.shape(a) == np.shape(b), name
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
 
 
 def _layer_state(prog):
@@ -77,17 +68,6 @@ def test_unrolled_llama_pipelines_with_megatron(backend):
 @pytest.mark.slow
 def test_unrolled_gpt_under_the_jit_lowering():
     _same_step(_plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2), TWO, "jit")
-
-
-def _collectives(part, config, backend):
-    """(XLA's collectives, the modeled ones), per (kind, axes, bytes)."""
-    _, args, _ = _rolled(config)
-    free = search.materialization(part.program).from_scalars
-    lowered = partir.lower(part, backend=backend, **({"free": free} if backend == "shard_map" else {}))
-    text = lowered.lower(*args).compile().as_text()
-    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
-    return compiled, collections.Counter((c.kind, c.axes, int(c.bytes))
-                                         for c in search.CostModel(part, "cpu").cost().collectives)
 
 
 @pytest.mark.slow
@@ -166,3 +146,14 @@ def test_rolled_layers_compose_as_the_scan_form_does(case):
         dataclasses.replace(TWO, remat=True) if case == "checkpoint" else TWO
     others = [T.DataParallel("data")] + ([T.Remat("full")] if case == "remat" else [])
     _same_step(_plan(config, MeshSpec.of(data=4, stage=2), others, 2), config, "shard_map")
+
+
+@pytest.mark.slow
+def test_a_plan_file_names_the_rolled_scan_by_the_first_layers_parameter():
+    """The plan file's entry names the layers by the first layer's input the first stack
+    stacks (the stack's own name would be the roll's source line), and reads back."""
+    part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
+    prog, pipe = part.program, part.pipelines[0]
+    entry = pipe.to_json(prog)
+    assert entry["layers"].startswith("params['layers'][0]")
+    assert partir.Pipelining.from_json(entry, prog) == pipe
