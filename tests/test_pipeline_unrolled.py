@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import automap
 import partir
 import search
 import tactics as T
@@ -157,3 +158,15 @@ def test_a_plan_file_names_the_rolled_scan_by_the_first_layers_parameter():
     entry = pipe.to_json(prog)
     assert entry["layers"].startswith("params['layers'][0]")
     assert partir.Pipelining.from_json(entry, prog) == pipe
+
+
+@pytest.mark.slow
+def test_automap_rolls_the_layers_for_a_search_offering_pipelines():
+    """`automap.partition` on the unrolled step: the search is offered pipelines, so the
+    layers are rolled and the search pipelines them at 16 GB."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(8,), memory_limit=16e9, max_episodes=30,
+                                     device="h100")
+    plan = automap.partition(step, mesh={"stage": 4, "data": 8}, device="h100", memory_limit=16e9,
+                             schedule=[T.DataParallel("data"), auto])(*args)
+    assert plan.partitioning.program.rolled and plan.partitioning.pipelines
