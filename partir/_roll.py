@@ -173,9 +173,11 @@ def _loop(eqns, starts, period, layers, outvars) -> Loop:
     for t, e in enumerate(template):
         _same_eqn(e, [reg[t] for reg in regions], t, layers)
         for a, x in enumerate(e.invars):
-            if isinstance(x, Literal):
-                continue
             ins = [reg[t].invars[a] for reg in regions]
+            if isinstance(x, Literal):
+                if not all(isinstance(y, Literal) and y.aval == x.aval and _same(y.val, x.val) for y in ins):
+                    raise _Mismatch(f"equation {t} ({_show(e)}) reads a different constant in another layer")
+                continue
             if x in defs[0]:
                 if any(defs[r].get(v) != defs[0][x] for r, v in enumerate(ins)):
                     raise _Mismatch(f"equation {t} ({_show(e)}) reads different values of its layer in different "

@@ -100,11 +100,24 @@ def _unlike_step(params, x):
     return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
 
+def _shifted(params, x):
+    """A forward pass over two layers of one structure that add different constants."""
+    for p, shift in zip(params, (2.0, 3.0)):
+        x = jnp.tanh(x @ p["w"]) + shift
+    return jnp.sum(x)
+
+
 @pytest.mark.slow
-def test_layers_that_are_not_alike_are_refused_naming_the_difference():
+@pytest.mark.parametrize("fn,match", [
+    (_unlike_step, r"(?s)layers' forward passes differ: .*tanh.*sin.*jax\.lax\.scan"),
+    (_shifted, r"(?s)layers' forward passes differ: .*add.* reads a different constant in another layer.*jax\.lax\.scan"),
+])
+def test_layers_that_are_not_alike_are_refused_naming_the_difference(fn, match):
+    """Different activations; different constants (which a roll reading the first
+    layer's for every layer would silently get wrong)."""
     params = [{"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 4))}]
-    prog = partir.lift(_unlike_step, params, jnp.ones((2, 4)))
-    with pytest.raises(partir.PartitioningError, match=r"(?s)layers' forward passes differ: .*tanh.*sin.*jax\.lax\.scan"):
+    prog = partir.lift(fn, params, jnp.ones((2, 4)))
+    with pytest.raises(partir.PartitioningError, match=match):
         partir.roll_layers(prog)
 
 
