@@ -252,7 +252,7 @@ def _same_jaxpr(a: Jaxpr, b: Jaxpr) -> bool:
 
     def same_atom(x, y):
         if isinstance(x, Literal) or isinstance(y, Literal):
-            return isinstance(x, Literal) and isinstance(y, Literal) and _same(x.val, y.val)
+            return isinstance(x, Literal) and isinstance(y, Literal) and x.aval == y.aval and _same(x.val, y.val)
         return names.get(x) is y and x.aval == y.aval
 
     for e, f in zip(a.eqns, b.eqns):
@@ -316,6 +316,8 @@ def _rolled(closed: ClosedJaxpr, fwd: Loop, bwd: Loop | None) -> ClosedJaxpr:
     # backward scan reads the forward's stacked, never cut).
     inside = {id(e) for loop in (fwd, bwd) if loop is not None for s in loop.starts for e in eqns[s:s + loop.period]}
     wanted = _used_outside(eqns, inside, jaxpr.outvars)
+    if bwd is not None:  # what the backward scan reads as it is (a forward value all its layers read)
+        wanted |= {s.values[0] for s in bwd.slots if s.kind in (CONST, CARRY)}
     # The forward's stacked outputs: what the backward scan reads, and what the outer
     # equations do (a stacked output nothing reads would still be made whole).
     fed = {f.out for f in feeds if f is not None and f.out is not None}
