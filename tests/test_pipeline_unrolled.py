@@ -183,3 +183,19 @@ def test_automap_rolls_the_layers_for_a_search_offering_pipelines():
     plan = automap.partition(step, mesh={"stage": 4, "data": 8}, device="h100", memory_limit=16e9,
                              schedule=[T.DataParallel("data"), auto])(*args)
     assert plan.partitioning.program.rolled and plan.partitioning.pipelines
+
+
+@pytest.mark.slow
+def test_each_device_holds_what_the_scan_form_holds():
+    """XLA's argument bytes (parameters, Adam moments, batch) of the pipelined step are
+    the scan form's under the same plan: each device holds 1/S of the layer state."""
+    def arguments(config, prog):
+        part = T.apply_schedule(prog, MeshSpec.of(data=4, stage=2),
+                                [T.DataParallel("data"), T.Pipeline("stage", microbatches=2)]).partitioning
+        _, args = gpt.make_train_step(config)
+        compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
+        return compiled.memory_analysis().argument_size_in_bytes
+
+    scanned = dataclasses.replace(TWO, scan_layers=True)
+    step, args = gpt.make_train_step(scanned)
+    assert arguments(TWO, _rolled(TWO)[2]) == arguments(scanned, partir.lift(step, *args))
