@@ -83,8 +83,9 @@ class Pipelining:
         """The plan file's entry: the settings, the layer scan named by its first stacked
         input, the batch inputs by name (`repeats` only when above 1, so that plan files
         of one-repeat pipelines are unchanged)."""
+        first = next(v for v in self.scans.forward.xs if v >= 0)
         out = {"axis": self.axis, "microbatches": self.microbatches, "schedule": self.schedule,
-               "layers": _scan_name(program, self.scans.forward), "batch": [program.name(v) for v in self.batch]}
+               "layers": program.name(first), "batch": [program.name(v) for v in self.batch]}
         if self.repeats > 1:
             out["repeats"] = self.repeats
         return out
@@ -92,8 +93,8 @@ class Pipelining:
     @staticmethod
     def from_json(data: dict, program) -> "Pipelining":
         """The `Pipelining` a plan file's entry names in `program` (`to_json`)."""
-        scans = [s for s in layer_scans(program) if _scan_name(program, s.forward) == data["layers"]
-                 or any(v >= 0 and program.name(v) == data["layers"] for v in s.forward.xs)]
+        scans = [s for s in layer_scans(program)
+                 if any(v >= 0 and program.name(v) == data["layers"] for v in s.forward.xs)]
         if not scans:
             raise PartitioningError(f"no layer scan of this program reads {data['layers']!r}")
         batch = tuple(program.resolve(name) for name in data["batch"])
@@ -131,17 +132,6 @@ class Pipelining:
     def stacked(self) -> tuple[int, ...]:
         """Every stacked value of the pipelined scans (split over the stage axis)."""
         return tuple(dict.fromkeys(v for c in self.scans.calls for v in c.stacked))
-
-
-def _scan_name(program, call: ScanCall) -> str:
-    """A layer scan's name in a plan file: its first stacked input's, or for a scan
-    rolled from unrolled layers, the first layer's input that input stacks (the
-    stack's own name is the roll's source line)."""
-    first = next(v for v in call.xs if v >= 0)
-    made = program.producer[first]
-    if call.rolled and made >= 0 and program.ops[made].primitive == "stack" and program.ops[made].operands[0] >= 0:
-        first = program.ops[made].operands[0]
-    return program.name(first)
 
 
 @dataclass(frozen=True)

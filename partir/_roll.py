@@ -91,7 +91,26 @@ def roll_layers(program):
     layer_of = {where[v]: layer for v, layer in input_layers(program).items()}
     closed, rolled = roll_jaxpr(program.closed_jaxpr, layer_of)
     return _build(closed, program.in_tree, program.out_tree, program.input_names, program.input_args,
-                  program.output_names, program.origin, rolled)
+                  program.output_names, program.origin, rolled, _stack_names(program, closed))
+
+
+def _stack_names(program, closed: ClosedJaxpr) -> dict:
+    """The stacks of the layers' inputs named as their layers' path with the layer index
+    `[:]` (`params['layers'][:]['mlp']['w1']`): a plan file names them so, not by the
+    roll's source line."""
+    from ._layers import layer_keys
+
+    keys = layer_keys(program, 2) or {}
+    index = {v: k for k, v in enumerate(closed.jaxpr.invars)}
+    out = {}
+    for eqn in closed.jaxpr.eqns:
+        first = eqn.invars[0] if eqn.primitive.name == "stack" and eqn.invars else None
+        if isinstance(first, Literal) or first not in index:
+            continue
+        arg, path, at = keys.get(program.inputs[index[first]], (None, (), None))
+        if at is not None:
+            out[eqn.outvars[0]] = f"{arg}{jax.tree_util.keystr(path[1:at])}[:]{jax.tree_util.keystr(path[at + 1:])}"
+    return out
 
 
 def roll_jaxpr(closed: ClosedJaxpr, layer_of: dict[int, int]) -> tuple[ClosedJaxpr, tuple[int, ...]]:

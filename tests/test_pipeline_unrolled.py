@@ -163,13 +163,14 @@ def test_rolled_layers_compose_as_the_scan_form_does(case):
 
 
 @pytest.mark.slow
-def test_a_plan_file_names_the_rolled_scan_by_the_first_layers_parameter():
-    """The plan file's entry names the layers by the first layer's input the first stack
-    stacks (the stack's own name would be the roll's source line), and reads back."""
+def test_a_plan_file_names_the_rolled_scan_by_its_layers_path():
+    """The stacks of the layers' parameters are named by the layers' path with the layer
+    index `[:]` (not by the roll's source line): the plan file's entry names the layer
+    scan so, and reads back."""
     part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
     prog, pipe = part.program, part.pipelines[0]
     entry = pipe.to_json(prog)
-    assert entry["layers"].startswith("params['layers'][0]")
+    assert entry["layers"] == "params['layers'][:]['ln1']['scale']"
     assert partir.Pipelining.from_json(entry, prog) == pipe
 
 
