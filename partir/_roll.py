@@ -7,7 +7,7 @@ The layers are found in the traced jaxpr from the dataflow. Layer l's parameters
 equation of its forward pass, and again, later, by one of its backward pass; the L
 forward passes follow one another at a fixed period of equations, and the backward
 passes too, in reverse. Each pass is cut into L contiguous *regions* of one period
-each (`_cuts` tries every offset of the cut against the first read), and the regions
+each (`_pass` tries every offset of the cut against the first read), and the regions
 must be isomorphic: the same primitives, params and shapes at each position, reading
 the same positions of their own region, the same outer value (a constant of the loop),
 the previous region's value at one position (a carry), or one value per layer (a
@@ -293,6 +293,11 @@ class _Feed:
     stack: int | None = None
     echo: int | None = None
 
+    @property
+    def outer(self) -> bool:
+        """Stacked from outer values (nothing of the forward scan's)?"""
+        return self.out is None and self.stack is None and self.echo is None
+
 
 def _feeds(eqns, fwd: Loop, bwd: Loop) -> list:
     """Per stacked slot of the backward loop, its `_Feed` (refused where the layers'
@@ -307,7 +312,7 @@ def _feeds(eqns, fwd: Loop, bwd: Loop) -> list:
         if len(feeds) != 1:
             _refuse(f"the layers' backward passes read their forward values differently ({slot.var.aval})")
         feed = feeds.pop()
-        if feed == _Feed() and any(v in made for v in slot.values):
+        if feed.outer and any(v in made for v in slot.values):
             _refuse(f"a layer's backward pass reads another layer's forward value ({slot.var.aval})")
         out.append(feed)
     return out
@@ -327,6 +332,7 @@ def _feed(eqns, fwd: Loop, layer: int, v) -> _Feed:
 
 
 def _rolled(closed: ClosedJaxpr, fwd: Loop, bwd: Loop | None) -> ClosedJaxpr:
+    """The step of `closed` with `fwd` (and `bwd`) run as scans, traced anew."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     feeds = _feeds(eqns, fwd, bwd) if bwd is not None else []
@@ -355,7 +361,7 @@ def _rolled(closed: ClosedJaxpr, fwd: Loop, bwd: Loop | None) -> ClosedJaxpr:
         else:
             blo, bhi = bwd.span
             _run(eqns[hi:blo], env)
-            given = {k: _given(f, ys, stacks, echoed) for k, f in enumerate(feeds) if f is not None and f != _Feed()}
+            given = {k: _given(f, ys, stacks, echoed) for k, f in enumerate(feeds) if f is not None and not f.outer}
             _scan(eqns, bwd, env, {**_stacks(bwd, bwd.slots, env, skip=given), **given}, (), wanted)
             _run(eqns[bhi:], env)
         return [x.val if isinstance(x, Literal) else env[x] for x in jaxpr.outvars]
