@@ -22,6 +22,34 @@ from ._plan import Plan
 DEFAULT_CACHE = Path.home() / ".cache" / "automap"
 
 
+def lift(fn, args, opts: Options):
+    """`fn(*args)` lifted, its unrolled layers rolled into layer scans where the schedule
+    of `opts` pipelines (`rolled_for`)."""
+    prog = partir.lift(fn, *args, static_argnums=opts.static_argnums)
+    return rolled_for(prog, opts.tactics(), lenient=opts.best_effort)
+
+
+def rolled_for(prog, schedule, *, lenient: bool = False):
+    """`prog` with its unrolled layers rolled into layer scans (`partir.roll_layers`) when
+    `schedule` pipelines (a `Pipeline`, or a search offering pipelines) and `prog` has
+    no layer scan but a sequence of alike layers; else `prog`. Where the layers do not
+    roll, a `Pipeline` in the schedule raises the reason (`TacticError`) unless
+    `lenient` (it is then skipped as a tactic that cannot apply), and a search offers no
+    pipeline."""
+    import search
+
+    explicit = any(isinstance(t, tactics.Pipeline) for t in schedule)
+    offered = any(isinstance(t, search.AutomaticPartition) and t.pipelines for t in schedule)
+    if not (explicit or offered) or partir.layer_scans(prog) or not partir.input_layers(prog):
+        return prog
+    try:
+        return partir.roll_layers(prog)
+    except partir.PartitioningError as e:
+        if explicit and not lenient:
+            raise tactics.TacticError(f"cannot pipeline the unrolled layers: {e}") from e
+        return prog
+
+
 def plan_program(prog, opts: Options, *, key: str = "", made_for: dict | None = None) -> Plan:
     """Apply the schedule of `opts` to a lifted program and wrap the result in a `Plan`
     (with `opts.best_effort`, a tactic that cannot apply is skipped, as the history
@@ -85,7 +113,7 @@ def partition(fn, **settings):
 
     def make(*args, **kwargs) -> Plan:
         opts.check_call(args, kwargs, fn)
-        prog = partir.lift(fn, *args, static_argnums=opts.static_argnums)
+        prog = lift(fn, args, opts)
         parts = key_parts(prog, opts, opts.static(args))
         return check_fits(plan_program(prog, opts, key=key_of(parts), made_for=parts), opts.best_effort)
 
@@ -165,7 +193,7 @@ class AutomapFunction:
         if opts.jax_mesh is None and opts.mesh.num_devices > n:
             raise AutomapError(f"mesh {opts.mesh} needs {opts.mesh.num_devices} devices, {n} are available: use a "
                                "smaller mesh (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-        prog = partir.lift(self.fn, *args, static_argnums=opts.static_argnums)
+        prog = lift(self.fn, args, opts)
         parts = key_parts(prog, opts, opts.static(args))
         key = key_of(parts)
         plan = None if self.replan else self.cache.load(key, prog, opts.jax_mesh, made_for=parts)

@@ -42,7 +42,13 @@ class SavedPlan:
         return self.bind_program(partir.lift(fn, *args, static_argnums=static_argnums), jax_mesh)
 
     def bind_program(self, prog, jax_mesh=None) -> Plan:
-        """`bind` for a program already lifted."""
+        """`bind` for a program already lifted (its unrolled layers rolled into layer scans
+        where the plan pipelines them and it has none, as the plan was made)."""
+        if self.data.get("pipelines") and not partir.layer_scans(prog) and partir.input_layers(prog):
+            try:
+                prog = partir.roll_layers(prog)
+            except PartitioningError as e:
+                raise PlanError(f"plan {self.path} pipelines layers this program's do not roll into: {e}") from None
         problems = check(self.data, prog, jax_mesh)
         if problems:
             raise PlanError(f"plan {self.path} does not fit this program:\n  - " + "\n  - ".join(problems))

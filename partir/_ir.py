@@ -107,10 +107,13 @@ class Program:
     """A lifted program: the graph the partitioner works on. Immutable once built;
     analyses derived from it are computed once and kept with it (`analysis`).
 
-    `origin` is what `lift` traced (an `Origin`), or None for a program built otherwise."""
+    `origin` is what `lift` traced (an `Origin`), or None for a program built otherwise.
+    `rolled` holds the top-level equation indices of the layer scans `roll_layers` made
+    from unrolled layers (empty otherwise)."""
 
     def __init__(self, *, values, ops, regions, inputs, outputs, in_tree, out_tree,
-                 input_names, input_args, output_names, closed_jaxpr, fallbacks, value_names, origin=None):
+                 input_names, input_args, output_names, closed_jaxpr, fallbacks, value_names, origin=None,
+                 rolled=()):
         self.values: tuple[Value, ...] = tuple(values)
         self.ops: tuple[Op, ...] = tuple(ops)
         self.regions: tuple[Region, ...] = tuple(regions)
@@ -148,6 +151,7 @@ class Program:
         self._backward = None
         self._analyses: dict = {}
         self.origin: Origin | None = origin
+        self.rolled: frozenset[int] = frozenset(rolled)
 
     def analysis(self, compute, *args):
         """`compute(self, *args)`, computed on the first call and kept with the program

@@ -47,8 +47,10 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
-def _build(closed, in_tree, out_tree, input_names, input_args, output_names, origin) -> Program:
-    b = _Builder()
+def _build(closed, in_tree, out_tree, input_names, input_args, output_names, origin, rolled=(),
+           var_names=None) -> Program:
+    """The `Program` of `closed`; `var_names` names the values of some of its variables."""
+    b = _Builder(var_names)
     top = b.region("top", -1, closed.jaxpr, closed.consts)
     env = {}
     constvars = [b.value(v.aval, top, f"const[{i}]") for i, v in enumerate(closed.jaxpr.constvars)]
@@ -64,7 +66,7 @@ def _build(closed, in_tree, out_tree, input_names, input_args, output_names, ori
     prog = Program(values=b.values, ops=b.ops, regions=b.regions, inputs=invars, outputs=outvars,
                    in_tree=in_tree, out_tree=out_tree, input_names=input_names, input_args=input_args,
                    output_names=output_names, closed_jaxpr=closed, fallbacks=sorted(b.fallbacks),
-                   value_names=b.names, origin=origin)
+                   value_names=b.names, origin=origin, rolled=rolled)
     prog.classes  # part of building the IR: every partitioning needs them
     return prog
 
@@ -83,13 +85,14 @@ def _arg_names(fn, n: int) -> list[str]:
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, var_names=None):
         self.values: list[Value] = []
         self.ops: list[Op] = []
         self.regions: list[Region] = []
         self.names: dict[int, str] = {}
         self.fallbacks: set[str] = set()
         self._rule_cache: dict = {}
+        self._var_names: dict = var_names or {}
 
     # -- construction helpers ---------------------------------------------------------
     def region(self, kind, parent, jaxpr, consts=(), trip_count=1) -> int:
@@ -173,7 +176,7 @@ class _Builder:
         region = self.regions[rid]
         for i, eqn in enumerate(jaxpr.eqns):
             ins = [-1 if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            outs = [self.value(v.aval, rid) if not _dropped(v) else -1 for v in eqn.outvars]
+            outs = [self.value(v.aval, rid, self._var_names.get(v)) if not _dropped(v) else -1 for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs):
                 if o >= 0:
                     env[v] = o

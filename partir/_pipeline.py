@@ -122,7 +122,7 @@ class Pipelining:
 
     def split(self, stages: int) -> "StageSplit":
         """How the layers of the forward scan fall into `stages` stages (`StageSplit`)."""
-        return StageSplit(self.scans.forward.length, stages)
+        return StageSplit(self.scans.forward.length, stages, self.scans.forward.rolled)
 
     @property
     def bodies(self) -> tuple[int, ...]:
@@ -139,10 +139,13 @@ class StageSplit:
     """`length` layers over `stages` contiguous stages. Each stage holds `slots` =
     ceil(L/S) layer slots; when S does not divide L the first `fuller` stages run
     `slots` layers and the others one fewer, their last slot padding (every stage runs
-    at least floor(L/S) layers, none runs none)."""
+    at least floor(L/S) layers, none runs none). `rolled`: the layers were rolled from
+    unrolled ones (`partir.roll_layers`), whose per-layer arrays cannot be held split
+    along the stacked layer dim, so the stages exchange their layers as uneven ones do."""
 
     length: int
     stages: int
+    rolled: bool = False
 
     @property
     def slots(self) -> int:
@@ -153,6 +156,13 @@ class StageSplit:
     def uneven(self) -> bool:
         """Do some stages hold a padding slot (S does not divide L)?"""
         return self.length % self.stages != 0
+
+    @property
+    def exchanged(self) -> bool:
+        """Do the stacked values stay [L, ...] at rest (split over the stage axis along
+        another dim), each step exchanging the stage's layers in and out (`uneven` or
+        `rolled`)?"""
+        return self.uneven or self.rolled
 
     @property
     def fuller(self) -> int:
@@ -199,7 +209,7 @@ def microbatched(part, pipe: Pipelining):
         raise PartitioningError(f"mesh axis {MICROBATCH!r} is reserved for pipeline microbatches: rename it")
     if pipe.repeats > 1:
         _check_circular(part, pipe)
-    elif pipe.split(part.mesh.size(pipe.axis)).uneven:
+    elif pipe.split(part.mesh.size(pipe.axis)).exchanged:
         _check_uneven(part, pipe)
     mesh = MeshSpec(part.mesh.axes + ((MICROBATCH, pipe.microbatches),))
     ext = Partitioning(part.program, mesh, detached=part.detached)
@@ -214,6 +224,10 @@ def _check_circular(part, pipe: Pipelining) -> None:
     """The circular schedule's conditions: whole chunks, a microbatch back at the first
     stage no later than it is needed there."""
     stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
+    if pipe.scans.forward.rolled:
+        raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) does not run layers rolled from "
+                                "unrolled ones (their stages exchange the layers in contiguous blocks): use "
+                                "repeats=1, or write the layers as a jax.lax.scan")
     if length % (stages * pipe.repeats):
         raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
                                 "layer scan into whole chunks (the circular schedule runs no uneven stages): pick "
@@ -264,7 +278,7 @@ def kept_in_slots(part, pipe: Pipelining) -> frozenset:
     such residual; empty with contiguous even stages or no backward scan."""
     back = pipe.scans.backward
     stages = part.mesh.size(pipe.axis)
-    uneven = pipe.repeats == 1 and pipe.split(stages).uneven
+    uneven = pipe.repeats == 1 and pipe.split(stages).exchanged
     if (pipe.repeats == 1 and not uneven) or back is None:
         return frozenset()
     prog, roots = part.program, call_roots(part.program)
@@ -444,7 +458,7 @@ def made_at(pipe, split, body: Tiling, rest: Tiling, kept, r: int, partial=()) -
     split along the layer dim over the stage axis (even stages), or, uneven, whole along
     it (a residual the stages keep as their blocks, `kept`, or a value put back whole)
     or split along the dim `rest` splits over it."""
-    if not split.uneven:
+    if not split.exchanged:
         return Tiling(((pipe.axis,),) + body.dims, partial, "sum")
     dim = None if r in kept else state_dim(rest, pipe.axis)
     dims = ((),) + body.dims

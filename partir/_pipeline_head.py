@@ -192,6 +192,9 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
         raise PartitioningError(f"the 1f1b schedule runs even stages, and {split.length} layers do not split into "
                                 f"{part.mesh.size(pipe.axis)} stages over {pipe.axis!r} (uneven stages run as "
                                 f"gpipe): choose a stage count that divides the layers, {fix}")
+    if split.rolled:
+        raise PartitioningError("the 1f1b schedule does not run layers rolled from unrolled ones (their stages "
+                                f"exchange the layers as gpipe does): write the layers as a scan, {fix}")
     if part.rematerialized or part.reused:
         raise PartitioningError("Remat inside pipelined layers runs only with the gpipe schedule (the 1f1b tick "
                                 f"loop does not keep the recomputing inputs yet): leave Remat out, {fix}")

@@ -27,7 +27,8 @@ class ScanCall:
     called in (`parent`) and the equation's index there, its `length` and direction, and
     the value ids of its operands (`consts`, `carry`, `xs`: outer, stacked on a leading
     layer dim) and results (`carry_out`, `ys`: stacked), -1 for a literal or a dropped
-    result."""
+    result. `rolled`: the scan was rolled from unrolled layers (`partir.roll_layers`),
+    so its stacked inputs are made in the step from per-layer arrays."""
 
     body: int
     parent: int
@@ -39,6 +40,7 @@ class ScanCall:
     xs: tuple[int, ...]
     carry_out: tuple[int, ...]
     ys: tuple[int, ...]
+    rolled: bool = False
 
     @property
     def stacked(self) -> tuple[int, ...]:
@@ -89,7 +91,8 @@ def _scan_call(program, body: int) -> ScanCall:
     outs = parent.eqn_results[index]
     nk = len(ins.carry)
     return ScanCall(body, parent.id, index, int(eqn.params["length"]), bool(eqn.params["reverse"]),
-                    tuple(ins.consts), tuple(ins.carry), tuple(ins.xs), tuple(outs[:nk]), tuple(outs[nk:]))
+                    tuple(ins.consts), tuple(ins.carry), tuple(ins.xs), tuple(outs[:nk]), tuple(outs[nk:]),
+                    parent.parent < 0 and index in program.rolled)
 
 
 def layer_scans(program) -> tuple[LayerScans, ...]:

@@ -62,14 +62,17 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     (whole chunks of the layers, at least a microbatch per stage); and 1F1B where it
     keeps fewer residuals than GPipe (more microbatches than the 2S-1 a stage keeps in
     flight), the stages are even and the step differentiates the layers where it scans them (a backward scan
-    in the forward's region, the head between them)."""
+    in the forward's region, the head between them). Layers rolled from unrolled ones
+    (`partir.roll_layers`) are offered GPipe alone."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
-    if scans.forward.length % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages:
+    rolled = scans.forward.rolled  # (its stages exchange their layers: GPipe alone runs so)
+    if scans.forward.length % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages and not rolled:
         out.append(("gpipe", CIRCULAR_REPEATS))
     back = scans.backward
     even = scans.forward.length % stages == 0
-    if even and microbatches > 2 * stages - 1 and back is not None and back.parent == scans.forward.parent:
+    if even and microbatches > 2 * stages - 1 and back is not None and back.parent == scans.forward.parent and \
+            not rolled:
         out.append(("1f1b", 1))
     return tuple(out)
 

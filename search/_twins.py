@@ -208,6 +208,8 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, ba
     origin = getattr(prog, "origin", None)
     if origin is None:
         return None, "the program was not lifted from a function"
+    if prog.rolled:
+        return None, "its layers are rolled into layer scans (partir.roll_layers), searched on the program itself"
     if part.detached:
         return None, "earlier tactics detached values from their tiling classes"
     if any(d.value not in prog.input_set for d in part.decisions):

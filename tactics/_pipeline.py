@@ -70,10 +70,11 @@ class Pipeline(Tactic):
         scans = partir.layer_scans(prog)
         if not scans:
             raise TacticError("found no layer scan to pipeline (a jax.lax.scan over stacked layers' parameters): "
-                              "write the layers as a scan, or leave Pipeline out")
+                              "write the layers as a scan, lift the step with partir.roll_layers(partir.lift(...)) "
+                              "to roll unrolled layers into one, or leave Pipeline out")
         scan = scans[0]
         length = scan.forward.length
-        split = partir.StageSplit(length, stages)
+        split = partir.StageSplit(length, stages, scan.forward.rolled)
         found, _ = batch_inputs(part, self.batch_argnums)
         for v in found:
             blocks = part.mesh.devices_along(part.tiling(v).dims[0]) * self.microbatches
@@ -84,7 +85,7 @@ class Pipeline(Tactic):
         pipe = partir.Pipelining(self.axis, self.microbatches, scan, tuple(found), self.schedule, self.repeats)
         mark = part.mark()
         try:
-            if split.uneven:
+            if split.exchanged:
                 _split_state(part, pipe, str(self))
             else:
                 for v in pipe.stacked():

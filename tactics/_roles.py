@@ -103,6 +103,13 @@ def _root(program, v: int, *, transposes: bool):
                     return None
                 offset -= 1
                 dims = [d - 1 for d in dims]
+        elif op.primitive == "stack" and op.eqn.params["axis"] == 0:
+            # Per-layer weights stacked on a leading layer dim (`partir.roll_layers`):
+            # the first layer's stands for them all (the stack shares their other dims).
+            if 0 in dims:
+                return None
+            offset -= 1
+            dims = [d - 1 for d in dims]
         elif transposes and op.primitive == "transpose":
             dims = [op.eqn.params["permutation"][d] for d in dims]
         elif op.primitive not in TRANSPARENT:

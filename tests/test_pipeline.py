@@ -310,10 +310,13 @@ def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
 
 #: Uneven stages: 3 layers over 2 (tests/test_pipeline_uneven.py).
 THREE = dataclasses.replace(TINY, n_layers=3)
+#: Unrolled layers, which automap rolls into the scan form (tests/test_pipeline_unrolled.py).
+UNROLLED = dataclasses.replace(TINY, scan_layers=False)
 
 
 @pytest.mark.parametrize("config,data,stages,microbatches", [
-    (TINY, 2, 4, 4), pytest.param(THREE, 4, 2, 2, marks=pytest.mark.slow, id="uneven")])
+    (TINY, 2, 4, 4), pytest.param(THREE, 4, 2, 2, marks=pytest.mark.slow, id="uneven"),
+    pytest.param(UNROLLED, 4, 2, 2, marks=pytest.mark.slow, id="unrolled")])
 def test_a_saved_pipelined_plan_loads_and_runs_as_it_was_made(tmp_path, config, data, stages, microbatches):
     step, args, prog = _gpt(config)
     plan = automap.partition(step, mesh={"data": data, "stage": stages}, lowering="shard_map", device="cpu",

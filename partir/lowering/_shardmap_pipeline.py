@@ -87,7 +87,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     stages, repeats = interp.mesh.size(pipe.axis), pipe.repeats
     split = pipe.split(stages)
     for v in g.xs:
-        if v >= 0 and not split.uneven and interp.rest(v).dims[0] != (pipe.axis,):
+        if v >= 0 and not split.exchanged and interp.rest(v).dims[0] != (pipe.axis,):
             raise PartitioningError(f"{prog.name(v)} is laid out {interp.rest(v)}: a pipelined scan's stacked "
                                     f"inputs are split along their layer dim over {pipe.axis!r} alone")
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
@@ -97,7 +97,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     # stages' padded layer rows exchanged (or taken) from the [L, ...] stacked values
     # (`_uneven`), but for the residuals they keep as their own blocks.
     slots = kept_in_slots(interp.part, pipe)
-    xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if split.uneven and u not in slots else a
+    xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if split.exchanged and u not in slots else a
           for a, u in zip(x.xs, g.xs)]
     # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
     # (A recomputed residual's placeholder, a scalar per layer, as it is.)
@@ -112,7 +112,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
-    if split.uneven:  # back to the [L, ...] layout
+    if split.exchanged:  # back to the [L, ...] layout
         ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     if repeats > 1:

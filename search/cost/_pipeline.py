@@ -183,13 +183,13 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
             cols.append(CollectiveCost(Kind.ALL_REDUCE, axes, whole, link.time(Kind.ALL_REDUCE, axes, whole),
                                        prog.producer[w], out))
     split = pipe.split(stages)
-    cols += _uneven_exchanges(part, pipe, link) if split.uneven else []
+    cols += _uneven_exchanges(part, pipe, link) if split.exchanged else []
     stage = sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in _layer_state(part, pipe))
     gone, extra = _recomputing(part, pipe)
     # The residuals of the stage's layers (its ceil(L/S) slots' of the L layers when
     # uneven: held whole along the stage axis by the plan, kept as the stage's blocks by
     # the lowering).
-    held = split.slots / split.length if split.uneven else 1.0
+    held = split.slots / split.length if split.exchanged else 1.0
     kept = held * sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys
                       if v >= 0 and v not in gone)
     # The layer inputs stacked for recomputing: the stage's slots' (ceil(L/S), a padding
@@ -208,7 +208,7 @@ def _layer_state(part, pipe) -> list:
     split along their layer dim over the stage axis, or, with uneven stages (whole along
     it), in a tiling class of the pipeline's stacked values."""
     prog = part.program
-    if not pipe.split(part.mesh.size(pipe.axis)).uneven:
+    if not pipe.split(part.mesh.size(pipe.axis)).exchanged:
         return [v for v in prog.inputs if prog.values[v].rank and part.tiling(v).dims[0][:1] == (pipe.axis,)]
     cls = prog.classes_for(part.detached)
     stacked = {cls.of[v] for v in pipe.stacked()}
@@ -346,7 +346,7 @@ class PipelinePricing:
                         self.scale[op.id] = split.slots * (m * pipe.repeats + stages - 1) / (
                             pipe.repeats * split.length)
                         self.layouts[op.id] = (ext, lay, pipe)
-                if split.uneven:  # a stage moves its slots' rows of what it reads, all L of what it makes
+                if split.exchanged:  # a stage moves its slots' rows of what it reads, all L of what it makes
                     self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
                 self.ring[pipe.scans.forward.body] = pipe.in_flight(stages) / m
@@ -384,7 +384,7 @@ class PipelinePricing:
                 ys = [v for v in pipe.scans.forward.ys if v >= 0 and partir.MICROBATCH in ext.tiling(v).axes()]
                 out[ys] = pipe.microbatches / pipe.in_flight(self.part.mesh.size(pipe.axis))
             split = pipe.split(self.part.mesh.size(pipe.axis))
-            if split.uneven:
+            if split.exchanged:
                 out[sorted(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots
         return out
 

@@ -1,0 +1,203 @@
+"""Pipelines over unrolled layers: a step whose layers are a Python list of alike pytrees
+(`scan_layers=False`), rolled into the scan form (`partir.roll_layers`) and pipelined.
+The per-layer arrays are stacked in the step; the stage axis splits each along another
+dim at rest and each step exchanges the stage's layers in and their gradients out. The
+step computes what plain `jax.jit` computes (loss, updated parameters, Adam moments)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import automap
+import partir
+import search
+import tactics as T
+from examples import gpt, llama
+from partir import MeshSpec
+from test_pipeline_circular import _collectives  # (the step and arguments are the unrolled ones)
+from test_pipeline_uneven import _same_step
+
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+#: The GPT example unrolled, two layers: one per stage of two.
+TWO = gpt.GPTConfig(n_layers=2, d_model=16, n_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16, adam_eps=EPS)
+#: The Llama example unrolled, four layers: two per stage of two.
+FOUR = llama.LlamaConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8, batch=16,
+                         adam_eps=EPS)
+
+
+@functools.cache
+def _rolled(config):
+    step, args = (llama if isinstance(config, llama.LlamaConfig) else gpt).make_train_step(config)
+    return step, args, partir.roll_layers(partir.lift(step, *args))
+
+
+def _plan(config, mesh, others, microbatches):
+    _, _, prog = _rolled(config)
+    return T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=microbatches)]).partitioning
+
+
+def _layer_state(prog):
+    return [v for v in prog.inputs if "['layers']" in prog.name(v)]
+
+
+def test_unrolled_gpt_pipelines_as_its_scan_form_does():
+    """Two stages of one layer, two microbatches, data parallel on the other axis: each
+    layer's parameters and Adam moments are held split over the stage axis (1/S of the
+    stack per device) and the step equals `jax.jit`'s."""
+    part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
+    prog = part.program
+    assert [s.forward.rolled for s in partir.layer_scans(prog)] == [True]
+    assert all("stage" in part.tiling(v).axes() for v in _layer_state(prog))
+    _same_step(part, TWO, "shard_map")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+def test_unrolled_llama_pipelines_with_megatron(backend):
+    """Llama, four layers over two stages, four microbatches, data parallel and Megatron
+    on the other axes: Megatron finds each layer's weights through the stacking (they
+    are split over 'model' as in the scan form) and the step equals `jax.jit`'s."""
+    part = _plan(FOUR, MeshSpec.of(data=2, model=2, stage=2), [T.DataParallel("data"), T.Megatron("model")], 4)
+    prog = part.program
+    assert all("model" in part.tiling(v).axes() for v in _layer_state(prog) if "['mlp']['w_up']" in prog.name(v))
+    _same_step(part, FOUR, backend)
+
+
+@pytest.mark.slow
+def test_unrolled_gpt_under_the_jit_lowering():
+    _same_step(_plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2), TWO, "jit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,backend", [(TWO, "shard_map"), (TWO, "jit"), (FOUR, "shard_map"), (FOUR, "jit")])
+def test_compiled_collectives_are_the_modeled_ones(config, backend):
+    """One all-to-all over the stage axis per layer parameter each way (the stage's
+    layers in, their gradients out), the tick loops' permutes, the other axes'
+    collectives: XLA's are exactly the modeled ones."""
+    if config is TWO:
+        part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
+    else:
+        part = _plan(FOUR, MeshSpec.of(data=2, model=2, stage=2), [T.DataParallel("data"), T.Megatron("model")], 4)
+    compiled, modeled = _collectives(part, config, backend)
+    per_layer = len(_layer_state(part.program)) // 3 // config.n_layers  # parameters, not the Adam moments
+    exchanges = sum(n for (kind, axes, _), n in compiled.items()
+                    if kind == partir.Kind.ALL_TO_ALL and axes == ("stage",))
+    assert exchanges == 2 * per_layer
+    assert compiled == modeled
+
+
+def _unlike_step(params, x):
+    """A train step over two layers of one structure that run different activations."""
+    def loss(params):
+        h = x
+        for p, act in zip(params, (jnp.tanh, jnp.sin)):
+            h = act(h @ p["w"])
+        return jnp.sum(h * h)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def _shifted(params, x):
+    """A forward pass over two layers of one structure that add different constants."""
+    for p, shift in zip(params, (2.0, 3.0)):
+        x = jnp.tanh(x @ p["w"]) + shift
+    return jnp.sum(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,match", [
+    (_unlike_step, r"(?s)layers' forward passes differ: .*tanh.*sin.*jax\.lax\.scan"),
+    (_shifted, r"(?s)forward passes differ: .*add.* reads a different constant in another layer.*jax\.lax\.scan"),
+])
+def test_layers_that_are_not_alike_are_refused_naming_the_difference(fn, match):
+    """Different activations; different constants (which a roll reading the first
+    layer's for every layer would silently get wrong)."""
+    params = [{"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 4))}]
+    prog = partir.lift(fn, params, jnp.ones((2, 4)))
+    with pytest.raises(partir.PartitioningError, match=match):
+        partir.roll_layers(prog)
+
+
+#: `tests/test_pipeline.py`'s deep GPT on H100s (its stage axis across nodes), unrolled.
+DEEP = gpt.GPTConfig(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, vocab=1024, seq_len=512, batch=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_limit,pipelined", [(16e9, True), (80e9, False)])
+def test_the_search_pipelines_rolled_layers_where_the_model_says_it_wins(memory_limit, pipelined):
+    """As for the scan form: with 16 GB data parallelism over the stage axis does not
+    fit and the search pipelines (the exchanges over the slow links priced); with 80 GB
+    it does not. No twins: the rolled program is searched itself."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    prog = partir.roll_layers(partir.lift(step, *args))
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(8,), memory_limit=memory_limit, max_episodes=30,
+                                     device="h100")
+    result = T.apply_schedule(prog, MeshSpec.of(stage=4, data=8), [T.DataParallel("data"), auto])
+    assert bool(result.partitioning.pipelines) == pipelined
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline,match", [
+    (T.Pipeline("stage", microbatches=4, repeats=2), "circular schedule .* does not run layers rolled"),
+    (T.Pipeline("stage", microbatches=4, schedule="1f1b"), "1f1b schedule does not run layers rolled"),
+])
+def test_schedules_that_do_not_run_rolled_layers_are_refused(pipeline, match):
+    step, args = gpt.make_train_step(dataclasses.replace(TWO, n_layers=4))
+    prog = partir.roll_layers(partir.lift(step, *args))
+    with pytest.raises(T.TacticError, match=match):
+        T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.DataParallel("data"), pipeline])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["uneven", "checkpoint", "remat"])
+def test_rolled_layers_compose_as_the_scan_form_does(case):
+    """Three layers over two stages (uneven: a padding slot), the user's
+    `jax.checkpoint` on each layer, `Remat('full')`: the step equals `jax.jit`'s."""
+    config = dataclasses.replace(TWO, n_layers=3) if case == "uneven" else \
+        dataclasses.replace(TWO, remat=True) if case == "checkpoint" else TWO
+    others = [T.DataParallel("data")] + ([T.Remat("full")] if case == "remat" else [])
+    _same_step(_plan(config, MeshSpec.of(data=4, stage=2), others, 2), config, "shard_map")
+
+
+@pytest.mark.slow
+def test_a_plan_file_names_the_rolled_scan_by_its_layers_path():
+    """The stacks of the layers' parameters are named by the layers' path with the layer
+    index `[:]` (not by the roll's source line): the plan file's entry names the layer
+    scan so, and reads back."""
+    part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
+    prog, pipe = part.program, part.pipelines[0]
+    entry = pipe.to_json(prog)
+    assert entry["layers"] == "params['layers'][:]['ln1']['scale']"
+    assert partir.Pipelining.from_json(entry, prog) == pipe
+
+
+@pytest.mark.slow
+def test_automap_rolls_the_layers_for_a_search_offering_pipelines():
+    """`automap.partition` on the unrolled step: the search is offered pipelines, so the
+    layers are rolled and the search pipelines them at 16 GB."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(8,), memory_limit=16e9, max_episodes=30,
+                                     device="h100")
+    plan = automap.partition(step, mesh={"stage": 4, "data": 8}, device="h100", memory_limit=16e9,
+                             schedule=[T.DataParallel("data"), auto])(*args)
+    assert plan.partitioning.program.rolled and plan.partitioning.pipelines
+
+
+@pytest.mark.slow
+def test_each_device_holds_what_the_scan_form_holds():
+    """XLA's argument bytes (parameters, Adam moments, batch) of the pipelined step are
+    the scan form's under the same plan: each device holds 1/S of the layer state."""
+    def arguments(config, prog):
+        part = T.apply_schedule(prog, MeshSpec.of(data=4, stage=2),
+                                [T.DataParallel("data"), T.Pipeline("stage", microbatches=2)]).partitioning
+        _, args = gpt.make_train_step(config)
+        compiled = partir.lower(part, backend="shard_map").lower(*args).compile()
+        return compiled.memory_analysis().argument_size_in_bytes
+
+    scanned = dataclasses.replace(TWO, scan_layers=True)
+    step, args = gpt.make_train_step(scanned)
+    assert arguments(TWO, _rolled(TWO)[2]) == arguments(scanned, partir.lift(step, *args))
