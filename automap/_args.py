@@ -109,8 +109,9 @@ class Options:
 
         if self.schedule is not None:
             # A search that leaves its lowering open prices the one this plan runs under,
-            # one left at a micro-batch a step prices this plan's accumulation, and one
-            # left without donation prices this plan's (its peak is the one the plan runs at).
+            # one left at a micro-batch a step prices this plan's accumulation, one left
+            # without donation, a device or a limit prices this plan's (its peak is the
+            # one the plan runs at, on the device it is priced on).
             return [self._filled(t) if isinstance(t, search.AutomaticPartition) else t for t in self.schedule]
         # The search returns its best plan even over the limit: whether a plan may be
         # over it is this layer's verdict (`MemoryLimitError` unless best_effort).
@@ -122,7 +123,9 @@ class Options:
         """Search `auto` with the settings it left open taken from these options."""
         return dataclasses.replace(auto, lowering=self.lowering if auto.lowering is None else auto.lowering,
                                    grad_accum=self.grad_accum if auto.grad_accum == 1 else auto.grad_accum,
-                                   donate_argnums=auto.donate_argnums or self.donated())
+                                   donate_argnums=auto.donate_argnums or self.donated(),
+                                   device=self.device if auto.device is None else auto.device,
+                                   memory_limit=self.memory_limit if auto.memory_limit is None else auto.memory_limit)
 
     def donated(self) -> tuple[int, ...]:
         """`donate_argnums` as positions among the non-static arguments (what the lowered

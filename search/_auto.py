@@ -57,7 +57,10 @@ class AutomaticPartition(Tactic):
     ('jit' or 'shard_map'; `automap` fills in its own where it is None, 'jit' when the
     tactic is applied alone): the cost model prices its collectives (`CostModel`'s
     `backend`), and under 'shard_map' context parallelism is offered as a ring too
-    (`ContextParallel(strategy='ring')`, which only that lowering runs).
+    (`ContextParallel(strategy='ring')`, which only that lowering runs). `device` is
+    the cost model's device (a preset name or a `DeviceSpec`); `automap` fills in the
+    plan's where it is None, and its memory limit where `memory_limit` is None; alone,
+    None is the default preset and its HBM.
 
     A model with a list of 8 or more alike layers in its arguments is searched on two
     shallow twins with costs extrapolated to its depth (`search._twins`), so
@@ -82,7 +85,7 @@ class AutomaticPartition(Tactic):
     budget_s: float = 30.0
     memory_limit: float | None = None
     seed: int = 0
-    device: object = DEFAULT_DEVICE
+    device: object = None
     group: bool = True
     macros: bool = True
     max_episodes: int | None = None
@@ -123,7 +126,7 @@ class AutomaticPartition(Tactic):
         if self.lowering not in (None, *LOWERINGS):
             raise TacticError(f"AutomaticPartition lowering={self.lowering!r}: choose one of {LOWERINGS}, or None "
                               "for the one the plan runs under")
-        get_device(self.device)  # an unknown device fails now, not after the search
+        get_device(self.priced_on)  # an unknown device fails now, not after the search
         if self.progress is not None and not callable(self.progress):
             raise TacticError(f"AutomaticPartition progress={self.progress!r} is not callable: pass "
                               "a function (episodes, best step time, elapsed) or None")
@@ -184,7 +187,7 @@ class AutomaticPartition(Tactic):
     def _one_state(self, part, groups, axes, ctx):
         if not self.group:
             return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
-        state, why = twin_state(part, groups, axes, device=self.device, memory_limit=self.memory_limit,
+        state, why = twin_state(part, groups, axes, device=self.priced_on, memory_limit=self.memory_limit,
                                 source=str(self), ctx=ctx, backend=self.backend, donated=self.donate_argnums)
         return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
 
@@ -252,13 +255,18 @@ class AutomaticPartition(Tactic):
                 "batch does)")
 
     @property
+    def priced_on(self):
+        """The device the search prices plans on (`device`, else the default preset)."""
+        return DEFAULT_DEVICE if self.device is None else self.device
+
+    @property
     def backend(self) -> str:
         """The lowering the search prices plans under (`lowering`, else 'jit')."""
         return self.lowering or "jit"
 
     def _model(self, part) -> CostModel:
         """The cost model of `part` on the search's device, limit and lowering."""
-        return CostModel(part, self.device, memory_limit=self.memory_limit, backend=self.backend,
+        return CostModel(part, self.priced_on, memory_limit=self.memory_limit, backend=self.backend,
                          donate_argnums=self.donate_argnums)
 
     def _exact(self, part, costs: dict):

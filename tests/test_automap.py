@@ -121,6 +121,19 @@ def test_grad_accum_is_priced_by_the_search_a_schedule_leaves_it_to():
     assert any("priced over 4 micro-batches a step" in n for n in notes), notes
 
 
+def test_a_search_in_the_schedule_prices_the_plans_device_and_limit():
+    # Given to automap alone, the device and the limit reach a search that left them
+    # open; one the search names itself stays its own.
+    step, args = gpt.make_train_step(SMALL, abstract=True)
+    kw = dict(budget_s=600, max_episodes=5)
+    plan = automap.partition(step, mesh="data=2,model=4", device="cpu", memory_limit=1e9,
+                             schedule=[search.AutomaticPartition(**kw)])(*args)
+    assert (plan.history[0].tactic.device, plan.history[0].tactic.memory_limit) == ("cpu", 1e9)
+    own = automap.partition(step, mesh="data=2,model=4", device="cpu", memory_limit=1e9,
+                            schedule=[search.AutomaticPartition(device="h100", memory_limit=2e9, **kw)])(*args)
+    assert (own.history[0].tactic.device, own.history[0].tactic.memory_limit) == ("h100", 2e9)
+
+
 def test_the_search_holds_the_limit_against_the_peak_with_the_plans_donation():
     step, args = gpt.make_train_step(SMALL, abstract=True)
 
