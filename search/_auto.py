@@ -16,7 +16,7 @@ from .cost import BACKENDS as LOWERINGS, DEFAULT_DEVICE, CostModel, bytes_str, g
 from ._mcts import mcts
 from ._result import SearchResult
 from ._state import SearchState
-from ._twins import twin_state
+from ._twins import TwinsDisagree, twin_state
 
 
 #: How many of the buffers live at the memory peak an error names.
@@ -126,9 +126,14 @@ class AutomaticPartition(Tactic):
         two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
         state, why = self._state(part, groups, axes, ctx, two)
         while True:
-            result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
-                                        max_episodes=self.max_episodes, macros=macros, progress=self.progress,
-                                        start=start, seeds=seeds)
+            try:
+                result: SearchResult = mcts(state, budget_s=self.budget_s, seed=self.seed,
+                                            max_episodes=self.max_episodes, macros=macros, progress=self.progress,
+                                            start=start, seeds=seeds)
+            except TwinsDisagree as e:
+                why = str(e)
+                state, start = self._program_state(part, groups, axes, ctx, two), None
+                continue
             mark, ctx_mark = part.mark(), ctx.mark()
             said = self._apply_plan(part, groups, result.actions, ctx)
             differs = state.mismatch(part, result.actions)

@@ -115,16 +115,72 @@ def _canonical_names(keys, layers: int, depth: int, head: int, tail: int) -> dic
     return names
 
 
+class TwinsDisagree(PartitioningError):
+    """The shallower twin could not follow an action the deeper twin took: the twins do
+    not stand for the program (the search falls back to the program itself)."""
+
+
 class TwinState(PairedStates):
     """The search state of a deep program of `layers` layers, kept as two `SearchState`s
     on its shallow twins (`depths` layers, one middle layer apart) whose groups are aligned with the deep
-    program's: every action goes to both, every cost is extrapolated to `layers`."""
+    program's: every action goes to both, every cost is extrapolated to `layers`.
+
+    The deeper twin takes each action at once; the shallower one follows only when a
+    state is priced or inspected (`_shallow`): the tree search walks and undoes far more
+    actions than it prices states (it retraces paths, and an episode that ends on a
+    state already priced prices nothing), and the shallower twin's work is two fifths
+    of a search on twins. A state is keyed by the deeper twin's partitioning: the same
+    actions on the same kinds of layers tile the shallower twin as they tile the
+    deeper one's, as the extrapolation itself assumes. Should the shallower twin refuse
+    an action the deeper one took, `_shallow` raises `TwinsDisagree`."""
 
     def __init__(self, twins: tuple[SearchState, SearchState], layers: int, depths: tuple[int, int],
                  names: tuple[dict, dict]):
         self.twins, self.layers, self.depths, self.names = twins, layers, depths, names
         self.pair = twins
         self.axes = twins[1].axes
+        self._taken: list = []  # the actions the deeper twin holds, in order
+        self._followed: list = []  # (action, the shallower twin's mark before it): a prefix of `_taken`
+
+    def key(self) -> int:
+        """The deeper twin's key (see the class docstring)."""
+        return self.twins[1].key()
+
+    def mark(self):
+        """A point to `rollback` to."""
+        return self.twins[1].mark(), len(self._taken)
+
+    def rollback(self, mark) -> None:
+        """Undo every action since `mark` (in the shallower twin, those it followed)."""
+        deep, n = mark
+        self.twins[1].rollback(deep)
+        del self._taken[n:]
+        if len(self._followed) > n:
+            self.twins[0].rollback(self._followed[n][1])
+            del self._followed[n:]
+
+    def apply(self, action) -> bool:
+        """Apply `action` to the deeper twin (the shallower follows when priced); False,
+        and nothing changed, if it cannot apply."""
+        if not self.twins[1].apply(action):
+            return False
+        self._taken.append(action)
+        return True
+
+    def _shallow(self) -> SearchState:
+        """The shallower twin, brought to the deeper twin's actions."""
+        shallow, followed = self.twins[0], self._followed
+        for action in self._taken[len(followed):]:
+            mark = shallow.mark()
+            if not shallow.apply(action):
+                raise TwinsDisagree(f"the {self.depths[0]}-layer twin cannot take {action.describe(shallow.groups)}, "
+                                    f"which the {self.depths[1]}-layer twin took")
+            followed.append((action, mark))
+        return shallow
+
+    def _both(self) -> tuple[SearchState, SearchState]:
+        """Both twins, the shallower one brought to the deeper one's actions."""
+        return self._shallow(), self.twins[1]
 
     def _extrapolate(self, shallow: float, deeper: float) -> float:
         d0, d1 = self.depths
@@ -139,21 +195,21 @@ class TwinState(PairedStates):
         the fast peak is close enough to the limit to need the exact one is decided on
         the extrapolated peak (each twin alone is far below it, and the fast estimate's
         per-layer gap grows with the depth)."""
-        (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self.twins)
+        (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self._both())
         return self._step(t0, t1), self._peak(p0, p1)
 
     def _peak(self, shallow: float, deeper: float) -> float:
         """The deep program's peak from the twins' fast ones, exact where doubtful."""
         peak = self._extrapolate(shallow, deeper)
         if doubtful(peak, self.memory_limit):
-            peak = self._extrapolate(*(t.exact_peak() for t in self.twins))
+            peak = self._extrapolate(*(t.exact_peak() for t in self._both()))
         return peak
 
     def evaluate_parts(self):
         """`evaluate` before overlap is applied: `(TimeParts, peak memory)` of the deep
         program, extrapolated term by term; where the twins' computations differ, the
         extrapolated step alone (as compute: overlap is already in it)."""
-        (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self.twins)
+        (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self._both())
         peak = self._peak(p0, p1)
         if t0.parents != t1.parents:
             return TimeParts(self._step(t0, t1), 0.0), peak
@@ -173,7 +229,7 @@ class TwinState(PairedStates):
 
     def compute_time(self) -> float:
         """The deep program's modeled compute time, extrapolated."""
-        return self._extrapolate(*(t.compute_time() for t in self.twins))
+        return self._extrapolate(*(t.compute_time() for t in self._both()))
 
     def mismatch(self, part, actions) -> str | None:
         """After `actions` were applied to the deep program's `part` (and the twins are at
@@ -183,7 +239,7 @@ class TwinState(PairedStates):
         try:
             for a in actions:
                 self.apply(a)
-            for twin, names in zip(self.twins, self.names):
+            for twin, names in zip(self._both(), self.names):
                 tprog = twin.part.program
                 for v in part.program.inputs:
                     if part.tiling(v) != twin.part.tiling(tprog.resolve(names[v])):
