@@ -65,6 +65,11 @@ class AccumulatedState(PairedStates):
         self.axes = one.axes
         self.depths = one.depths
 
+    @property
+    def lead_part(self):
+        """The partitioning actions go to first: the one-micro-batch state's."""
+        return self.pair[0].lead_part
+
     def actions(self):
         """The tile actions that would change the one-micro-batch program (the programs
         have the same inputs, so the same groups)."""

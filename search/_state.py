@@ -51,6 +51,11 @@ class SearchState:
         """Bytes per device a plan may peak at."""
         return self.model.memory_limit
 
+    @property
+    def lead_part(self):
+        """The partitioning actions go to (`part`)."""
+        return self.part
+
     def key(self) -> int:
         """A hash of the whole partitioned state (see `Partitioning.key`)."""
         return self.part.key()

@@ -142,6 +142,11 @@ class TwinState(PairedStates):
         self._taken: list = []  # the actions the deeper twin holds, in order
         self._followed: list = []  # (action, the shallower twin's mark before it): a prefix of `_taken`
 
+    @property
+    def lead_part(self):
+        """The partitioning actions go to first: the deeper twin's."""
+        return self.twins[1].part
+
     def key(self) -> int:
         """The deeper twin's key (see the class docstring)."""
         return self.twins[1].key()
