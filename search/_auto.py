@@ -132,6 +132,8 @@ class AutomaticPartition(Tactic):
                                             max_episodes=self.max_episodes, macros=macros, progress=self.progress,
                                             start=start, seeds=seeds)
             except TwinsDisagree as e:
+                # The shallower twin refused an action the deeper one took: the twins do
+                # not stand for the program. Search it itself, with a budget of its own.
                 why = str(e)
                 state, start = self._program_state(part, groups, axes, ctx, two), None
                 continue
