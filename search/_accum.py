@@ -66,9 +66,9 @@ class AccumulatedState(PairedStates):
         self.depths = one.depths
 
     @property
-    def lead_part(self):
-        """The partitioning actions go to first: the one-micro-batch state's."""
-        return self.pair[0].lead_part
+    def deepest_part(self):
+        """The partitioning of the deepest program searched, on one micro-batch."""
+        return self.pair[0].deepest_part
 
     def actions(self):
         """The tile actions that would change the one-micro-batch program (the programs

@@ -205,14 +205,14 @@ class AutomaticPartition(Tactic):
         return axes, groups
 
     def _macros(self, state, axes) -> tuple:
-        """The macro tactics the search offers (`search.macros`), found on the program its
-        `state` acts on first (`lead_part`): on twins the deeper twin, which has the
-        program's kinds of layers, attentions and scans in a fraction of its ops (on
-        the program itself, finding the layers and attentions of Llama-3 8B's 32 took
-        0.4 s)."""
+        """The macro tactics the search offers (`search.macros`), found on the deepest
+        program the `state` searches (`deepest_part`): on twins the deeper twin, which
+        has the program's kinds of layers, attentions and scans in a fraction of its
+        ops (on the program itself, finding the layers and attentions of Llama-3 8B's
+        32 took 0.4 s)."""
         if not self.macros:
             return ()
-        return _seeds.macros(state.lead_part, axes, self.pipelines, ring=self.backend == "shard_map")
+        return _seeds.macros(state.deepest_part, axes, self.pipelines, ring=self.backend == "shard_map")
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
         """`(result, notes)` of a plan that fits the program exactly: the searched one,

@@ -52,8 +52,8 @@ class SearchState:
         return self.model.memory_limit
 
     @property
-    def lead_part(self):
-        """The partitioning actions go to (`part`)."""
+    def deepest_part(self):
+        """The partitioning of the deepest program searched (`part`)."""
         return self.part
 
     def key(self) -> int:

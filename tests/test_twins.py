@@ -184,14 +184,14 @@ def test_a_plan_the_program_does_not_follow_is_searched_again_on_the_program(mon
 
 
 def test_twins_that_cannot_follow_each_other_send_the_search_to_the_program(monkeypatch):
-    # The shallower twin takes the deeper one's actions only when a state is priced:
-    # should it refuse one the deeper twin took, the twins do not stand for the program,
-    # and the search is redone on the program itself, saying why.
+    # One twin takes the other's actions only when a state is priced: should it refuse
+    # one the other took, the twins do not stand for the program, and the search is
+    # redone on the program itself, saying why.
     def twins_apart(*args, **kwargs):
         state, why = twin_state(*args, **kwargs)
-        shallow = state.twins[0]
-        follow = shallow.apply
-        shallow.apply = lambda a: a.kind != "macro" and follow(a)  # it refuses every macro
+        follower = state.twins[1 - _twins.LEAD]
+        follow = follower.apply
+        follower.apply = lambda a: a.kind != "macro" and follow(a)  # it refuses every macro
         return state, why
 
     twin_state = _twins.twin_state
