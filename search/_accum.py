@@ -65,6 +65,11 @@ class AccumulatedState(PairedStates):
         self.axes = one.axes
         self.depths = one.depths
 
+    @property
+    def deepest_part(self):
+        """The partitioning of the deepest program searched, on one micro-batch."""
+        return self.pair[0].deepest_part
+
     def actions(self):
         """The tile actions that would change the one-micro-batch program (the programs
         have the same inputs, so the same groups)."""

@@ -51,6 +51,11 @@ class SearchState:
         """Bytes per device a plan may peak at."""
         return self.model.memory_limit
 
+    @property
+    def deepest_part(self):
+        """The partitioning of the deepest program searched (`part`)."""
+        return self.part
+
     def key(self) -> int:
         """A hash of the whole partitioned state (see `Partitioning.key`)."""
         return self.part.key()

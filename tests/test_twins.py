@@ -183,6 +183,25 @@ def test_a_plan_the_program_does_not_follow_is_searched_again_on_the_program(mon
     assert result.why == "the twins' plan splits params['embed']['tokens'] differently in the program"
 
 
+def test_twins_that_cannot_follow_each_other_send_the_search_to_the_program(monkeypatch):
+    # One twin takes the other's actions only when a state is priced: should it refuse
+    # one the other took, the twins do not stand for the program, and the search is
+    # redone on the program itself, saying why.
+    def twins_apart(*args, **kwargs):
+        state, why = twin_state(*args, **kwargs)
+        follower = state.twins[1 - _twins.LEAD]
+        follow = follower.apply
+        follower.apply = lambda a: a.kind != "macro" and follow(a)  # it refuses every macro
+        return state, why
+
+    twin_state = _twins.twin_state
+    monkeypatch.setattr(search._auto, "twin_state", twins_apart)
+    _, _, prog = _gpt(8)
+    res, result = _searched(prog, [search.AutomaticPartition(budget_s=600, max_episodes=3)])
+    assert result.twins is None and "twin cannot take DataParallel('data'), which the" in result.why
+    assert res.history[-1].notes[0] == f"searched on the program itself ({result.why})"
+
+
 def test_equinox_layers_in_a_module_field_get_twins():
     import equinox as eqx
     import optax
