@@ -159,7 +159,9 @@ def _unrolled_layers(program, backward, late) -> list[Layer]:
     # Alike layers run alike ops in program order: layer i is what runs after x_i up to
     # x_(i+1), and the first and last layers are as long as the others.
     cuts = sorted(spine)
-    period = cuts[1] - cuts[0] if len(cuts) > 1 else cuts[0] - first[layers[0]] + 1
+    # With two layers there is one cut: the period is the distance between the ops where
+    # each layer's parameters first meet the activation (the same op of each layer).
+    period = cuts[1] - cuts[0] if len(cuts) > 1 else first[layers[1]] - first[layers[0]]
     bounds = [cuts[0] - period] + cuts + [cuts[-1] + period]
     out = []
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
