@@ -1,0 +1,96 @@
+"""The buffers a pipeline's tick loop holds beside the program's own values, as the
+lowering runs it (`partir/lowering/_shardmap_pipeline.py`, `_onef.py`) and XLA assigns
+them (measured in docs/pipeline.md, "Cost model").
+
+The memory model sees a pipelined layer's values at one microbatch's size and each
+stack a layer makes as the stage holds it (`PipelinePricing.value_div`, `stacks`). The
+tick loop adds, per pass:
+
+- **The kept stacks are loop state.** Every per-layer output the forward ticks keep
+  (`ys_kept`) is a buffer of the loop, written in place each tick: a residual the model
+  takes as re-derived in the backward loop from what it is made of (a fused stack,
+  `_stacks.Stacks`) is kept whole by the tick loop, and the body buffers the model
+  stacks in its place are not stacked at all.
+- **A tick's own stacks.** A tick runs the stage's layers as an inner scan on one
+  microbatch, which stacks each per-layer output of that microbatch (its layers' blocks)
+  before it is written into the kept stack, and slices that microbatch out of every
+  stacked input split over the microbatches (the residuals, in the backward ticks)
+  into a copy the inner scan reads: one microbatch's stage-sized block of each, live
+  through the tick, beside the kept stacks of all microbatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import partir
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One pipelined scan's tick loop: its body's first and last op; the last op that
+    reads what it keeps (the backward ticks' end, for the forward scan); its body's
+    stacked inputs and per-layer outputs (body values) and the layers a tick runs; its
+    kept stacks (stacked outputs)."""
+
+    start: int
+    end: int
+    read_until: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    layers: int
+    kept: tuple[int, ...]
+
+
+class TickBuffers:
+    """The tick loops' buffers of a plan's pipelines (see the module docstring):
+    `entries` lists them as `(start, end, value, scale)`
+    temporaries for the memory model; `stacked_elsewhere` drops the body buffers the
+    model would stack for a fused residual of a pipelined scan. `pipes` holds, per
+    pipeline, (its `partir.Pipelining`, its scans' `partir.ScanLayout`s, the stacked
+    outputs its plan recomputes, the layer inputs it stacks to recompute them)."""
+
+    def __init__(self, part, pipes):
+        prog = part.program
+        self.program, self.passes, self.bodies = prog, [], set()
+        for pipe, layouts, gone, extra in pipes:
+            layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
+            spans = [_span(prog, lay.call.body) for lay in layouts]
+            for lay, (start, end) in zip(layouts, spans):
+                call, body = lay.call, prog.regions[lay.call.body]
+                self.bodies.update(partir.body_regions(prog, call.body))
+                ins = body.invars[len(call.consts) + len(call.carry):]
+                outs = body.outvars[len(call.carry_out):]
+                # (the layer inputs kept for recomputing: made by the forward ticks, sliced by the backward)
+                reads = [w for w, outer in zip(ins, call.xs) if w >= 0 and outer >= 0 and outer not in gone]
+                made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
+                forward = call is pipe.scans.forward
+                kept = [o for o in call.ys if o >= 0 and o not in gone] if forward else []
+                self.passes.append(_Pass(start, end, max(e for _, e in spans), tuple(reads + ([] if forward else extra)),
+                                         tuple(made + (extra if forward else [])), layers, tuple(kept)))
+
+    def entries(self, virtual, value_div) -> list:
+        """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
+        microbatch's block of each per-layer output, and of each stacked input split over
+        the microbatches, `value_div` saying which are: an input the same for every
+        microbatch is read in place), and each kept stack the model takes as fused
+        (`virtual`), from the forward ticks to the backward ones."""
+        out = []
+        for p in self.passes:
+            if p.layers > 1:  # (a tick of one layer runs no inner loop: XLA reads and writes in place)
+                out += [(p.start, p.end, w, float(p.layers)) for w in p.inputs if value_div[w] > 1]
+                out += [(p.start, p.end, y, float(p.layers)) for y in p.outputs]
+            out += [(p.start, p.read_until, v, 1.0) for v in p.kept if virtual[v]]
+        return out
+
+    def stacked_elsewhere(self, carried) -> list:
+        """`carried` (`Materialization.carried` entries) without those of pipelined scans:
+        the tick loop keeps the residuals themselves (see the module docstring)."""
+        return [c for c in carried if self.program.values[c[2]].region not in self.bodies]
+
+
+def _span(prog, body: int) -> tuple[int, int]:
+    """The first and last op of scan body `body` (its nested regions included)."""
+    inside = set(partir.body_regions(prog, body))
+    ids = [op.id for op in prog.ops if op.region in inside]
+    return min(ids), max(ids)
