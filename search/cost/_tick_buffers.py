@@ -17,6 +17,11 @@ tick loop adds, per pass:
   stacked input split over the microbatches (the residuals, in the backward ticks)
   into a copy the inner scan reads: one microbatch's stage-sized block of each, live
   through the tick, beside the kept stacks of all microbatches.
+- **1F1B's ring, twice.** Under 1F1B each unit runs under a `lax.cond`, whose operands
+  and results are whole buffers: a tick's stacks are made even for a stage of one layer,
+  and where the forward unit runs its layers as an inner loop (more than one a stage)
+  XLA copies the ring of kept stacks for it, so the ring is held twice through the loop
+  (measured: S=2, two layers a stage; a stage of one layer updates the ring in place).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class _Pass:
     outputs: tuple[int, ...]
     layers: int
     kept: tuple[int, ...]
+    ring: bool = False
 
 
 class TickBuffers:
@@ -67,7 +73,8 @@ class TickBuffers:
                 forward = call is pipe.scans.forward
                 kept = [o for o in call.ys if o >= 0 and o not in gone] if forward else []
                 self.passes.append(_Pass(start, end, max(e for _, e in spans), tuple(reads + ([] if forward else extra)),
-                                         tuple(made + (extra if forward else [])), layers, tuple(kept)))
+                                         tuple(made + (extra if forward else [])), layers, tuple(kept),
+                                         pipe.schedule == "1f1b"))
 
     def entries(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
@@ -77,10 +84,13 @@ class TickBuffers:
         (`virtual`), from the forward ticks to the backward ones."""
         out = []
         for p in self.passes:
-            if p.layers > 1:  # (a tick of one layer runs no inner loop: XLA reads and writes in place)
+            # A tick of one layer runs no inner loop: XLA reads and writes the kept stacks in
+            # place, but for 1F1B's units, whose conds take and give whole buffers.
+            if p.layers > 1 or p.ring:
                 out += [(p.start, p.end, w, float(p.layers)) for w in p.inputs if value_div[w] > 1]
                 out += [(p.start, p.end, y, float(p.layers)) for y in p.outputs]
-            out += [(p.start, p.read_until, v, 1.0) for v in p.kept if virtual[v]]
+            again = p.ring and p.layers > 1  # (1F1B's ring copied for the forward unit's inner loop)
+            out += [(p.start, p.read_until, v, float(virtual[v]) + again) for v in p.kept if virtual[v] or again]
         return out
 
     def stacked_elsewhere(self, carried) -> list:
