@@ -22,6 +22,12 @@ tick loop adds, per pass:
   and where the forward unit runs its layers as an inner loop (more than one a stage)
   XLA copies the ring of kept stacks for it, so the ring is held twice through the loop
   (measured: S=2, two layers a stage; a stage of one layer updates the ring in place).
+- **Uneven stages' padded rows.** With uneven stages (`partir.StageSplit`) each stacked
+  input the stages do not keep as their own blocks reaches the tick loops as the
+  stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
+  along the dim the stage axis splits at rest, or the stage's rows of a value whole
+  along it), a buffer beside the [L, ...] value at rest, held from the first scan that
+  reads it to the last (a parameter both scans read is exchanged once).
 """
 
 from __future__ import annotations
@@ -58,8 +64,9 @@ class TickBuffers:
 
     def __init__(self, part, pipes):
         prog = part.program
-        self.program, self.passes, self.bodies = prog, [], set()
+        self.program, self.passes, self.bodies, self.rows = prog, [], set(), []
         for pipe, layouts, gone, extra in pipes:
+            self.rows += _padded_rows(part, pipe, layouts)
             layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
             spans = [_span(prog, lay.call.body) for lay in layouts]
             for lay, (start, end) in zip(layouts, spans):
@@ -80,9 +87,10 @@ class TickBuffers:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
         microbatch's block of each per-layer output, and of each stacked input split over
         the microbatches, `value_div` saying which are: an input the same for every
-        microbatch is read in place), and each kept stack the model takes as fused
-        (`virtual`), from the forward ticks to the backward ones."""
-        out = []
+        microbatch is read in place), each kept stack the model takes as fused
+        (`virtual`), from the forward ticks to the backward ones, and uneven stages'
+        padded rows of their stacked inputs."""
+        out = list(self.rows)
         for p in self.passes:
             # A tick of one layer runs no inner loop: XLA reads and writes the kept stacks in
             # place, but for 1F1B's units, whose conds take and give whole buffers.
@@ -97,6 +105,34 @@ class TickBuffers:
         """`carried` (`Materialization.carried` entries) without those of pipelined scans:
         the tick loop keeps the residuals themselves (see the module docstring)."""
         return [c for c in carried if self.program.values[c[2]].region not in self.bodies]
+
+
+def _padded_rows(part, pipe, layouts) -> list:
+    """`(start, end, value, scale)` of the stage's padded rows of each stacked input of
+    uneven stages but those kept as the stages' blocks (see the module docstring):
+    `scale` times the value's block at rest, S * ceil(L/S) / L of it where the stage axis
+    splits another dim at rest (the rows whole along it, 1/S of the padded layers),
+    ceil(L/S) / L where it is whole along the axis."""
+    stages = part.mesh.size(pipe.axis)
+    split = pipe.split(stages)
+    if not split.uneven:
+        return []
+    prog, kept = part.program, partir.kept_in_slots(part, pipe)
+    roots, spans, first = partir.call_roots(prog), {}, {}
+    for lay in layouts:
+        start, end = _span(prog, lay.call.body)
+        for outer in lay.call.xs:
+            if outer < 0 or outer in kept:
+                continue
+            key = (roots[outer], part.tiling(outer))
+            first.setdefault(key, outer)
+            a, b = spans.get(key, (start, end))
+            spans[key] = (min(a, start), max(b, end))
+    out = []
+    for key, (start, end) in spans.items():
+        whole = partir.state_dim(key[1], pipe.axis) is None
+        out.append((start, end, first[key], split.slots * (1 if whole else stages) / split.length))
+    return out
 
 
 def _span(prog, body: int) -> tuple[int, int]:
