@@ -22,6 +22,11 @@ tick loop adds, per pass:
   and where the forward unit runs its layers as an inner loop (more than one a stage)
   XLA copies the ring of kept stacks for it, so the ring is held twice through the loop
   (measured: S=2, two layers a stage; a stage of one layer updates the ring in place).
+- **The loops' constants.** A constant of the layers the model takes as fused (a mask
+  broadcast to the batch) is an operand of the tick loops: XLA makes it once before
+  them, whole, but for a broadcast of a scalar, which it sinks into the loops; and
+  each tick passes the inner loop its microbatch's block of one split over the
+  microbatches.
 - **Uneven stages' padded rows.** With uneven stages (`partir.StageSplit`) each stacked
   input the stages do not keep as their own blocks reaches the tick loops as the
   stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
@@ -52,6 +57,7 @@ class _Pass:
     layers: int
     kept: tuple[int, ...]
     ring: bool = False
+    consts: tuple[tuple[int, int], ...] = ()
 
 
 class TickBuffers:
@@ -79,9 +85,10 @@ class TickBuffers:
                 made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
                 forward = call is pipe.scans.forward
                 kept = [o for o in call.ys if o >= 0 and o not in gone] if forward else []
+                consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
                 self.passes.append(_Pass(start, end, max(e for _, e in spans), tuple(reads + ([] if forward else extra)),
                                          tuple(made + (extra if forward else [])), layers, tuple(kept),
-                                         pipe.schedule == "1f1b"))
+                                         pipe.schedule == "1f1b", consts))
 
     def entries(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
@@ -97,9 +104,16 @@ class TickBuffers:
             if p.layers > 1 or p.ring:
                 out += [(p.start, p.end, w, float(p.layers)) for w in p.inputs if value_div[w] > 1]
                 out += [(p.start, p.end, y, float(p.layers)) for y in p.outputs]
+                out += [(p.start, p.end, w, 1.0) for o, w in p.consts if virtual[o] and value_div[w] > 1]
             again = p.ring and p.layers > 1  # (1F1B's ring copied for the forward unit's inner loop)
             out += [(p.start, p.read_until, v, float(virtual[v]) + again) for v in p.kept if virtual[v] or again]
-        return out
+        whole: dict[int, list] = {}  # a fused constant the loops read whole: made once, before them
+        for p in self.passes:
+            for o, _ in p.consts:
+                if virtual[o] and not _sunk(self.program, o):
+                    span = whole.setdefault(o, [p.start, p.end])
+                    span[:] = min(span[0], p.start), max(span[1], p.end)
+        return out + [(a, b, o, 1.0) for o, (a, b) in whole.items()]
 
     def stacked_elsewhere(self, carried) -> list:
         """`carried` (`Materialization.carried` entries) without those of pipelined scans:
@@ -133,6 +147,18 @@ def _padded_rows(part, pipe, layouts) -> list:
         whole = partir.state_dim(key[1], pipe.axis) is None
         out.append((start, end, first[key], split.slots * (1 if whole else stages) / split.length))
     return out
+
+
+def _sunk(prog, v: int) -> bool:
+    """Whether XLA makes fused value `v` inside the loops that read it rather than once
+    before them: a broadcast of a scalar (through calls' renames), which it sinks into
+    the loop bodies."""
+    while prog.producer[v] >= 0 and prog.ops[prog.producer[v]].link:
+        v = prog.ops[prog.producer[v]].operands[0]
+    op = prog.ops[prog.producer[v]] if prog.producer[v] >= 0 else None
+    if op is None or op.primitive != "broadcast_in_dim":
+        return False
+    return not op.operands or op.operands[0] < 0 or not prog.values[op.operands[0]].shape  # (a literal's too)
 
 
 def _span(prog, body: int) -> tuple[int, int]:
