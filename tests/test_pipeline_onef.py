@@ -80,7 +80,8 @@ def test_1f1b_computes_what_jit_computes_more(stages, microbatches, config, case
 def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
     """With more microbatches than the 2S-1 a stage keeps in flight (S=2, M=8: a ring of
     3), the stage's residuals fall to 3/8 of GPipe's: XLA's peak falls (1915 -> 1538 KB)
-    and the modeled one does (1259 -> 604 KB), the modeled in-flight bytes by 3/8."""
+    and the modeled one does (1862 -> 1501 KB; the ring held twice, as XLA holds it),
+    the modeled in-flight bytes by 3/8, both peaks XLA's within 20%."""
     _, args, _ = _gpt(LONG)
     both, flight = {}, {}
     for schedule in ("gpipe", "1f1b"):
@@ -88,6 +89,7 @@ def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
         both[schedule] = peaks(part, args)
         flight[schedule] = search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes
     assert both["1f1b"][0] < both["gpipe"][0] and both["1f1b"][1] < both["gpipe"][1]
+    assert all(0.8 < model / xla < 1.2 for model, xla in both.values())
     assert flight["1f1b"] == pytest.approx(flight["gpipe"] * 3 / 8)
 
 
