@@ -151,14 +151,15 @@ def _padded_rows(part, pipe, layouts) -> list:
 
 def _sunk(prog, v: int) -> bool:
     """Whether XLA makes fused value `v` inside the loops that read it rather than once
-    before them: a broadcast of a scalar (through calls' renames), which it sinks into
-    the loop bodies."""
-    while prog.producer[v] >= 0 and prog.ops[prog.producer[v]].link:
-        v = prog.ops[prog.producer[v]].operands[0]
-    op = prog.ops[prog.producer[v]] if prog.producer[v] >= 0 else None
-    if op is None or op.primitive != "broadcast_in_dim":
-        return False
-    return not op.operands or op.operands[0] < 0 or not prog.values[op.operands[0]].shape  # (a literal's too)
+    before them: broadcasts of a scalar or a literal (through calls' renames), which it
+    sinks into the loop bodies."""
+    while True:
+        op = prog.ops[prog.producer[v]] if prog.producer[v] >= 0 else None
+        if op is None or not (op.link or op.primitive == "broadcast_in_dim"):
+            return False
+        if not op.operands or op.operands[0] < 0 or not prog.values[op.operands[0]].shape:
+            return not op.link
+        v = op.operands[0]
 
 
 def _span(prog, body: int) -> tuple[int, int]:
