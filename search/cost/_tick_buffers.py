@@ -44,10 +44,12 @@ import partir
 
 @dataclass(frozen=True)
 class _Pass:
-    """One pipelined scan's tick loop: its body's first and last op; the last op that
-    reads what it keeps (the backward ticks' end, for the forward scan); its body's
-    stacked inputs and per-layer outputs (body values) and the layers a tick runs; its
-    kept stacks (stacked outputs)."""
+    """One pipelined scan's tick loop: its body's first and last op (`start`, `end`);
+    the last op that reads what it keeps (`read_until`: the backward ticks' end, for the
+    forward scan); the body values a tick slices from its stacked inputs (`inputs`) and
+    stacks as its per-layer outputs (`outputs`); the layers a tick runs; its kept stacks
+    (stacked outputs, the forward scan's only); whether it is 1F1B's (`ring`); its
+    constants (outer value, body value)."""
 
     start: int
     end: int
@@ -56,17 +58,34 @@ class _Pass:
     outputs: tuple[int, ...]
     layers: int
     kept: tuple[int, ...]
-    ring: bool = False
-    consts: tuple[tuple[int, int], ...] = ()
+    ring: bool
+    consts: tuple[tuple[int, int], ...]
+
+    def ticks(self, virtual, value_div) -> list:
+        """`(start, end, value, scale)` of a tick's stacks and constants (see
+        `TickBuffers.entries`), and of the kept stacks the model takes as fused or 1F1B
+        copies."""
+        out = []
+        # A tick of one layer runs no inner loop: XLA reads and writes the kept stacks in
+        # place, but for 1F1B's units, whose conds take and give whole buffers.
+        if self.layers > 1 or self.ring:
+            out += [(self.start, self.end, w, float(self.layers)) for w in self.inputs if value_div[w] > 1]
+            out += [(self.start, self.end, y, float(self.layers)) for y in self.outputs]
+            out += [(self.start, self.end, w, 1.0) for o, w in self.consts if virtual[o] and value_div[w] > 1]
+        again = self.ring and self.layers > 1  # 1F1B's ring, copied for the forward unit's inner loop
+        for v in self.kept:  # copies: the stack the model re-derives instead, and 1F1B's second ring
+            if virtual[v] or again:
+                out.append((self.start, self.read_until, v, float(virtual[v]) + float(again)))
+        return out
 
 
 class TickBuffers:
     """The tick loops' buffers of a plan's pipelines (see the module docstring):
-    `entries` lists them as `(start, end, value, scale)`
-    temporaries for the memory model; `stacked_elsewhere` drops the body buffers the
-    model would stack for a fused residual of a pipelined scan. `pipes` holds, per
-    pipeline, (its `partir.Pipelining`, its scans' `partir.ScanLayout`s, the stacked
-    outputs its plan recomputes, the layer inputs it stacks to recompute them)."""
+    `entries` lists them as `(start, end, value, scale)` temporaries for the memory
+    model; `stacked_elsewhere` drops the body buffers the model would stack for a fused
+    residual of a pipelined scan. `pipes` holds, per pipeline, (its
+    `partir.Pipelining`, its scans' `partir.ScanLayout`s, the stacked outputs its plan
+    recomputes, the layer inputs it stacks to recompute them)."""
 
     def __init__(self, part, pipes):
         prog = part.program
@@ -75,40 +94,22 @@ class TickBuffers:
             self.rows += _padded_rows(part, pipe, layouts)
             layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
             spans = [_span(prog, lay.call.body) for lay in layouts]
-            for lay, (start, end) in zip(layouts, spans):
-                call, body = lay.call, prog.regions[lay.call.body]
-                self.bodies.update(partir.body_regions(prog, call.body))
-                ins = body.invars[len(call.consts) + len(call.carry):]
-                outs = body.outvars[len(call.carry_out):]
-                # (the layer inputs kept for recomputing: made by the forward ticks, sliced by the backward)
-                reads = [w for w, outer in zip(ins, call.xs) if w >= 0 and outer >= 0 and outer not in gone]
-                made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
-                forward = call is pipe.scans.forward
-                kept = [o for o in call.ys if o >= 0 and o not in gone] if forward else []
-                consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
-                self.passes.append(_Pass(start, end, max(e for _, e in spans), tuple(reads + ([] if forward else extra)),
-                                         tuple(made + (extra if forward else [])), layers, tuple(kept),
-                                         pipe.schedule == "1f1b", consts))
+            last = max(end for _, end in spans)
+            for lay, span in zip(layouts, spans):
+                self.bodies.update(partir.body_regions(prog, lay.call.body))
+                self.passes.append(_pass(prog, pipe, lay.call, span, last, layers, gone, extra))
 
     def entries(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
         microbatch's block of each per-layer output, and of each stacked input split over
         the microbatches, `value_div` saying which are: an input the same for every
         microbatch is read in place), each kept stack the model takes as fused
-        (`virtual`), from the forward ticks to the backward ones, and uneven stages'
-        padded rows of their stacked inputs."""
+        (`virtual`), from the forward ticks to the backward ones, the loops' fused
+        constants, and uneven stages' padded rows of their stacked inputs."""
         out = list(self.rows)
-        for p in self.passes:
-            # A tick of one layer runs no inner loop: XLA reads and writes the kept stacks in
-            # place, but for 1F1B's units, whose conds take and give whole buffers.
-            if p.layers > 1 or p.ring:
-                out += [(p.start, p.end, w, float(p.layers)) for w in p.inputs if value_div[w] > 1]
-                out += [(p.start, p.end, y, float(p.layers)) for y in p.outputs]
-                out += [(p.start, p.end, w, 1.0) for o, w in p.consts if virtual[o] and value_div[w] > 1]
-            again = p.ring and p.layers > 1  # (1F1B's ring copied for the forward unit's inner loop)
-            out += [(p.start, p.read_until, v, float(virtual[v]) + again) for v in p.kept if virtual[v] or again]
         whole: dict[int, list] = {}  # a fused constant the loops read whole: made once, before them
         for p in self.passes:
+            out += p.ticks(virtual, value_div)
             for o, _ in p.consts:
                 if virtual[o] and not _sunk(self.program, o):
                     span = whole.setdefault(o, [p.start, p.end])
@@ -119,6 +120,23 @@ class TickBuffers:
         """`carried` (`Materialization.carried` entries) without those of pipelined scans:
         the tick loop keeps the residuals themselves (see the module docstring)."""
         return [c for c in carried if self.program.values[c[2]].region not in self.bodies]
+
+
+def _pass(prog, pipe, call, span, last, layers, gone, extra) -> _Pass:
+    """The `_Pass` of `pipe`'s scan `call`, its body from `span[0]` to `span[1]`, the
+    pipeline's scans ending at `last`; `gone`: the stacked outputs recomputed (kept as
+    placeholders), `extra`: the layer inputs kept for recomputing (made by the forward
+    ticks, sliced by the backward ones)."""
+    body = prog.regions[call.body]
+    ins = body.invars[len(call.consts) + len(call.carry):]
+    outs = body.outvars[len(call.carry_out):]
+    reads = [w for w, outer in zip(ins, call.xs) if w >= 0 and outer >= 0 and outer not in gone]
+    made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
+    forward = call is pipe.scans.forward
+    kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
+    consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
+    return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
+                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts)
 
 
 def _padded_rows(part, pipe, layouts) -> list:
