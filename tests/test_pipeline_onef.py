@@ -98,7 +98,7 @@ def test_the_modeled_peak_of_1f1b_is_xlas_within_a_fifth():
     GPT, data=4 x stage=2, M=4, two layers a stage: the ring of kept residuals held twice
     (XLA copies it for the forward unit's inner layer loop), a tick's stacks of one
     microbatch, the mask made once before the loop. Modeled 299 KB against XLA's 300 KB
-    (temp + arguments + outputs - alias); 217 KB (0.72) without them."""
+    (temp + arguments + outputs - alias); 175 KB (0.58) without them."""
     _, args, _ = _gpt(TINY)
     model, xla = peaks(_plan(2, 4), args)
     assert 0.8 < model / xla < 1.2

@@ -364,7 +364,7 @@ class PipelinePricing:
                         self.layouts[o] = (part, None, pipe)
             self.costs.append((pipe, ext, layouts, pipeline_cost(part, pipe, device)))
         # The tick loops' own buffers, for the memory model.
-        self.ticks = TickBuffers(part, [(pipe, lay, *_recomputing(part, pipe)) for pipe, _, lay, _ in self.costs])
+        self.ticks = TickBuffers(part, [(p, ext, lay, *_recomputing(part, p)) for p, ext, lay, _ in self.costs])
 
     def value_div(self, n: int):
         """Per value of the program, how many microbatches its block is cut into at once:

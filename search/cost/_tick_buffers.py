@@ -17,11 +17,14 @@ tick loop adds, per pass:
   stacked input split over the microbatches (the residuals, in the backward ticks)
   into a copy the inner scan reads: one microbatch's stage-sized block of each, live
   through the tick, beside the kept stacks of all microbatches.
-- **1F1B's ring, twice.** Under 1F1B each unit runs under a `lax.cond`, whose operands
-  and results are whole buffers: a tick's stacks are made even for a stage of one layer,
-  and where the forward unit runs its layers as an inner loop (more than one a stage)
-  XLA copies the ring of kept stacks for it, so the ring is held twice through the loop
-  (measured: S=2, two layers a stage; a stage of one layer updates the ring in place).
+- **1F1B's conds and ring.** Under 1F1B each unit runs under a `lax.cond`, whose
+  operands and results are whole buffers: a tick's stacks are made even for a stage of
+  one layer. The backward unit reads its microbatch's slot of the ring the forward unit
+  has just written (the same slot on the last stage); XLA:CPU turns that read into a
+  select beside the in-place write, but where a microbatch is a single row along its
+  split dim (one sequence a device) it reads the ring before the write and copies the
+  ring for the write: the ring is held twice through the loop (measured at S=2 and
+  S=4, one or two layers a stage, M=8 and 16; with two rows a microbatch, never).
 - **The loops' constants.** A constant of the layers the model takes as fused (a mask
   broadcast to the batch) is an operand of the tick loops: XLA makes it once before
   them, whole, but for a broadcast of a scalar, which it sinks into the loops; and
@@ -60,6 +63,7 @@ class _Pass:
     kept: tuple[int, ...]
     ring: bool
     consts: tuple[tuple[int, int], ...]
+    single: frozenset  # the kept stacks whose microbatch is one row along its split dim
 
     def ticks(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of a tick's stacks and constants (see
@@ -72,8 +76,8 @@ class _Pass:
             out += [(self.start, self.end, w, float(self.layers)) for w in self.inputs if value_div[w] > 1]
             out += [(self.start, self.end, y, float(self.layers)) for y in self.outputs]
             out += [(self.start, self.end, w, 1.0) for o, w in self.consts if virtual[o] and value_div[w] > 1]
-        again = self.ring and self.layers > 1  # 1F1B's ring, copied for the forward unit's inner loop
-        for v in self.kept:  # copies: the stack the model re-derives instead, and 1F1B's second ring
+        for v in self.kept:  # copies: the stack the model re-derives instead, and 1F1B's ring copied
+            again = self.ring and v in self.single
             if virtual[v] or again:
                 out.append((self.start, self.read_until, v, float(virtual[v]) + float(again)))
         return out
@@ -84,20 +88,21 @@ class TickBuffers:
     `entries` lists them as `(start, end, value, scale)` temporaries for the memory
     model; `stacked_elsewhere` drops the body buffers the model would stack for a fused
     residual of a pipelined scan. `pipes` holds, per pipeline, (its
-    `partir.Pipelining`, its scans' `partir.ScanLayout`s, the stacked outputs its plan
-    recomputes, the layer inputs it stacks to recompute them)."""
+    `partir.Pipelining`, its microbatched partitioning (`partir.microbatched`), its
+    scans' `partir.ScanLayout`s, the stacked outputs its plan recomputes, the layer
+    inputs it stacks to recompute them)."""
 
     def __init__(self, part, pipes):
         prog = part.program
         self.program, self.passes, self.bodies, self.rows = prog, [], set(), []
-        for pipe, layouts, gone, extra in pipes:
+        for pipe, ext, layouts, gone, extra in pipes:
             self.rows += _padded_rows(part, pipe, layouts)
             layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
             spans = [_span(prog, lay.call.body) for lay in layouts]
             last = max(end for _, end in spans)
             for lay, span in zip(layouts, spans):
                 self.bodies.update(partir.body_regions(prog, lay.call.body))
-                self.passes.append(_pass(prog, pipe, lay.call, span, last, layers, gone, extra))
+                self.passes.append(_pass(prog, pipe, ext, lay.call, span, last, layers, gone, extra))
 
     def entries(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
@@ -122,11 +127,11 @@ class TickBuffers:
         return [c for c in carried if self.program.values[c[2]].region not in self.bodies]
 
 
-def _pass(prog, pipe, call, span, last, layers, gone, extra) -> _Pass:
-    """The `_Pass` of `pipe`'s scan `call`, its body from `span[0]` to `span[1]`, the
-    pipeline's scans ending at `last`; `gone`: the stacked outputs recomputed (kept as
-    placeholders), `extra`: the layer inputs kept for recomputing (made by the forward
-    ticks, sliced by the backward ones)."""
+def _pass(prog, pipe, ext, call, span, last, layers, gone, extra) -> _Pass:
+    """The `_Pass` of `pipe`'s scan `call` (`ext`: the microbatched partitioning), its
+    body from `span[0]` to `span[1]`, the pipeline's scans ending at `last`; `gone`: the
+    stacked outputs recomputed (kept as placeholders), `extra`: the layer inputs kept
+    for recomputing (made by the forward ticks, sliced by the backward ones)."""
     body = prog.regions[call.body]
     ins = body.invars[len(call.consts) + len(call.carry):]
     outs = body.outvars[len(call.carry_out):]
@@ -135,8 +140,18 @@ def _pass(prog, pipe, call, span, last, layers, gone, extra) -> _Pass:
     forward = call is pipe.scans.forward
     kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
     consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
+    single = frozenset(v for v in kept if _single_row(ext, v))
     return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
-                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts)
+                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts,
+                 single)
+
+
+def _single_row(ext, v: int) -> bool:
+    """Whether a microbatch's block of stacked value `v` is one row along the dim the
+    microbatch axis splits (on the microbatched partitioning `ext`)."""
+    t = ext.tiling(v)
+    block = t.shard_shape(tuple(ext.program.values[v].shape), ext.mesh)
+    return any(partir.MICROBATCH in axes and block[d] == 1 for d, axes in enumerate(t.dims))
 
 
 def _padded_rows(part, pipe, layouts) -> list:
