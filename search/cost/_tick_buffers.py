@@ -29,7 +29,8 @@ tick loop adds, per pass:
   broadcast to the batch) is an operand of the tick loops: XLA makes it once before
   them, whole, but for a broadcast of a scalar, which it sinks into the loops; and
   each tick passes the inner loop its microbatch's block of one split over the
-  microbatches.
+  microbatches (the backward ticks, where they recompute the layers, the forward
+  layers' constants too).
 - **Uneven stages' padded rows.** With uneven stages (`partir.StageSplit`) each stacked
   input the stages do not keep as their own blocks reaches the tick loops as the
   stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
@@ -140,6 +141,9 @@ def _pass(prog, pipe, ext, call, span, last, layers, gone, extra) -> _Pass:
     forward = call is pipe.scans.forward
     kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
     consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
+    if gone and not forward:  # recomputing reads the forward layers' constants in the backward ticks
+        ahead = pipe.scans.forward
+        consts += tuple((o, w) for o, w in zip(ahead.consts, prog.regions[ahead.body].invars) if o >= 0 and w >= 0)
     single = frozenset(v for v in kept if _single_row(ext, v))
     return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
                  tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts,
