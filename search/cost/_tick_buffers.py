@@ -36,7 +36,8 @@ tick loop adds, per pass:
   stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
   along the dim the stage axis splits at rest, or the stage's rows of a value whole
   along it), a buffer beside the [L, ...] value at rest, held from the first scan that
-  reads it to the last (a parameter both scans read is exchanged once).
+  reads it to the last (a parameter both scans read is exchanged once); a stacked output
+  (a weight gradient) is accumulated through its loop as such rows, padding included.
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ def _padded_rows(part, pipe, layouts) -> list:
     uneven stages but those kept as the stages' blocks (see the module docstring):
     `scale` times the value's block at rest, S * ceil(L/S) / L of it where the stage axis
     splits another dim at rest (the rows whole along it, 1/S of the padded layers),
-    ceil(L/S) / L where it is whole along the axis."""
+    ceil(L/S) / L where it is whole along the axis. And of each stacked output the loop
+    accumulates as such rows before the exchange out: what they hold beyond the value's
+    block at rest, which the model holds already (S * ceil(L/S) / L - 1 of it)."""
     stages = part.mesh.size(pipe.axis)
     split = pipe.split(stages)
     if not split.uneven:
@@ -179,10 +182,14 @@ def _padded_rows(part, pipe, layouts) -> list:
             first.setdefault(key, outer)
             a, b = spans.get(key, (start, end))
             spans[key] = (min(a, start), max(b, end))
-    out = []
-    for key, (start, end) in spans.items():
-        whole = partir.state_dim(key[1], pipe.axis) is None
-        out.append((start, end, first[key], split.slots * (1 if whole else stages) / split.length))
+    rows = {key: split.slots * (1 if partir.state_dim(key[1], pipe.axis) is None else stages) / split.length
+            for key in spans}
+    out = [(start, end, first[key], rows[key]) for key, (start, end) in spans.items()]
+    for lay in layouts:  # the stacked outputs' rows, accumulated through the loop
+        start, end = _span(prog, lay.call.body)
+        for outer in lay.call.ys:
+            if outer >= 0 and outer not in kept and partir.state_dim(part.tiling(outer), pipe.axis) is not None:
+                out.append((start, end, outer, split.slots * stages / split.length - 1))
     return out
 
 
