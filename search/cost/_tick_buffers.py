@@ -54,7 +54,8 @@ class _Pass:
     forward scan); the body values a tick slices from its stacked inputs (`inputs`) and
     stacks as its per-layer outputs (`outputs`); the layers a tick runs; its kept stacks
     (stacked outputs, the forward scan's only); whether it is 1F1B's (`ring`); its
-    constants (outer value, body value)."""
+    constants (outer value, body value); the kept stacks a microbatch of which is one
+    row along its split dim (`single`: 1F1B's ring is copied for them)."""
 
     start: int
     end: int
@@ -65,7 +66,7 @@ class _Pass:
     kept: tuple[int, ...]
     ring: bool
     consts: tuple[tuple[int, int], ...]
-    single: frozenset  # the kept stacks whose microbatch is one row along its split dim
+    single: frozenset
 
     def ticks(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of a tick's stacks and constants (see
@@ -112,7 +113,7 @@ class TickBuffers:
         the microbatches, `value_div` saying which are: an input the same for every
         microbatch is read in place), each kept stack the model takes as fused
         (`virtual`), from the forward ticks to the backward ones, the loops' fused
-        constants, and uneven stages' padded rows of their stacked inputs."""
+        constants, and uneven stages' padded rows of their stacked inputs and outputs."""
         out = list(self.rows)
         whole: dict[int, list] = {}  # a fused constant the loops read whole: made once, before them
         for p in self.passes:
