@@ -301,11 +301,14 @@ def peaks(part, args) -> tuple[float, float]:
 
 def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
     """A pipelined layer's temporaries hold one microbatch: the modeled peak falls with
-    M as the compiled program's does (the layers' values dominate a longer sequence)."""
+    M as the compiled program's does (the layers' values dominate a longer sequence),
+    and is XLA's within 20% (S=4: 1084 -> 920 KB against 1167 -> 975 KB from M=1 to
+    M=4; 0.75 of XLA's before the tick loop's own buffers were modeled)."""
     config = dataclasses.replace(TINY, seq_len=32, d_ff=64)
     _, args, prog = _gpt(config)
-    (model_1, xla_1), (model_4, xla_4) = [peaks(_plan(4, m, config), args) for m in (1, 4)]
-    assert xla_4 < xla_1 and model_4 < model_1  # (the model's drop is half XLA's: tick-loop buffers aside)
+    (model_1, xla_1), (model_4, xla_4) = both = [peaks(_plan(4, m, config), args) for m in (1, 4)]
+    assert xla_4 < xla_1 and model_4 < model_1
+    assert all(0.8 < model / xla < 1.2 for model, xla in both)
 
 
 #: Uneven stages: 3 layers over 2 (tests/test_pipeline_uneven.py).
@@ -345,7 +348,7 @@ def test_a_saved_plan_file_shows_its_pipeline(tmp_path):
 def test_the_head_runs_per_microbatch_so_its_logits_leave_the_peak():
     """The region between the layer scans (final norm, head, loss and their backward)
     runs one microbatch at a time: with a vocabulary whose logits dominate, XLA's peak
-    and the modeled one fall with M (S=2: 824 -> 629 KB and 726 -> 542 KB from M=1 to
+    and the modeled one fall with M (S=2: 824 -> 629 KB and 743 -> 588 KB from M=1 to
     M=4; the head on the whole batch kept both flat), the model within 20% of XLA."""
     config = dataclasses.replace(TINY, vocab=512)
     _, args, _ = _gpt(config)

@@ -80,7 +80,8 @@ def test_1f1b_computes_what_jit_computes_more(stages, microbatches, config, case
 def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
     """With more microbatches than the 2S-1 a stage keeps in flight (S=2, M=8: a ring of
     3), the stage's residuals fall to 3/8 of GPipe's: XLA's peak falls (1915 -> 1538 KB)
-    and the modeled one does (1259 -> 604 KB), the modeled in-flight bytes by 3/8."""
+    and the modeled one does (1862 -> 1501 KB; the ring held twice, as XLA holds it),
+    the modeled in-flight bytes by 3/8, both peaks XLA's within 20%."""
     _, args, _ = _gpt(LONG)
     both, flight = {}, {}
     for schedule in ("gpipe", "1f1b"):
@@ -88,7 +89,32 @@ def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
         both[schedule] = peaks(part, args)
         flight[schedule] = search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes
     assert both["1f1b"][0] < both["gpipe"][0] and both["1f1b"][1] < both["gpipe"][1]
+    assert all(0.8 < model / xla < 1.2 for model, xla in both.values())
     assert flight["1f1b"] == pytest.approx(flight["gpipe"] * 3 / 8)
+
+
+def test_the_modeled_peak_of_1f1b_is_xlas_within_a_fifth():
+    """The tick loop's own buffers are in the modeled peak (`search/cost/_tick_buffers`):
+    GPT, data=4 x stage=2, M=4, two layers a stage: the ring of kept residuals held twice
+    (a microbatch is one sequence a device: XLA:CPU copies the ring for the forward
+    unit's write), a tick's stacks of one microbatch, the mask made once before the loop. Modeled 299 KB against XLA's 300 KB
+    (temp + arguments + outputs - alias); 175 KB (0.58) without them."""
+    _, args, _ = _gpt(TINY)
+    model, xla = peaks(_plan(2, 4), args)
+    assert 0.8 < model / xla < 1.2
+
+
+@pytest.mark.slow
+def test_the_1f1b_ring_is_held_once_where_a_microbatch_has_two_rows():
+    """XLA:CPU copies the ring of kept residuals only where a microbatch is one row along
+    its split dim; with two (GPT of 8 layers, data=2 x stage=4, M=8: two sequences a
+    microbatch and device, a ring of 7) it holds it once, and so does the model: 3203
+    KB against XLA's 3395 KB (5754 KB, 1.70 of XLA's, when every ring of a stage of two
+    layers was taken as copied)."""
+    config = dataclasses.replace(LONG, n_layers=8)
+    _, args, _ = _gpt(config)
+    model, xla = peaks(_plan(4, 8, config), args)
+    assert 0.8 < model / xla < 1.2
 
 
 def test_1f1b_has_gpipes_bubble_and_one_tick_loop():

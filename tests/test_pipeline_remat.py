@@ -123,8 +123,9 @@ def test_the_backward_ticks_run_the_layers_again():
 
 def test_remat_lowers_the_modeled_peak_as_it_lowers_xlas():
     """With a sequence long enough that the layers' residuals dominate, rematerializing
-    the stages lowers the modeled peak and the compiled program's (S=2, M=2: 783 -> 320
-    KB modeled, 1400 -> 404 KB compiled)."""
+    the stages lowers the modeled peak and the compiled program's (S=2, M=2: 1319 -> 349
+    KB modeled, 1400 -> 404 KB compiled), the model within 20% of XLA (0.55 and 0.79
+    before the tick loop's own buffers were modeled)."""
     config = dataclasses.replace(TINY, seq_len=32, d_ff=64)
     _, args, _ = _gpt(config)
     peaks = []
@@ -135,6 +136,7 @@ def test_remat_lowers_the_modeled_peak_as_it_lowers_xlas():
         peaks.append((search.CostModel(part, "cpu").cost().memory_peak, xla))
     (model_plain, xla_plain), (model_full, xla_full) = peaks
     assert xla_full < xla_plain and model_full < model_plain
+    assert all(0.8 < model / xla < 1.2 for model, xla in peaks)
 
 
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 1)])

@@ -153,7 +153,9 @@ def test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in
     keeps its slots' layer inputs per microbatch and runs its layers again in the
     backward ticks; the step equals jax.jit's, the residuals in flight are the stage's 2
     slots' layer inputs (a device's 4 sequences x 8 tokens x 16 wide, f32), and the
-    modeled peak falls as XLA's does."""
+    modeled peak falls as XLA's does: 292 -> 140 KB against 320 -> 170 KB (0.91 and 0.82
+    of XLA's; 0.59 and 0.65 before the tick loops' own buffers and the stage's padded
+    rows, exchanged in and accumulated out, were modeled)."""
     step, args, prog = _lifted(THREE)
     peaks = {}
     for remat in (False, True):
@@ -169,6 +171,7 @@ def test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
     (model_plain, xla_plain), (model_full, xla_full) = peaks[False], peaks[True]
     assert xla_full < xla_plain and model_full < model_plain
+    assert all(0.8 < model / xla < 1.2 for model, xla in peaks.values())
 
 
 
@@ -199,15 +202,22 @@ REMAT_CASES = {
 @pytest.mark.parametrize("case", sorted(REMAT_CASES))
 def test_uneven_stages_rematerializing_their_layers_compile_the_modeled_collectives(case):
     """With DataParallel, both lowerings: the step equals jax.jit's, and XLA's
-    collectives are exactly the modeled ones (the recomputation adds none here)."""
+    collectives are exactly the modeled ones (the recomputation adds none here); under
+    the shard_map lowering the modeled peak is XLA's within 20% (Llama 'dots': 217
+    against 247 KB; 0.65 before the tick loops' buffers and the padded rows)."""
     config, mesh, policy, backend = REMAT_CASES[case]
     part = _plan(config, mesh, [T.DataParallel("data"), T.Remat(policy)])
     _same_step(part, config, backend)
     _, args, _ = _lifted(config)
-    text = partir.lower(part, backend=backend).lower(*args).compile().as_text()
-    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
-    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
-    assert compiled == modeled
+    program = partir.lower(part, backend=backend).lower(*args).compile()
+    compiled = partir.collective_buffers(partir.collectives(program.as_text(), part.mesh.jax_mesh()),
+                                         reduce_scatter=False)
+    cost = search.CostModel(part, "cpu").cost()
+    assert compiled == collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
+    if backend == "shard_map":
+        ma = program.memory_analysis()
+        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+        assert 0.8 < cost.memory_peak / xla < 1.2
 
 
 @pytest.mark.slow

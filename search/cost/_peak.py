@@ -71,13 +71,17 @@ class CostMemory:
         view = self._view()
         starts, ends, sizes, keys = self._reshard_buffers()
         carried = view.carried if view is not None else carried_buffers(self.materialization)
-        for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried)):
-            if self._pipeline is not None:
+        liveness = view.liveness if view is not None else self.liveness
+        ticks = self._pipeline.ticks if self._pipeline is not None else None
+        if ticks is not None:  # the tick loops keep the residuals themselves, and buffers of their own
+            carried = ticks.stacked_elsewhere(carried)
+        for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried),
+                              ("tick", ticks.entries(liveness.virtual, self._value_div) if ticks else ())):
+            if self._pipeline is not None and kind != "tick":
                 entries = self._pipeline.stacks(entries, self._value_div)
             vs, ve, vz = extra_buffers(entries, value_bytes)
             starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
             keys = keys + [(kind, v) for _, _, v, _ in entries]
-        liveness = view.liveness if view is not None else self.liveness
         peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact)
         return peak, t, buf, liveness, (starts, ends, sizes, keys)
 
@@ -95,6 +99,8 @@ class CostMemory:
                 return f"{self.program.name(key[1])} recomputed"
             if key[0] == "stacked":
                 return f"{self.program.name(key[1])} stacked"
+            if key[0] == "tick":
+                return f"{self.program.name(key[1])} in the tick loop"
             return f"{op_label(self.program, key[1])} as computed"
         cache = self._buffer_name.setdefault(id(liveness), {})
         name = cache.get(b)

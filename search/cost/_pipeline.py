@@ -37,6 +37,7 @@ from partir import Kind, Tiling
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._remat import _is_invar
+from ._tick_buffers import TickBuffers
 
 
 @dataclass(frozen=True)
@@ -362,6 +363,8 @@ class PipelinePricing:
                         self.scale[o] = 1.0
                         self.layouts[o] = (part, None, pipe)
             self.costs.append((pipe, ext, layouts, pipeline_cost(part, pipe, device)))
+        # The tick loops' own buffers, for the memory model.
+        self.ticks = TickBuffers(part, [(p, ext, lay, *_recomputing(part, p)) for p, ext, lay, _ in self.costs])
 
     def value_div(self, n: int):
         """Per value of the program, how many microbatches its block is cut into at once:

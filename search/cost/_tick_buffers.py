@@ -1,0 +1,214 @@
+"""The buffers a pipeline's tick loop holds beside the program's own values, as the
+lowering runs it (`partir/lowering/_shardmap_pipeline.py`, `_onef.py`) and XLA assigns
+them (measured in docs/pipeline.md, "Cost model").
+
+The memory model sees a pipelined layer's values at one microbatch's size and each
+stack a layer makes as the stage holds it (`PipelinePricing.value_div`, `stacks`). The
+tick loop adds, per pass:
+
+- **The kept stacks are loop state.** Every per-layer output the forward ticks keep
+  (`ys_kept`) is a buffer of the loop, written in place each tick: a residual the model
+  takes as re-derived in the backward loop from what it is made of (a fused stack,
+  `_stacks.Stacks`) is kept whole by the tick loop, and the body buffers the model
+  stacks in its place are not stacked at all.
+- **A tick's own stacks.** A tick runs the stage's layers as an inner scan on one
+  microbatch, which stacks each per-layer output of that microbatch (its layers' blocks)
+  before it is written into the kept stack, and slices that microbatch out of every
+  stacked input split over the microbatches (the residuals, in the backward ticks)
+  into a copy the inner scan reads: one microbatch's stage-sized block of each, live
+  through the tick, beside the kept stacks of all microbatches.
+- **1F1B's conds and ring.** Under 1F1B each unit runs under a `lax.cond`, whose
+  operands and results are whole buffers: a tick's stacks are made even for a stage of
+  one layer. The backward unit reads its microbatch's slot of the ring the forward unit
+  has just written (the same slot on the last stage); XLA:CPU turns that read into a
+  select beside the in-place write, but where a microbatch is a single row along its
+  split dim (one sequence a device) it reads the ring before the write and copies the
+  ring for the write: the ring is held twice through the loop (measured at S=2 and
+  S=4, one or two layers a stage, M=8 and 16; with two rows a microbatch, never).
+- **The loops' constants.** A constant of the layers the model takes as fused (a mask
+  broadcast to the batch) is an operand of the tick loops: XLA makes it once before
+  them, whole, but for a broadcast of a scalar, which it sinks into the loops; and
+  each tick passes the inner loop its microbatch's block of one split over the
+  microbatches (the backward ticks, where they recompute the layers, the forward
+  layers' constants too).
+- **Uneven stages' padded rows.** With uneven stages (`partir.StageSplit`) each stacked
+  input the stages do not keep as their own blocks reaches the tick loops as the
+  stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
+  along the dim the stage axis splits at rest, or the stage's rows of a value whole
+  along it), a buffer beside the [L, ...] value at rest, held from the first scan that
+  reads it to the last (a parameter both scans read is exchanged once); a stacked output
+  (a weight gradient) is accumulated through its loop as such rows, padding included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import partir
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One pipelined scan's tick loop: its body's first and last op (`start`, `end`);
+    the last op that reads what it keeps (`read_until`: the backward ticks' end, for the
+    forward scan); the body values a tick slices from its stacked inputs (`inputs`) and
+    stacks as its per-layer outputs (`outputs`); the layers a tick runs; its kept stacks
+    (stacked outputs, the forward scan's only); whether it is 1F1B's (`ring`); its
+    constants (outer value, body value); the kept stacks a microbatch of which is one
+    row along its split dim (`single`: 1F1B's ring is copied for them)."""
+
+    start: int
+    end: int
+    read_until: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    layers: int
+    kept: tuple[int, ...]
+    ring: bool
+    consts: tuple[tuple[int, int], ...]
+    single: frozenset
+
+    def ticks(self, virtual, value_div) -> list:
+        """`(start, end, value, scale)` of a tick's stacks and constants (see
+        `TickBuffers.entries`), and of the kept stacks the model takes as fused or 1F1B
+        copies."""
+        out = []
+        # A tick of one layer runs no inner loop: XLA reads and writes the kept stacks in
+        # place, but for 1F1B's units, whose conds take and give whole buffers.
+        if self.layers > 1 or self.ring:
+            out += [(self.start, self.end, w, float(self.layers)) for w in self.inputs if value_div[w] > 1]
+            out += [(self.start, self.end, y, float(self.layers)) for y in self.outputs]
+            out += [(self.start, self.end, w, 1.0) for o, w in self.consts if virtual[o] and value_div[w] > 1]
+        for v in self.kept:  # copies: the stack the model re-derives instead, and 1F1B's ring copied
+            again = self.ring and v in self.single
+            if virtual[v] or again:
+                out.append((self.start, self.read_until, v, float(virtual[v]) + float(again)))
+        return out
+
+
+class TickBuffers:
+    """The tick loops' buffers of a plan's pipelines (see the module docstring):
+    `entries` lists them as `(start, end, value, scale)` temporaries for the memory
+    model; `stacked_elsewhere` drops the body buffers the model would stack for a fused
+    residual of a pipelined scan. `pipes` holds, per pipeline, (its
+    `partir.Pipelining`, its microbatched partitioning (`partir.microbatched`), its
+    scans' `partir.ScanLayout`s, the stacked outputs its plan recomputes, the layer
+    inputs it stacks to recompute them)."""
+
+    def __init__(self, part, pipes):
+        prog = part.program
+        self.program, self.passes, self.bodies, self.rows = prog, [], set(), []
+        for pipe, ext, layouts, gone, extra in pipes:
+            self.rows += _padded_rows(part, pipe, layouts)
+            layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
+            spans = [_span(prog, lay.call.body) for lay in layouts]
+            last = max(end for _, end in spans)
+            for lay, span in zip(layouts, spans):
+                self.bodies.update(partir.body_regions(prog, lay.call.body))
+                self.passes.append(_pass(prog, pipe, ext, lay.call, span, last, layers, gone, extra))
+
+    def entries(self, virtual, value_div) -> list:
+        """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
+        microbatch's block of each per-layer output, and of each stacked input split over
+        the microbatches, `value_div` saying which are: an input the same for every
+        microbatch is read in place), each kept stack the model takes as fused
+        (`virtual`), from the forward ticks to the backward ones, the loops' fused
+        constants, and uneven stages' padded rows of their stacked inputs and outputs."""
+        out = list(self.rows)
+        whole: dict[int, list] = {}  # a fused constant the loops read whole: made once, before them
+        for p in self.passes:
+            out += p.ticks(virtual, value_div)
+            for o, _ in p.consts:
+                if virtual[o] and not _sunk(self.program, o):
+                    span = whole.setdefault(o, [p.start, p.end])
+                    span[:] = min(span[0], p.start), max(span[1], p.end)
+        return out + [(a, b, o, 1.0) for o, (a, b) in whole.items()]
+
+    def stacked_elsewhere(self, carried) -> list:
+        """`carried` (`Materialization.carried` entries) without those of pipelined scans:
+        the tick loop keeps the residuals themselves (see the module docstring)."""
+        return [c for c in carried if self.program.values[c[2]].region not in self.bodies]
+
+
+def _pass(prog, pipe, ext, call, span, last, layers, gone, extra) -> _Pass:
+    """The `_Pass` of `pipe`'s scan `call` (`ext`: the microbatched partitioning), its
+    body from `span[0]` to `span[1]`, the pipeline's scans ending at `last`; `gone`: the
+    stacked outputs recomputed (kept as placeholders), `extra`: the layer inputs kept
+    for recomputing (made by the forward ticks, sliced by the backward ones)."""
+    body = prog.regions[call.body]
+    ins = body.invars[len(call.consts) + len(call.carry):]
+    outs = body.outvars[len(call.carry_out):]
+    reads = [w for w, outer in zip(ins, call.xs) if w >= 0 and outer >= 0 and outer not in gone]
+    made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
+    forward = call is pipe.scans.forward
+    kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
+    consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
+    if gone and not forward:  # recomputing reads the forward layers' constants in the backward ticks
+        ahead = pipe.scans.forward
+        consts += tuple((o, w) for o, w in zip(ahead.consts, prog.regions[ahead.body].invars) if o >= 0 and w >= 0)
+    single = frozenset(v for v in kept if _single_row(ext, v))
+    return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
+                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts,
+                 single)
+
+
+def _single_row(ext, v: int) -> bool:
+    """Whether a microbatch's block of stacked value `v` is one row along the dim the
+    microbatch axis splits (on the microbatched partitioning `ext`)."""
+    t = ext.tiling(v)
+    block = t.shard_shape(tuple(ext.program.values[v].shape), ext.mesh)
+    return any(partir.MICROBATCH in axes and block[d] == 1 for d, axes in enumerate(t.dims))
+
+
+def _padded_rows(part, pipe, layouts) -> list:
+    """`(start, end, value, scale)` of the stage's padded rows of each stacked input of
+    uneven stages but those kept as the stages' blocks (see the module docstring):
+    `scale` times the value's block at rest, S * ceil(L/S) / L of it where the stage axis
+    splits another dim at rest (the rows whole along it, 1/S of the padded layers),
+    ceil(L/S) / L where it is whole along the axis. And of each stacked output the loop
+    accumulates as such rows before the exchange out: what they hold beyond the value's
+    block at rest, which the model holds already (S * ceil(L/S) / L - 1 of it)."""
+    stages = part.mesh.size(pipe.axis)
+    split = pipe.split(stages)
+    if not split.uneven:
+        return []
+    prog, kept = part.program, partir.kept_in_slots(part, pipe)
+    roots, spans, first = partir.call_roots(prog), {}, {}
+    for lay in layouts:
+        start, end = _span(prog, lay.call.body)
+        for outer in lay.call.xs:
+            if outer < 0 or outer in kept:
+                continue
+            key = (roots[outer], part.tiling(outer))
+            first.setdefault(key, outer)
+            a, b = spans.get(key, (start, end))
+            spans[key] = (min(a, start), max(b, end))
+    rows = {key: split.slots * (1 if partir.state_dim(key[1], pipe.axis) is None else stages) / split.length
+            for key in spans}
+    out = [(start, end, first[key], rows[key]) for key, (start, end) in spans.items()]
+    for lay in layouts:  # the stacked outputs' rows, accumulated through the loop
+        start, end = _span(prog, lay.call.body)
+        for outer in lay.call.ys:
+            if outer >= 0 and outer not in kept and partir.state_dim(part.tiling(outer), pipe.axis) is not None:
+                out.append((start, end, outer, split.slots * stages / split.length - 1))
+    return out
+
+
+def _sunk(prog, v: int) -> bool:
+    """Whether XLA makes fused value `v` inside the loops that read it rather than once
+    before them: broadcasts of a scalar or a literal (through calls' renames), which it
+    sinks into the loop bodies."""
+    while True:
+        op = prog.ops[prog.producer[v]] if prog.producer[v] >= 0 else None
+        if op is None or not (op.link or op.primitive == "broadcast_in_dim"):
+            return False
+        if not op.operands or op.operands[0] < 0 or not prog.values[op.operands[0]].shape:
+            return not op.link
+        v = op.operands[0]
+
+
+def _span(prog, body: int) -> tuple[int, int]:
+    """The first and last op of scan body `body` (its nested regions included)."""
+    inside = set(partir.body_regions(prog, body))
+    ids = [op.id for op in prog.ops if op.region in inside]
+    return min(ids), max(ids)
