@@ -125,8 +125,11 @@ def roll_jaxpr(closed: ClosedJaxpr, layer_of: dict[int, int]) -> tuple[ClosedJax
         _refuse("the step takes fewer than two alike layers (a list or tuple of pytrees of one structure)")
     fwd = _pass(eqns, params, count, 0, reverse=False, outvars=jaxpr.outvars)
     end = fwd.span[1]
-    bwd = _pass(eqns, params, count, end, reverse=True, outvars=jaxpr.outvars) \
-        if any(_reads(e, params) for e in eqns[end:]) else None
+    # The backward pass may read a layer's parameters as the forward made them from them
+    # alone (a mixed-precision step's bfloat16 copies), not the parameters themselves.
+    made = _weight_copies(eqns[:end], params)
+    bwd = _pass(eqns, made, count, end, reverse=True, outvars=jaxpr.outvars) \
+        if any(_reads(e, made) for e in eqns[end:]) else None
     rolled = _rolled(closed, fwd, bwd)
     # The rolled step runs the outer equations as they were: the scans made are the
     # first after as many as the original holds before each loop.
@@ -134,6 +137,17 @@ def roll_jaxpr(closed: ClosedJaxpr, layer_of: dict[int, int]) -> tuple[ClosedJax
     before = _scans_in(eqns[:fwd.span[0]])
     made = (before,) if bwd is None else (before, before + 1 + _scans_in(eqns[end:bwd.span[0]]))
     return rolled, tuple(scans[k] for k in made)
+
+
+def _weight_copies(eqns, params: dict) -> dict:
+    """`params` (variable -> layer) with the values `eqns` make from one layer's
+    parameters alone (casts, transposes of its weights), mapped to that layer."""
+    out = dict(params)
+    for e in eqns:
+        layers = {out.get(v) for v in e.invars if not isinstance(v, Literal)}
+        if len(layers) == 1 and None not in layers:
+            out.update(dict.fromkeys(e.outvars, layers.pop()))
+    return out
 
 
 def _scans_in(eqns) -> int:

@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import automap
@@ -201,3 +202,39 @@ def test_each_device_holds_what_the_scan_form_holds():
     scanned = dataclasses.replace(TWO, scan_layers=True)
     step, args = gpt.make_train_step(scanned)
     assert arguments(TWO, _rolled(TWO)[2]) == arguments(scanned, partir.lift(step, *args))
+
+
+def test_a_mixed_precision_step_rolls_where_the_backward_reads_the_weights_copies():
+    """The Llama example in bfloat16 without remat: the backward pass reads each layer's
+    bfloat16 copies of its weights, which the forward made, not the float32 weights
+    themselves (the roll once looked for the weights and refused the step)."""
+    config = dataclasses.replace(FOUR, dtype=jnp.bfloat16)
+    step, args = llama.make_train_step(config, abstract=True)
+    rolled = partir.roll_layers(partir.lift(step, *args))
+    assert [(s.forward.rolled, s.backward is not None) for s in partir.layer_scans(rolled)] == [(True, True)]
+
+
+def _transposed_step(params, x):
+    """Layers computing x @ w.T: their backward passes read the transposes the forward
+    made, as a mixed-precision step reads its casts."""
+    def loss(params):
+        h = x @ params["in"]
+        for p in params["layers"]:
+            h = jnp.tanh(h @ p["w"].T)
+        return jnp.mean(h ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
+@pytest.mark.slow
+def test_layers_whose_backward_reads_what_the_forward_made_of_the_weights_pipeline():
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {"in": jnp.eye(8), "layers": [{"w": jax.random.normal(k, (8, 8)) / 3} for k in keys[:4]]}
+    x = jax.random.normal(keys[4], (16, 8))
+    prog = partir.roll_layers(partir.lift(_transposed_step, params, x))
+    part = T.apply_schedule(prog, MeshSpec.of(data=4, stage=2),
+                            [T.DataParallel("data"), T.Pipeline("stage", microbatches=2)]).partitioning
+    ours, theirs = partir.lower(part, backend="shard_map")(params, x), jax.jit(_transposed_step)(params, x)
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
