@@ -88,9 +88,10 @@ COMPOSED = {
 }
 
 
-# Llama with DP + Megatron runs in the default run through the jit lowering's test below.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "gpt-fsdp" else pytest.mark.slow)
-                                  for c in COMPOSED])
+# Llama with DP + Megatron runs in the default run through the jit lowering's test below,
+# GPT with FSDP through the test of its stage's weights gathered once a step.
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COMPOSED))
 def test_pipelines_compose_with_other_tactics(case):
     config, others, mesh = COMPOSED[case]
     _same_step(_plan(mesh.size("stage"), 2, config, others, mesh), config)
@@ -222,6 +223,27 @@ def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():
     text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
     data = [c for c in partir.collectives(text, part.mesh.jax_mesh()) if c.axes == ("data",)]
     assert data and not [c for c in data if c.in_loop]
+
+
+def test_a_stage_gathers_its_fsdp_weights_once_a_step_not_per_microbatch():
+    """Under FSDP a stage gathers its layers' weights before its tick loops, not in
+    every tick (once per microbatch): no gather over `data` runs in a loop that sends
+    carries over `stage`. The step equals jax.jit's, and XLA's collectives are exactly
+    the modeled ones (the gathers charged once, on the stage's layers)."""
+    config, others, mesh = COMPOSED["gpt-fsdp"]
+    part = _plan(4, 4, config, others, mesh)
+    step, args, prog = _gpt(config)
+    free = search.materialization(prog).from_scalars
+    lowered = partir.lower(part, backend="shard_map", free=free)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(lowered(*args)),
+                          jax.tree_util.tree_leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+    cols = partir.collectives(lowered.lower(*args).compile().as_text(), mesh.jax_mesh())
+    ticks = {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE}
+    gathers = [c for c in cols if c.kind == partir.Kind.ALL_GATHER and c.axes == ("data",)]
+    assert gathers and not [c for c in gathers if c.computation in ticks]
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    assert partir.collective_buffers(cols, reduce_scatter=False) == modeled
 
 
 def test_each_stage_stores_its_share_of_the_layer_stack():

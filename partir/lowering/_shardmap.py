@@ -101,6 +101,7 @@ def _pipelined(interp) -> dict:
             remat = StageRemat(interp, inner, pipe)
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
+            inner.held.update(lay.gathered)
             out[lay.call.body] = (pipe, lay, inner, remat)
         head = head_layout(part, ext, pipe)
         if head is not None:
@@ -137,6 +138,9 @@ class Interpreter:
         self.move_mesh = part.mesh if move_mesh is None else move_mesh
         # Values a pipeline leaves partial over some axes when made (`ScanLayout.deferred`).
         self.left_partial: dict[int, tuple[str, ...]] = {}
+        # Values a pipeline holds in another layout than at rest: a stage's weights
+        # gathered once before its tick loop (`ScanLayout.gathered`).
+        self.held: dict[int, Tiling] = {}
         self.free = free
         self.order = Reordering(part)
         self.rings = ring_moves(part)  # the dots that move a value round a ring (`_ring`)
@@ -295,8 +299,8 @@ class Interpreter:
         return None
 
     def rest(self, v: int) -> Tiling:
-        """Value `v`'s at-rest tiling."""
-        return self.part.tiling(v)
+        """Value `v`'s at-rest tiling (where a pipeline holds it: `held`)."""
+        return self.held.get(v) or self.part.tiling(v)
 
     def _var_ids(self, rid: int) -> dict:
         """Region `rid`'s jaxpr variables -> their value ids (made once per region)."""

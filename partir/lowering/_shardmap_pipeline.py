@@ -105,6 +105,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     xs = [a if h else move(a, _without(Tiling(((),) + interp.rest(u).dims[1:]), pipe.axis),
                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v, h in zip(xs, g.xs, w.xs, held)]
+    xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
     if repeats > 1:
         xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
@@ -125,6 +126,18 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
                                                           layout.left_partial(v)), interp.rest(r), interp.move_mesh)
                for y, v, r, dropped in zip(ys_kept, body.outvars[len(carry):], results[len(carry):], drop)]
     return finals + stacked
+
+
+def gather_once(interp, layout, xs, ws, *, again: bool) -> list:
+    """The stage's stacked blocks `xs` (of body inputs `ws`, in their body layouts) with
+    those the layers read gathered (`ScanLayout.gathered`) gathered once, before the
+    tick loop, to the layout they read (the microbatched plan's interpreter holds them
+    there: `Interpreter.held`). `again` (the backward scan): gathered anew, in a form
+    XLA does not merge with the forward scan's gather of the same weight, so that the
+    forward's copy need not stay live across the head (`_spmd.move`)."""
+    gathered = dict(layout.gathered)
+    return [move(a, Tiling(((),) + interp.rest(v).dims), Tiling(((),) + gathered[v].dims), interp.move_mesh,
+                 again=again) if v in gathered else a for a, v in zip(xs, ws)]
 
 
 def _without(t: Tiling, axis: str) -> Tiling:

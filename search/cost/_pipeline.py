@@ -36,6 +36,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
+from ._pipeline_hoist import hoisted
 from ._remat import _is_invar
 
 
@@ -333,6 +334,9 @@ class PipelinePricing:
         # A pipelined scan's body region -> the layers a stage holds (ceil(L/S) slots).
         self.slots: dict[int, int] = {}
         self.uneven: dict[int, float] = {}  # a stacked input of uneven stages -> slots / L
+        # A body input a stage gathers once before its tick loop -> (the layout its layers
+        # read, its scan's `ScanLayout`, the pipeline): `partir.ScanLayout.gathered`.
+        self.gathered: dict[int, tuple] = {}
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
@@ -340,6 +344,7 @@ class PipelinePricing:
             split = pipe.split(stages)
             for lay in layouts:
                 self.slots[lay.call.body] = split.slots
+                self.gathered.update((v, (t, lay, pipe)) for v, t in lay.gathered)
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
@@ -421,8 +426,8 @@ class PipelinePricing:
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         for r in ext.layout_reshards(o, layout):
-            if r.value in model._free and not r.src.partial:
-                continue
+            if r.value in model._free and not r.src.partial or r.side == "operand" and r.value in self.gathered:
+                continue  # (a weight the stage gathered before its loop: `hoisted`)
             off = micro + ((self.stacked[r.value],) if r.value in self.stacked else ())
             off += lay.left_partial(r.value) if r.side == "result" and lay is not None else ()
             src, dst = _without(r.src, off), _without(r.dst, off)
@@ -471,8 +476,9 @@ class PipelinePricing:
         return tuple(out)
 
     def collectives(self, model) -> list:
-        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
-        sums' reductions after the loop."""
+        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, the deferred
+        sums' reductions after the loop, and the weights gathered before it (`hoisted`,
+        with a fourth item: where their buffer ends and its bytes)."""
         prog, out = self.part.program, []
         for (pipe, *_), head in zip(self.costs, self.heads):
             for v, axes in _head_sums(prog, pipe, head, self.part.mesh):
@@ -480,6 +486,7 @@ class PipelinePricing:
                 out.append((prog.producer[v], v, (CollectiveCost(
                     Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
                     prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
+        out += hoisted(self, model)
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
             kept = partir.kept_in_slots(self.part, pipe)
