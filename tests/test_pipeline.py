@@ -225,11 +225,12 @@ def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():
     assert data and not [c for c in data if c.in_loop]
 
 
-def test_a_stage_gathers_its_fsdp_weights_once_a_step_not_per_microbatch():
-    """Under FSDP a stage gathers its layers' weights before its tick loops, not in
-    every tick (once per microbatch): no gather over `data` runs in a loop that sends
+def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microbatch():
+    """Under FSDP a stage gathers its layers' weights before its tick loops and
+    reduce-scatters their accumulated gradients after, not in every tick (once per
+    microbatch): no gather or reduce-scatter over `data` runs in a loop that sends
     carries over `stage`. The step equals jax.jit's, and XLA's collectives are exactly
-    the modeled ones (the gathers charged once, on the stage's layers)."""
+    the modeled ones (each charged once, on the stage's layers)."""
     config, others, mesh = COMPOSED["gpt-fsdp"]
     part = _plan(4, 4, config, others, mesh)
     step, args, prog = _gpt(config)
@@ -240,8 +241,9 @@ def test_a_stage_gathers_its_fsdp_weights_once_a_step_not_per_microbatch():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
     cols = partir.collectives(lowered.lower(*args).compile().as_text(), mesh.jax_mesh())
     ticks = {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE}
-    gathers = [c for c in cols if c.kind == partir.Kind.ALL_GATHER and c.axes == ("data",)]
-    assert gathers and not [c for c in gathers if c.computation in ticks]
+    for kind in (partir.Kind.ALL_GATHER, partir.Kind.REDUCE_SCATTER):
+        moves = [c for c in cols if c.kind == kind and c.axes == ("data",)]
+        assert moves and not [c for c in moves if c.computation in ticks], kind
     modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
     assert partir.collective_buffers(cols, reduce_scatter=False) == modeled
 

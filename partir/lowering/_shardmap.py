@@ -102,6 +102,10 @@ def _pipelined(interp) -> dict:
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
             inner.held.update(lay.gathered)
+            inner.held.update(lay.widened)
+            inner.widened.update(lay.widened_ops)
+            # (the stage program keeps and accumulates those it outputs so: `run_pipelined`)
+            interp.held.update(lay.widened)
             out[lay.call.body] = (pipe, lay, inner, remat)
         head = head_layout(part, ext, pipe)
         if head is not None:
@@ -141,6 +145,9 @@ class Interpreter:
         # Values a pipeline holds in another layout than at rest: a stage's weights
         # gathered once before its tick loop (`ScanLayout.gathered`).
         self.held: dict[int, Tiling] = {}
+        # Ops a pipeline runs on blocks whole along some axes (op id -> those axes): the
+        # linear ops after a weight gradient's deferred reduce-scatter (`ScanLayout.widened_ops`).
+        self.widened: dict[int, tuple[str, ...]] = {}
         self.free = free
         self.order = Reordering(part)
         self.rings = ring_moves(part)  # the dots that move a value round a ring (`_ring`)
@@ -207,7 +214,7 @@ class Interpreter:
             return
         if self._made_whole(frame, eqn, op):
             return
-        slots, partial, _ = part.block_layout(oid)
+        slots, partial, _ = self.block_layout(oid)
         need = {k: Tiling(d) for side, k, _, d in slots if side == "operand"}
         made = {k: d for side, k, _, d in slots if side == "result"}
         backward = self.backward[oid]
@@ -236,14 +243,14 @@ class Interpreter:
         ring = self.rings.get(oid)
         need = None
         if ring is None or ring.kind != "gather" or ring.slot != k:  # a ring reads its block at rest
-            need = next(Tiling(d) for side, j, _, d in self.part.block_layout(oid)[0] if side == "operand" and j == k)
+            need = next(Tiling(d) for side, j, _, d in self.block_layout(oid)[0] if side == "operand" and j == k)
         again = self.backward[oid] and made_in_forward(self.prog, v)
         return frame.read(v, need, self.backward[oid], again, after if again else None)
 
     def put_results(self, frame: Frame, oid: int, outs) -> None:
         """Put op `oid`'s results `outs` (as it makes them) in `frame`, moved to rest."""
         op = self.prog.ops[oid]
-        slots, partial, kind = self.part.block_layout(oid)
+        slots, partial, kind = self.block_layout(oid)
         made = {k: d for side, k, _, d in slots if side == "result"}
         ring = self.rings.get(oid)
         for k, v in enumerate(op.results):
@@ -252,7 +259,7 @@ class Interpreter:
                 made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
                 if ring is not None and ring.kind == "scatter" and k == ring.slot:
                     made_k = ring.made(made_k)
-                frame.put(v, move(outs[k], made_k, self.part.tiling(v), self.move_mesh))
+                frame.put(v, move(outs[k], made_k, self.rest(v), self.move_mesh))
         if self.backward[oid] and outs:
             frame.last = outs[0]
 
@@ -290,6 +297,16 @@ class Interpreter:
         return True
 
     # -- region boundaries ------------------------------------------------------------
+    def block_layout(self, oid: int):
+        """`Partitioning.block_layout` of op `oid` as this interpreter runs it: with the
+        axes of `widened` taken off its slots."""
+        slots, partial, kind = self.part.block_layout(oid)
+        axes = self.widened.get(oid)
+        if not axes:
+            return slots, partial, kind
+        return tuple((side, k, v, tuple(tuple(a for a in d if a not in axes) for d in dims))
+                     for side, k, v, dims in slots), partial, kind
+
     def link(self, src: int, dst: int) -> int | None:
         """The link op carrying value `src` to value `dst`, if there is one."""
         for o in self.prog.users[src]:

@@ -36,7 +36,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
-from ._pipeline_hoist import hoisted
+from ._pipeline_once import hoisted, scattered
 from ._remat import _is_invar
 
 
@@ -486,7 +486,7 @@ class PipelinePricing:
                 out.append((prog.producer[v], v, (CollectiveCost(
                     Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
                     prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
-        out += hoisted(self, model)
+        out += hoisted(self, model) + scattered(self, model)
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
             kept = partir.kept_in_slots(self.part, pipe)
@@ -495,7 +495,7 @@ class PipelinePricing:
                 split = pipe.split(self.part.mesh.size(pipe.axis))
                 for v, r in zip(body.outvars[len(lay.call.carry):], lay.call.ys):
                     axes = lay.left_partial(v) if v >= 0 else ()
-                    if not axes:
+                    if not axes or v in dict(lay.widened):  # (those reduce-scattered: `scattered`)
                         continue
                     t = partir.made_at(pipe, split, self.part.tiling(v), self.part.tiling(r), kept, r)
                     nbytes = _block_bytes(prog, v, t, self.part.mesh, (lay.call.length,) + tuple(prog.values[v].shape))

@@ -1,0 +1,70 @@
+"""What a pipelined stage moves once a step instead of once per microbatch, layer and
+tick, and the buffers that live across its tick loop for it: its weights gathered
+before the loop (`partir.ScanLayout.gathered`, `partir/_pipeline_hoist.py`) and its
+weight gradients accumulated whole along the axes of their reduce-scatter and
+reduce-scattered after it (`partir.ScanLayout.widened`, `partir/_pipeline_defer.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import partir
+from partir import Kind, Tiling
+
+from ._comm import CollectiveCost
+
+
+def _body_span(prog, call) -> tuple[int, int]:
+    """The first and last op of pipelined scan `call`'s body (its nested regions in)."""
+    inside = set(partir.body_regions(prog, call.body))
+    ids = [op.id for op in prog.ops if op.region in inside]
+    return min(ids), max(ids)
+
+
+def hoisted(pricing, model) -> list:
+    """(op, value, collectives, (last op, buffer bytes)) of each weight a pipelined
+    stage gathers before its tick loop (`pricing`: the model's `PipelinePricing`): the
+    gather of its stage's block, all its layers (ceil(L/S) slots), from its layout at
+    rest to the one its layers read, charged once a step at the first op reading it; the
+    gathered block live from there to the body's last op (the loop runs the body in
+    every tick). A weight gather is overlappable as any FSDP gather is (`overlappable`)."""
+    prog, mesh = pricing.part.program, pricing.part.mesh
+    out = []
+    for v, (need, lay, pipe) in pricing.gathered.items():
+        last = _body_span(prog, lay.call)[1]
+        first = min(prog.users[v])
+        stages = mesh.size(pipe.axis)
+        layers = pipe.split(stages).slots * stages  # the stacked block's rows over all stages
+        src = Tiling(((pipe.axis,),) + pricing.part.tiling(v).dims)
+        dst = Tiling(((pipe.axis,),) + need.dims)
+        full = float(model._nbytes[v]) * layers
+        cols = tuple(CollectiveCost(kind, axes, nbytes, t, first, v, 1.0, False)
+                     for kind, axes, nbytes, t in pricing.links.reshard(src, dst, full, mesh))
+        out.append((first, v, cols, (last, full / mesh.devices_along(a for d in dst.dims for a in d))))
+    return out
+
+
+def scattered(pricing, model) -> list:
+    """(op, value, collectives, (last op, buffer bytes)) of each weight gradient a
+    pipelined stage accumulates whole along the axes of its reduce-scatter
+    (`partir.ScanLayout.widened`; even stages): the stage's block of all its layers,
+    partial over those axes, reduce-scattered to the layout at rest once a step after
+    the loop (a gradient's reduction, overlappable as any), the accumulator live across
+    the loop. Charged at the body's first op, where the accumulator starts."""
+    prog, part, mesh = pricing.part.program, pricing.part, pricing.part.mesh
+    out = []
+    for pipe, _, layouts, _ in pricing.costs:
+        for lay in layouts:
+            held = dict(lay.widened)
+            first, last = _body_span(prog, lay.call)
+            for v, r in zip(prog.regions[lay.call.body].outvars[len(lay.call.carry):], lay.call.ys):
+                if v not in held or r < 0:
+                    continue
+                src = Tiling(((pipe.axis,),) + held[v].dims, lay.left_partial(v), "sum")
+                full = float(model._nbytes[v]) * lay.call.length
+                item = float(model._nbytes[v]) / max(1, math.prod(prog.values[v].shape))
+                cols = tuple(CollectiveCost(kind, axes, nbytes, t, first, v, 1.0, True,
+                                            nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
+                             for kind, axes, nbytes, t in pricing.links.reshard(src, part.tiling(r), full, mesh))
+                out.append((first, v, cols, (last, full / mesh.devices_along(a for d in src.dims for a in d))))
+    return out
