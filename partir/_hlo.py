@@ -226,7 +226,8 @@ def _permute_axes(attrs: str, mesh: jax.sharding.Mesh) -> tuple[tuple[str, ...],
 def _parse_module(hlo_text: str):
     """Index instructions by name and find the computations that run in a loop.
 
-    Returns ``({name: (computation, text after '=')}, {computations in a loop})``.
+    Returns ``({name: (computation, text after '=')}, {computations in a loop},
+    {computation: the computations it calls})``.
     """
     instrs: dict[str, tuple[str, str]] = {}  # name -> (computation, rest of line)
     calls: dict[str, set[str]] = {}
@@ -263,7 +264,21 @@ def _parse_module(hlo_text: str):
             in_loop.add(c)
             stack.extend(calls.get(c, ()))
     in_loop.discard(entry)
-    return instrs, in_loop
+    return instrs, in_loop, calls
+
+
+def reachable(hlo_text: str, roots) -> set[str]:
+    """The computations of compiled HLO text that the computations `roots` run, directly
+    or through the ones they call (a loop body's conditionals and inner loops), `roots`
+    included."""
+    calls = _parse_module(hlo_text)[2]
+    out, stack = set(), list(roots)
+    while stack:
+        c = stack.pop()
+        if c not in out:
+            out.add(c)
+            stack.extend(calls.get(c, ()))
+    return out
 
 
 def _operand_leaves(operands: str, instrs) -> list:
@@ -288,7 +303,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
     the base kind); ``-done`` halves are skipped. ``mesh`` is the mesh the program
     was partitioned over: its flat device positions are the HLO's logical ids.
     """
-    instrs, in_loop = _parse_module(hlo_text)
+    instrs, in_loop, _ = _parse_module(hlo_text)
     partitions = _axis_partitions(mesh)
     n = mesh.devices.size
     found = []

@@ -20,6 +20,7 @@ import search
 import tactics as T
 from examples import gpt, llama
 from partir import MeshSpec
+from partir._hlo import reachable
 from automap._explain import explain_saved
 from rich.console import Console
 
@@ -225,27 +226,66 @@ def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():
     assert data and not [c for c in data if c.in_loop]
 
 
-def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microbatch():
-    """Under FSDP a stage gathers its layers' weights before its tick loops and
-    reduce-scatters their accumulated gradients after, not in every tick (once per
-    microbatch): no gather or reduce-scatter over `data` runs in a loop that sends
-    carries over `stage`. The step equals jax.jit's, and XLA's collectives are exactly
-    the modeled ones (each charged once, on the stage's layers)."""
-    config, others, mesh = COMPOSED["gpt-fsdp"]
-    part = _plan(4, 4, config, others, mesh)
+def _moves_once(part, config, mesh, backend="shard_map"):
+    """`part` lowered by `backend` computes what jax.jit computes and XLA's collectives
+    are exactly the modeled ones, among which the moves over `data` of the layers'
+    stacked inputs and outputs (weights, their gradients) run once a step. Under GPipe,
+    XLA runs no gather or reduce-scatter over `data` in a loop that sends carries over
+    `stage` (a tick loop, with what it calls: 1F1B's also runs the head, whose weights
+    move per microbatch) and some outside. (With one layer a stage: with more, the layer
+    norms' scales, made into [1, 1, D] blocks split over `data` inside the layers and
+    gathered there, are gathered in every tick, as modeled.)"""
     step, args, prog = _gpt(config)
     free = search.materialization(prog).from_scalars
-    lowered = partir.lower(part, backend="shard_map", free=free)
+    lowered = partir.lower(part, backend="shard_map", free=free) if backend == "shard_map" else partir.lower(part)
     for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(lowered(*args)),
                           jax.tree_util.tree_leaves(jax.jit(step)(*args))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
-    cols = partir.collectives(lowered.lower(*args).compile().as_text(), mesh.jax_mesh())
-    ticks = {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE}
-    for kind in (partir.Kind.ALL_GATHER, partir.Kind.REDUCE_SCATTER):
-        moves = [c for c in cols if c.kind == kind and c.axes == ("data",)]
-        assert moves and not [c for c in moves if c.computation in ticks], kind
-    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
-    assert partir.collective_buffers(cols, reduce_scatter=False) == modeled
+    text = lowered.lower(*args).compile().as_text()
+    cols = partir.collectives(text, mesh.jax_mesh())
+    modeled = search.CostModel(part, "cpu").cost().collectives
+    assert partir.collective_buffers(cols, reduce_scatter=False) == collections.Counter(
+        (c.kind, c.axes, int(c.bytes)) for c in modeled)
+    pipe = part.pipelines[0]
+    back = pipe.scans.backward  # (the weights' gradients are its stacked outputs)
+    stacked = {v for call in pipe.scans.calls
+               for v, outer in zip(prog.regions[call.body].invars[-len(call.xs):], call.xs)
+               if outer not in pipe.scans.forward.ys}  # (the weights, not the residuals)
+    stacked |= set(prog.regions[back.body].outvars[len(back.carry):])
+    layers = [c for c in modeled if c.value in stacked and c.axes == ("data",)]
+    assert layers and all(c.count == 1 for c in layers)
+    if pipe.schedule == "gpipe":
+        ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
+        for kind in (partir.Kind.ALL_GATHER, partir.Kind.REDUCE_SCATTER):
+            moves = [c for c in cols if c.kind == kind and c.axes == ("data",)]
+            assert moves and not [c for c in moves if c.computation in ticks], kind
+
+
+def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microbatch():
+    """Under FSDP a stage gathers its layers' weights before its tick loops and
+    reduce-scatters their accumulated gradients after, not in every tick (once per
+    microbatch); the step equals jax.jit's and XLA's collectives are exactly the
+    modeled ones (each charged once, on the stage's layers)."""
+    config, others, mesh = COMPOSED["gpt-fsdp"]
+    _moves_once(_plan(4, 4, config, others, mesh), config, mesh)
+
+
+#: (backend, the tactics on `data`, schedule) of the slow cases of `_moves_once`.
+MOVED_ONCE = {
+    "jit-fsdp": ("jit", [T.FSDP("data")], "gpipe"),
+    "zero1-dp": ("shard_map", [T.DataParallel("data"), T.ZeRO("data", stage=1)], "gpipe"),
+    "fsdp-1f1b": ("shard_map", [T.FSDP("data")], "1f1b"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MOVED_ONCE))
+def test_stages_move_weights_and_gradients_once_a_step_in_each_lowering_and_schedule(case):
+    backend, others, schedule = MOVED_ONCE[case]
+    mesh = _mesh(4)  # (one layer a stage: see `_moves_once`)
+    _, _, prog = _gpt()
+    part = T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=4, schedule=schedule)]).partitioning
+    _moves_once(part, TINY, mesh, backend)
 
 
 def test_each_stage_stores_its_share_of_the_layer_stack():
