@@ -185,7 +185,7 @@ class ScanLayout:
     out_kinds: tuple[str, ...]
     out_dims: tuple
     deferred: tuple = ()  # (value id, mesh axes): sums left partial until accumulated
-    gathered: tuple = ()  # (body input id, Tiling): gathered once before the tick loop
+    gathered: tuple = ()  # `Gathered`: stacked inputs gathered (and cast) once before the tick loop
     widened: tuple = ()  # (value id, Tiling): a deferred sum held whole along its axes
     widened_ops: tuple = ()  # (op id, mesh axes): ops run on blocks whole along the axes
 

@@ -288,6 +288,35 @@ def test_stages_move_weights_and_gradients_once_a_step_in_each_lowering_and_sche
     _moves_once(part, TINY, mesh, backend)
 
 
+@pytest.mark.slow
+def test_a_stage_casts_and_gathers_its_weights_once_a_step_where_its_layers_cast_them():
+    """Llama computing in bfloat16 casts its float32 weights inside each layer and
+    gathers the cast: the stage casts and gathers them once before each tick loop (the
+    model charges each gather once), keeps them for the backward pass cut from the
+    gathered block, and the step equals jax.jit's to bfloat16's precision. (XLA:CPU
+    moves bfloat16 in float32, so its collectives' bytes are not the model's here: the
+    float32 cases check those; with one layer a stage XLA would hoist the per-tick
+    gathers out of the loop itself, so the model's count is what shows the change.)"""
+    config, mesh = dataclasses.replace(TINY_LLAMA, dtype=jax.numpy.bfloat16), _mesh(4)
+    step, args, prog = _gpt(config)
+    part = _plan(4, 4, config, [T.FSDP("data")], mesh)
+    fwd = prog.regions[part.pipelines[0].scans.forward.body]
+    casts = {r for v in fwd.invars for o in prog.users[v] if prog.ops[o].primitive == "convert_element_type"
+             for r in prog.ops[o].results}
+    gathers = [c for c in search.CostModel(part, "cpu").cost().collectives
+               if c.value in casts and c.kind == partir.Kind.ALL_GATHER]
+    assert gathers and all(c.count == 1 for c in gathers)  # (not once per microbatch and layer)
+    lowered = partir.lower(part, backend="shard_map")
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(lowered(*args)),
+                          jax.tree_util.tree_leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-3,
+                                   err_msg=name)
+    text = lowered.lower(*args).compile().as_text()
+    cols = partir.collectives(text, mesh.jax_mesh())
+    ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
+    assert not [c for c in cols if c.kind == partir.Kind.ALL_GATHER and c.computation in ticks]
+
+
 def test_each_stage_stores_its_share_of_the_layer_stack():
     """Per device, the stage keeps 1/S of the layers' parameters and Adam moments."""
     part = _plan(4, 2)

@@ -101,7 +101,9 @@ def _pipelined(interp) -> dict:
             remat = StageRemat(interp, inner, pipe)
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
-            inner.held.update(lay.gathered)
+            for g in lay.gathered:  # (gathered, and cast, before the tick loop: `gather_once`)
+                inner.held[g.value], inner.aliases[g.input] = g.layout, g.value
+                inner.skipped.update(g.ops)
             inner.held.update(lay.widened)
             inner.widened.update(lay.widened_ops)
             # (the stage program keeps and accumulates those it outputs so: `run_pipelined`)
@@ -148,6 +150,10 @@ class Interpreter:
         # Ops a pipeline runs on blocks whole along some axes (op id -> those axes): the
         # linear ops after a weight gradient's deferred reduce-scatter (`ScanLayout.widened_ops`).
         self.widened: dict[int, tuple[str, ...]] = {}
+        # A pipelined body's inputs given as the cast of them its layers read (input ->
+        # that value), and the casts that made them before its tick loop, not run again.
+        self.aliases: dict[int, int] = {}
+        self.skipped: set[int] = set()
         self.free = free
         self.order = Reordering(part)
         self.rings = ring_moves(part)  # the dots that move a value round a ring (`_ring`)
@@ -177,7 +183,7 @@ class Interpreter:
         for v, c in zip(region.constvars, region.consts):
             frame.make_whole(v, jnp.asarray(c))
         for v, a in zip(region.invars, args):
-            frame.put(v, a)
+            frame.put(self.aliases.get(v, v), a)
         for k, x in (whole or {}).items():
             frame.make_whole(region.invars[k], x)
         skip = 0  # the equations of a region run per microbatch (`_pipeline_head`) after its first
@@ -190,8 +196,14 @@ class Interpreter:
                 run(self, *given, frame)
                 continue
             self.eqn(frame, rid, i, eqn)
-        return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v)
+        return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v, self.given_out(v))
                 for x, v in zip(region.jaxpr.outvars, region.outvars)]
+
+    def given_out(self, v: int) -> Tiling | None:
+        """The layout region output `v` leaves in: at rest (None), but a weight a stage
+        gathered before its tick loop leaves as the plan holds it (`aliases`), cut from
+        the gathered block."""
+        return self.part.tiling(v) if v in self.aliases.values() else None
 
     def eqn(self, frame: Frame, rid: int, i: int, eqn) -> None:
         """Run equation `i` (`eqn`) of region `rid` on the blocks of `frame`."""
@@ -209,6 +221,8 @@ class Interpreter:
     def op(self, frame: Frame, eqn, oid: int) -> None:
         """Run op `oid` (equation `eqn`) on the blocks of `frame`."""
         part, op = self.part, self.prog.ops[oid]
+        if oid in self.skipped:
+            return  # (its result given: `aliases`)
         if oid in self.online.ops:
             self.online.run(frame, oid)  # the blockwise attention does this op's work
             return

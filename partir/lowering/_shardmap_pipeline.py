@@ -41,6 +41,7 @@ from .._nested import split_operands
 from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
 from .._tiling import Tiling
 from ._boundaries import cross
+from ._eval import bind_equation
 from ._circular import from_slots, to_slots
 from ._spmd import move
 from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
@@ -132,12 +133,21 @@ def gather_once(interp, layout, xs, ws, *, again: bool) -> list:
     """The stage's stacked blocks `xs` (of body inputs `ws`, in their body layouts) with
     those the layers read gathered (`ScanLayout.gathered`) gathered once, before the
     tick loop, to the layout they read (the microbatched plan's interpreter holds them
-    there: `Interpreter.held`). `again` (the backward scan): gathered anew, in a form
+    there: `Interpreter.held`), cast first where the layers read a cast of them
+    (`Gathered.ops`). `again` (the backward scan): gathered anew, in a form
     XLA does not merge with the forward scan's gather of the same weight, so that the
     forward's copy need not stay live across the head (`_spmd.move`)."""
-    gathered = dict(layout.gathered)
-    return [move(a, Tiling(((),) + interp.rest(v).dims), Tiling(((),) + gathered[v].dims), interp.move_mesh,
-                 again=again) if v in gathered else a for a, v in zip(xs, ws)]
+    gathered = {g.input: g for g in layout.gathered}
+    out = []
+    for a, v in zip(xs, ws):
+        g = gathered.get(v)
+        if g is not None:
+            for o in g.ops:  # (casts: elementwise, so the stage's block casts as a layer's)
+                a = bind_equation(interp.prog.ops[o].eqn, [a])[0]
+            a = move(a, Tiling(((),) + interp.rest(g.value).dims), Tiling(((),) + g.layout.dims), interp.move_mesh,
+                     again=again)
+        out.append(a)
+    return out
 
 
 def _without(t: Tiling, axis: str) -> Tiling:

@@ -344,13 +344,15 @@ class PipelinePricing:
             split = pipe.split(stages)
             for lay in layouts:
                 self.slots[lay.call.body] = split.slots
-                self.gathered.update((v, (t, lay, pipe)) for v, t in lay.gathered)
+                self.gathered.update((g.value, (g.layout, lay, pipe)) for g in lay.gathered)
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
                         self.scale[op.id] = split.slots * (m * pipe.repeats + stages - 1) / (
                             pipe.repeats * split.length)
                         self.layouts[op.id] = (ext, lay, pipe)
+                for o in (o for g in lay.gathered for o in g.ops):  # cast once a step, all the stage's layers
+                    self.scale[o] = split.slots / split.length
                 if split.uneven:  # a stage moves its slots' rows of what it reads, all L of what it makes
                     self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
