@@ -339,13 +339,11 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
     # (Not where the layers recompute, or the circular schedule exchanges the stacked
-    # values around their moves: they keep moving per microbatch there; nor, for the
-    # gradients, uneven stages, which exchange them in their layout at rest.)
+    # values around their moves: they keep moving per microbatch there.)
     ring = set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()  # (the residuals 1F1B keeps)
     plain = bool(part.rematerialized or part.reused or pipe.repeats > 1)
     gathered = gathered_inputs(ext, call, in_dims, ring, plain)
-    uneven = pipe.split(part.mesh.size(pipe.axis)).uneven
-    scatters = None if plain or uneven else deferred_scatters(ext, ops, kinds, MICROBATCH, LINEARITY, _strip)
+    scatters = None if plain else deferred_scatters(ext, ops, kinds, MICROBATCH, LINEARITY, _strip)
     deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())
     return ScanLayout(call, in_dims, out_kinds, out_dims, deferred, gathered, widened, wide_ops)
 

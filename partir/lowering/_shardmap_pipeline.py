@@ -114,6 +114,14 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
+    outs = body.outvars[len(carry):]
+    # Gradients accumulated whole along their reduce-scatter's axes (`ScanLayout.widened`):
+    # uneven stages reduce-scatter the stage's rows before exchanging them (even ones on
+    # the way to rest below, which is the same collective).
+    scattered = {v for v, _ in layout.widened} if split.uneven else set()
+    ys_kept = [move(y, Tiling(((),) + interp.rest(v).dims, layout.left_partial(v), "sum"),
+                    Tiling(((),) + interp.part.tiling(v).dims), interp.move_mesh) if v in scattered else y
+               for y, v in zip(ys_kept, outs)]
     if split.uneven:  # back to the [L, ...] layout
         ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
@@ -123,9 +131,10 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
-    stacked = [y if r < 0 or dropped else move(y, made_at(pipe, split, interp.rest(v), interp.rest(r), slots, r,
-                                                          layout.left_partial(v)), interp.rest(r), interp.move_mesh)
-               for y, v, r, dropped in zip(ys_kept, body.outvars[len(carry):], results[len(carry):], drop)]
+    stacked = [y if r < 0 or dropped else move(y, made_at(
+        pipe, split, interp.part.tiling(v) if v in scattered else interp.rest(v), interp.rest(r), slots, r,
+        () if v in scattered else layout.left_partial(v)), interp.rest(r), interp.move_mesh)
+               for y, v, r, dropped in zip(ys_kept, outs, results[len(carry):], drop)]
     return finals + stacked
 
 

@@ -47,7 +47,7 @@ def hoisted(pricing, model) -> list:
 def scattered(pricing, model) -> list:
     """(op, value, collectives, (last op, buffer bytes)) of each weight gradient a
     pipelined stage accumulates whole along the axes of its reduce-scatter
-    (`partir.ScanLayout.widened`; even stages): the stage's block of all its layers,
+    (`partir.ScanLayout.widened`): the stage's block of all its layers,
     partial over those axes, reduce-scattered to the layout at rest once a step after
     the loop (a gradient's reduction, overlappable as any), the accumulator live across
     the loop. Charged at the body's first op, where the accumulator starts."""
@@ -61,10 +61,14 @@ def scattered(pricing, model) -> list:
                 if v not in held or r < 0:
                     continue
                 src = Tiling(((pipe.axis,),) + held[v].dims, lay.left_partial(v), "sum")
-                full = float(model._nbytes[v]) * lay.call.length
+                # (Uneven stages reduce-scatter the stage's ceil(L/S) rows to the body's
+                # layout, then exchange them as any stacked output: `_uneven_exchanges`.)
+                split = pipe.split(mesh.size(pipe.axis))
+                dst = Tiling(((pipe.axis,),) + part.tiling(v).dims) if split.uneven else part.tiling(r)
+                full = float(model._nbytes[v]) * (split.slots * split.stages if split.uneven else lay.call.length)
                 item = float(model._nbytes[v]) / max(1, math.prod(prog.values[v].shape))
                 cols = tuple(CollectiveCost(kind, axes, nbytes, t, first, v, 1.0, True,
                                             nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
-                             for kind, axes, nbytes, t in pricing.links.reshard(src, part.tiling(r), full, mesh))
+                             for kind, axes, nbytes, t in pricing.links.reshard(src, dst, full, mesh))
                 out.append((first, v, cols, (last, full / mesh.devices_along(a for d in src.dims for a in d))))
     return out
