@@ -36,7 +36,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
-from ._pipeline_once import hoisted, scattered
+from ._pipeline_once import head_sums, hoisted, read_gathered, scattered
 from ._remat import _is_invar
 
 
@@ -294,19 +294,6 @@ def _recomputing(part, pipe) -> tuple[set, list]:
     return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 
-def _head_sums(prog, pipe, head, mesh) -> list:
-    """(value, mesh axes) of each all-reduce completing what the head between the layer
-    scans makes once the microbatches are summed: its deferred sums, over the axes left
-    (GPipe); under 1F1B every output the step reads after the backward scan, which the
-    last stage alone makes, over those axes and the stage axis."""
-    if head is None:
-        return []
-    if pipe.schedule != "1f1b":
-        return [(v, axes) for v, axes in head.deferred if v in head.outputs]
-    return [(v, tuple(a for a in mesh.names if a in head.left_partial(v) or a == pipe.axis))
-            for v in partir.onef_outputs(prog, pipe, head)]
-
-
 def _without(t: Tiling, axes) -> Tiling:
     """`t` with mesh `axes` taken off its dims and partial axes."""
     return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims),
@@ -334,9 +321,7 @@ class PipelinePricing:
         # A pipelined scan's body region -> the layers a stage holds (ceil(L/S) slots).
         self.slots: dict[int, int] = {}
         self.uneven: dict[int, float] = {}  # a stacked input of uneven stages -> slots / L
-        # A body input a stage gathers once before its tick loop -> (the layout its layers
-        # read, its scan's `ScanLayout`, the pipeline): `partir.ScanLayout.gathered`.
-        self.gathered: dict[int, tuple] = {}
+        self.gathered: dict[int, tuple] = {}  # a weight gathered before its tick loop: `read_gathered`
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
@@ -344,15 +329,13 @@ class PipelinePricing:
             split = pipe.split(stages)
             for lay in layouts:
                 self.slots[lay.call.body] = split.slots
-                self.gathered.update((g.value, (g.layout, lay, pipe)) for g in lay.gathered)
                 inside = set(partir.body_regions(prog, lay.call.body))
                 for op in prog.ops:
                     if op.region in inside:
                         self.scale[op.id] = split.slots * (m * pipe.repeats + stages - 1) / (
                             pipe.repeats * split.length)
                         self.layouts[op.id] = (ext, lay, pipe)
-                for o in (o for g in lay.gathered for o in g.ops):  # cast once a step, all the stage's layers
-                    self.scale[o] = split.slots / split.length
+                read_gathered(self, lay, pipe, split)
                 if split.uneven:  # a stage moves its slots' rows of what it reads, all L of what it makes
                     self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
@@ -478,12 +461,11 @@ class PipelinePricing:
         return tuple(out)
 
     def collectives(self, model) -> list:
-        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, the deferred
-        sums' reductions after the loop, and the weights gathered before it (`hoisted`,
-        with a fourth item: where their buffer ends and its bytes)."""
+        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, the deferred sums'
+        reductions after the loop, what `_pipeline_once` moves once a step (with its buffer)."""
         prog, out = self.part.program, []
         for (pipe, *_), head in zip(self.costs, self.heads):
-            for v, axes in _head_sums(prog, pipe, head, self.part.mesh):
+            for v, axes in head_sums(prog, pipe, head, self.part.mesh):
                 nbytes = _block_bytes(prog, v, self.part.tiling(v), self.part.mesh)
                 out.append((prog.producer[v], v, (CollectiveCost(
                     Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),

@@ -2,7 +2,8 @@
 tick, and the buffers that live across its tick loop for it: its weights gathered
 before the loop (`partir.ScanLayout.gathered`, `partir/_pipeline_hoist.py`) and its
 weight gradients accumulated whole along the axes of their reduce-scatter and
-reduce-scattered after it (`partir.ScanLayout.widened`, `partir/_pipeline_defer.py`)."""
+reduce-scattered after it (`partir.ScanLayout.widened`, `partir/_pipeline_defer.py`),
+and what the head between the layer scans sums over the microbatches (`head_sums`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ def _body_span(prog, call) -> tuple[int, int]:
     inside = set(partir.body_regions(prog, call.body))
     ids = [op.id for op in prog.ops if op.region in inside]
     return min(ids), max(ids)
+
+
+def read_gathered(pricing, lay, pipe, split) -> None:
+    """Record in `pricing` (`PipelinePricing`) the weights pipelined scan `lay` gathers
+    before its loop: `gathered` (the value its layers read -> (that layout, `lay`,
+    `pipe`)), and the casts before the gather priced once a step on all the stage's
+    layers (`scale`; `split`: the pipeline's `StageSplit`)."""
+    pricing.gathered.update((g.value, (g.layout, lay, pipe)) for g in lay.gathered)
+    for o in (o for g in lay.gathered for o in g.ops):
+        pricing.scale[o] = split.slots / split.length
 
 
 def hoisted(pricing, model) -> list:
@@ -72,3 +83,16 @@ def scattered(pricing, model) -> list:
                              for kind, axes, nbytes, t in pricing.links.reshard(src, dst, full, mesh))
                 out.append((first, v, cols, (last, full / mesh.devices_along(a for d in src.dims for a in d))))
     return out
+
+
+def head_sums(prog, pipe, head, mesh) -> list:
+    """(value, mesh axes) of each all-reduce completing what the head between the layer
+    scans makes once the microbatches are summed: its deferred sums, over the axes left
+    (GPipe); under 1F1B every output the step reads after the backward scan, which the
+    last stage alone makes, over those axes and the stage axis."""
+    if head is None:
+        return []
+    if pipe.schedule != "1f1b":
+        return [(v, axes) for v, axes in head.deferred if v in head.outputs]
+    return [(v, tuple(a for a in mesh.names if a in head.left_partial(v) or a == pipe.axis))
+            for v in partir.onef_outputs(prog, pipe, head)]
