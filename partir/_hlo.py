@@ -257,21 +257,14 @@ def _parse_module(hlo_text: str):
         if re.search(r"\swhile\(", rest):
             loop_roots |= set(re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", rest))
     # Everything reachable from a while body/condition runs inside a loop.
-    in_loop, stack = set(), list(loop_roots)
-    while stack:
-        c = stack.pop()
-        if c not in in_loop:
-            in_loop.add(c)
-            stack.extend(calls.get(c, ()))
+    in_loop = _called(calls, loop_roots)
     in_loop.discard(entry)
     return instrs, in_loop, calls
 
 
-def reachable(hlo_text: str, roots) -> set[str]:
-    """The computations of compiled HLO text that the computations `roots` run, directly
-    or through the ones they call (a loop body's conditionals and inner loops), `roots`
-    included."""
-    calls = _parse_module(hlo_text)[2]
+def _called(calls: dict, roots) -> set[str]:
+    """`roots` and the computations they call (`calls`: computation -> its callees),
+    directly or not."""
     out, stack = set(), list(roots)
     while stack:
         c = stack.pop()
@@ -279,6 +272,13 @@ def reachable(hlo_text: str, roots) -> set[str]:
             out.add(c)
             stack.extend(calls.get(c, ()))
     return out
+
+
+def reachable(hlo_text: str, roots) -> set[str]:
+    """The computations of compiled HLO text that the computations `roots` run, directly
+    or through the ones they call (a loop body's conditionals and inner loops), `roots`
+    included."""
+    return _called(_parse_module(hlo_text)[2], roots)
 
 
 def _operand_leaves(operands: str, instrs) -> list:
