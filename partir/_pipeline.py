@@ -343,7 +343,7 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
     ring = set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()  # (the residuals 1F1B keeps)
     plain = bool(part.rematerialized or part.reused or pipe.repeats > 1)
     gathered = gathered_inputs(ext, call, in_dims, ring, plain)
-    scatters = None if plain else deferred_scatters(ext, ops, kinds, MICROBATCH, LINEARITY, _strip)
+    scatters = None if plain else deferred_scatters(ext, ops, kinds)
     deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())
     return ScanLayout(call, in_dims, out_kinds, out_dims, deferred, gathered, widened, wide_ops)
 

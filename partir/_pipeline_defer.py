@@ -29,18 +29,19 @@ def without(t: Tiling, axes) -> Tiling:
     return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims), t.partial, t.reduce_kind)
 
 
-def deferred_scatters(ext, ops, kinds: dict, micro: str, linearity: dict, strip):
+def deferred_scatters(ext, ops, kinds: dict):
     """(deferred, widened values, widened ops) of a pipelined body's `ops` (in program
     order; `kinds` their values' microbatch kinds), see the module docstring: `deferred`
     as `ScanLayout.deferred` ((value, mesh axes) left partial), `widened` (value, the
     `Tiling` it is held in, whole along its deferred axes), `ops` (op id, the axes taken
-    off its layout). None when some sum cannot be deferred so, or none needs widening.
-    `micro` is the microbatch axis, `strip` takes it off a tiling."""
+    off its layout). None when some sum cannot be deferred so, or none needs widening."""
+    from ._pipeline import MICROBATCH as micro, SUM, _strip as strip  # (it imports this module)
+
     left: dict[int, frozenset] = {}
     wide_ops: dict[int, frozenset] = {}
     for op in ops:
-        for v in (r for r in op.results if r >= 0 and kinds.get(r) == "sum"):
-            ins = [left.get(u, frozenset()) for u in op.operands if u >= 0 and kinds.get(u) == "sum"]
+        for v in (r for r in op.results if r >= 0 and kinds.get(r) == SUM):
+            ins = [left.get(u, frozenset()) for u in op.operands if u >= 0 and kinds.get(u) == SUM]
             made, rest = ext.produced(v), ext.tiling(v)
             if op.link:
                 if any(ins):
@@ -54,7 +55,7 @@ def deferred_scatters(ext, ops, kinds: dict, micro: str, linearity: dict, strip)
                 if len(set(ins)) > 1:
                     return None
                 axes = ins[0]
-                if axes and not _widenable(ext, op, kinds, linearity, axes):
+                if axes and not _widenable(ext, op, kinds):
                     return None
                 if axes:
                     wide_ops[op.id] = axes
@@ -69,13 +70,15 @@ def deferred_scatters(ext, ops, kinds: dict, micro: str, linearity: dict, strip)
                                            for o, axes in wide_ops.items()))
 
 
-def _widenable(ext, op, kinds: dict, linearity: dict, axes) -> bool:
-    """Can `op`, reading sums left partial over `axes`, run on their blocks whole along
-    `axes`: linear in sums alone, partial over nothing itself, its layout the same
+def _widenable(ext, op, kinds: dict) -> bool:
+    """Can `op`, reading sums left partial over some axes, run on their blocks whole
+    along them: linear in sums alone, partial over nothing itself, its layout the same
     whichever way the lowering and the cost model read it?"""
-    if linearity.get(op.primitive) not in _WIDENABLE:
+    from ._pipeline import LINEARITY, SUM
+
+    if LINEARITY.get(op.primitive) not in _WIDENABLE:
         return False
-    if any(u >= 0 and kinds.get(u) != "sum" for u in op.operands):
+    if any(u >= 0 and kinds.get(u) != SUM for u in op.operands):
         return False
     block, whole = ext.block_layout(op.id), ext.op_layout(op.id)
     return not block[1] and block[0] == whole[0]

@@ -115,13 +115,8 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
     outs = body.outvars[len(carry):]
-    # Gradients accumulated whole along their reduce-scatter's axes (`ScanLayout.widened`):
-    # uneven stages reduce-scatter the stage's rows before exchanging them (even ones on
-    # the way to rest below, which is the same collective).
     scattered = {v for v, _ in layout.widened} if split.uneven else set()
-    ys_kept = [move(y, Tiling(((),) + interp.rest(v).dims, layout.left_partial(v), "sum"),
-                    Tiling(((),) + interp.part.tiling(v).dims), interp.move_mesh) if v in scattered else y
-               for y, v in zip(ys_kept, outs)]
+    ys_kept = _scatter_rows(interp, layout, ys_kept, outs, scattered)
     if split.uneven:  # back to the [L, ...] layout
         ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
@@ -136,6 +131,17 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
         () if v in scattered else layout.left_partial(v)), interp.rest(r), interp.move_mesh)
                for y, v, r, dropped in zip(ys_kept, outs, results[len(carry):], drop)]
     return finals + stacked
+
+
+def _scatter_rows(interp, layout, ys, outs, scattered) -> list:
+    """Per-layer outputs `ys` (of body outputs `outs`), those in `scattered` (gradients
+    accumulated whole along their reduce-scatter's axes, `ScanLayout.widened`, of uneven
+    stages) reduce-scattered on the stage's rows to the body's layout, before the rows
+    are exchanged back to the [L, ...] layout (even stages reduce-scatter them on the
+    way to rest, which is the same collective)."""
+    return [move(y, Tiling(((),) + interp.rest(v).dims, layout.left_partial(v), "sum"),
+                 Tiling(((),) + interp.part.tiling(v).dims), interp.move_mesh) if v in scattered else y
+            for y, v in zip(ys, outs)]
 
 
 def gather_once(interp, layout, xs, ws, *, again: bool) -> list:
