@@ -145,7 +145,8 @@ class Interpreter:
         # Values a pipeline leaves partial over some axes when made (`ScanLayout.deferred`).
         self.left_partial: dict[int, tuple[str, ...]] = {}
         # Values a pipeline holds in another layout than at rest: a stage's weights
-        # gathered once before its tick loop (`ScanLayout.gathered`).
+        # gathered once before its tick loop (`ScanLayout.gathered`), its gradients
+        # accumulated whole along their reduce-scatter's axes (`ScanLayout.widened`).
         self.held: dict[int, Tiling] = {}
         # Ops a pipeline runs on blocks whole along some axes (op id -> those axes): the
         # linear ops after a weight gradient's deferred reduce-scatter (`ScanLayout.widened_ops`).

@@ -41,8 +41,8 @@ from .._nested import split_operands
 from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
 from .._tiling import Tiling
 from ._boundaries import cross
-from ._eval import bind_equation
 from ._circular import from_slots, to_slots
+from ._eval import bind_equation
 from ._spmd import move
 from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
 
