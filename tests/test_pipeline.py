@@ -250,9 +250,10 @@ def _moves_once(part, config, mesh, backend="shard_map"):
     stacked = {v for call in pipe.scans.calls
                for v, outer in zip(prog.regions[call.body].invars[-len(call.xs):], call.xs)
                if outer not in pipe.scans.forward.ys}  # (the weights, not the residuals)
-    layers = {r for call in pipe.scans.calls for r in partir.body_regions(prog, call.body)}
-    layers = [c for c in modeled if c.axes == ("data",) and (  # (a gradient's reduction: at its op in the layers)
-        c.value in stacked or c.gradient and prog.ops[c.op].region in layers)]
+    bodies = {r for call in pipe.scans.calls for r in partir.body_regions(prog, call.body)}
+    # (a weight's gather, or a gradient's reduction, charged at its op in the layers)
+    layers = [c for c in modeled if c.axes == ("data",) and (
+        c.value in stacked or c.gradient and prog.ops[c.op].region in bodies)]
     assert layers and all(c.count == 1 for c in layers)
     if pipe.schedule == "gpipe" and pipe.split(mesh.size("stage")).slots == 1:
         ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
