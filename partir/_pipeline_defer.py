@@ -24,7 +24,7 @@ from ._tiling import Tiling
 _WIDENABLE = ("unary", "additive")
 
 
-def without(t: Tiling, axes) -> Tiling:
+def _without(t: Tiling, axes) -> Tiling:
     """`t` with mesh `axes` taken off its dims (its partial state kept)."""
     return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims), t.partial, t.reduce_kind)
 
@@ -49,7 +49,7 @@ def deferred_scatters(ext, ops, kinds: dict):
                 continue
             if micro in made.partial:  # the reduction over the batch
                 axes = frozenset(made.partial) - {micro}
-                if strip(made).dims != without(strip(rest), axes).dims:
+                if strip(made).dims != _without(strip(rest), axes).dims:
                     return None
             else:
                 if len(set(ins)) > 1:
@@ -61,7 +61,7 @@ def deferred_scatters(ext, ops, kinds: dict):
                     wide_ops[op.id] = axes
             if axes:
                 left[v] = axes
-    widened = tuple((v, without(ext.tiling(v), axes)) for v, axes in left.items()
+    widened = tuple((v, _without(ext.tiling(v), axes)) for v, axes in left.items()
                     if axes & set(ext.tiling(v).axes()))
     if not widened:
         return None
