@@ -226,7 +226,8 @@ def _permute_axes(attrs: str, mesh: jax.sharding.Mesh) -> tuple[tuple[str, ...],
 def _parse_module(hlo_text: str):
     """Index instructions by name and find the computations that run in a loop.
 
-    Returns ``({name: (computation, text after '=')}, {computations in a loop})``.
+    Returns ``({name: (computation, text after '=')}, {computations in a loop},
+    {computation: the computations it calls})``.
     """
     instrs: dict[str, tuple[str, str]] = {}  # name -> (computation, rest of line)
     calls: dict[str, set[str]] = {}
@@ -256,14 +257,28 @@ def _parse_module(hlo_text: str):
         if re.search(r"\swhile\(", rest):
             loop_roots |= set(re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", rest))
     # Everything reachable from a while body/condition runs inside a loop.
-    in_loop, stack = set(), list(loop_roots)
+    in_loop = _called(calls, loop_roots)
+    in_loop.discard(entry)
+    return instrs, in_loop, calls
+
+
+def _called(calls: dict, roots) -> set[str]:
+    """`roots` and the computations they call (`calls`: computation -> its callees),
+    directly or not."""
+    out, stack = set(), list(roots)
     while stack:
         c = stack.pop()
-        if c not in in_loop:
-            in_loop.add(c)
+        if c not in out:
+            out.add(c)
             stack.extend(calls.get(c, ()))
-    in_loop.discard(entry)
-    return instrs, in_loop
+    return out
+
+
+def reachable(hlo_text: str, roots) -> set[str]:
+    """The computations of compiled HLO text that the computations `roots` run, directly
+    or through the ones they call (a loop body's conditionals and inner loops), `roots`
+    included."""
+    return _called(_parse_module(hlo_text)[2], roots)
 
 
 def _operand_leaves(operands: str, instrs) -> list:
@@ -288,7 +303,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
     the base kind); ``-done`` halves are skipped. ``mesh`` is the mesh the program
     was partitioned over: its flat device positions are the HLO's logical ids.
     """
-    instrs, in_loop = _parse_module(hlo_text)
+    instrs, in_loop, _ = _parse_module(hlo_text)
     partitions = _axis_partitions(mesh)
     n = mesh.devices.size
     found = []

@@ -29,6 +29,8 @@ from ._errors import PartitioningError
 from ._graph import call_roots
 from ._mesh import MeshSpec
 from ._nested import Link
+from ._pipeline_defer import deferred_scatters
+from ._pipeline_hoist import gathered_inputs
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._tiling import Tiling
 
@@ -193,6 +195,9 @@ class ScanLayout:
     out_kinds: tuple[str, ...]
     out_dims: tuple
     deferred: tuple = ()  # (value id, mesh axes): sums left partial until accumulated
+    gathered: tuple = ()  # `Gathered`: stacked inputs gathered (and cast) once before the tick loop
+    widened: tuple = ()  # (value id, Tiling): a deferred sum held whole along its axes
+    widened_ops: tuple = ()  # (op id, mesh axes): ops run on blocks whole along the axes
 
     def left_partial(self, v: int) -> tuple[str, ...]:
         """The mesh axes value `v` is left partial over (completed once the microbatches
@@ -343,7 +348,14 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
         if k == SUM:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
-    return ScanLayout(call, in_dims, out_kinds, out_dims, _deferred(ext, ops, kinds))
+    # (Not where the layers recompute, or the circular schedule exchanges the stacked
+    # values around their moves: they keep moving per microbatch there.)
+    ring = set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()  # (the residuals 1F1B keeps)
+    plain = bool(part.rematerialized or part.reused or pipe.repeats > 1)
+    gathered = gathered_inputs(ext, call, in_dims, ring, plain)
+    scatters = None if plain else deferred_scatters(ext, ops, kinds)
+    deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())
+    return ScanLayout(call, in_dims, out_kinds, out_dims, deferred, gathered, widened, wide_ops)
 
 
 def _deferred(ext, ops, kinds: dict) -> tuple:

@@ -20,6 +20,7 @@ import search
 import tactics as T
 from examples import gpt, llama
 from partir import MeshSpec
+from partir._hlo import reachable
 from automap._explain import explain_saved
 from rich.console import Console
 
@@ -88,9 +89,10 @@ COMPOSED = {
 }
 
 
-# Llama with DP + Megatron runs in the default run through the jit lowering's test below.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "gpt-fsdp" else pytest.mark.slow)
-                                  for c in COMPOSED])
+# Llama with DP + Megatron runs in the default run through the jit lowering's test below,
+# GPT with FSDP through the test of its stage's weights gathered once a step.
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COMPOSED))
 def test_pipelines_compose_with_other_tactics(case):
     config, others, mesh = COMPOSED[case]
     _same_step(_plan(mesh.size("stage"), 2, config, others, mesh), config)
@@ -222,6 +224,100 @@ def test_weight_gradients_are_reduced_over_the_data_axis_once_per_step():
     text = partir.lower(part, backend="shard_map").lower(*args).compile().as_text()
     data = [c for c in partir.collectives(text, part.mesh.jax_mesh()) if c.axes == ("data",)]
     assert data and not [c for c in data if c.in_loop]
+
+
+def _moves_once(part, config, mesh, backend="shard_map"):
+    """`part` lowered by `backend` computes what jax.jit computes and XLA's collectives
+    are exactly the modeled ones, among which the moves over `data` of the layers'
+    stacked inputs and outputs (weights, their gradients) run once a step. Under GPipe,
+    XLA runs no gather or reduce-scatter over `data` in a loop that sends carries over
+    `stage` (a tick loop, with what it calls: 1F1B's also runs the head, whose weights
+    move per microbatch) and some outside. (Checked with one layer a stage: with more,
+    the layer norms' scales, made into [1, 1, D] blocks split over `data` inside the
+    layers and gathered there, are gathered in every tick, as modeled.)"""
+    step, args, prog = _gpt(config)
+    free = search.materialization(prog).from_scalars
+    lowered = partir.lower(part, backend="shard_map", free=free) if backend == "shard_map" else partir.lower(part)
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(lowered(*args)),
+                          jax.tree_util.tree_leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
+    text = lowered.lower(*args).compile().as_text()
+    cols = partir.collectives(text, mesh.jax_mesh())
+    modeled = search.CostModel(part, "cpu").cost().collectives
+    assert partir.collective_buffers(cols, reduce_scatter=False) == collections.Counter(
+        (c.kind, c.axes, int(c.bytes)) for c in modeled)
+    pipe = part.pipelines[0]
+    stacked = {v for call in pipe.scans.calls
+               for v, outer in zip(prog.regions[call.body].invars[-len(call.xs):], call.xs)
+               if outer not in pipe.scans.forward.ys}  # (the weights, not the residuals)
+    bodies = {r for call in pipe.scans.calls for r in partir.body_regions(prog, call.body)}
+    # (a weight's gather, or a gradient's reduction, charged at its op in the layers)
+    layers = [c for c in modeled if c.axes == ("data",) and (
+        c.value in stacked or c.gradient and prog.ops[c.op].region in bodies)]
+    assert layers and all(c.count == 1 for c in layers)
+    if pipe.schedule == "gpipe" and pipe.split(mesh.size("stage")).slots == 1:
+        ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
+        for kind in (partir.Kind.ALL_GATHER, partir.Kind.REDUCE_SCATTER):
+            moves = [c for c in cols if c.kind == kind and c.axes == ("data",)]
+            assert moves and not [c for c in moves if c.computation in ticks], kind
+
+
+def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microbatch():
+    """Under FSDP a stage gathers its layers' weights before its tick loops and
+    reduce-scatters their accumulated gradients after, not in every tick (once per
+    microbatch); the step equals jax.jit's and XLA's collectives are exactly the
+    modeled ones (each charged once, on the stage's layers)."""
+    config, others, mesh = COMPOSED["gpt-fsdp"]
+    _moves_once(_plan(4, 4, config, others, mesh), config, mesh)
+
+
+#: (backend, the tactics on `data`, schedule, config, stages) of the slow cases of
+#: `_moves_once`: the last, 3 layers over 2 stages, uneven.
+MOVED_ONCE = {
+    "jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY, 4),
+    "zero1-dp": ("shard_map", [T.DataParallel("data"), T.ZeRO("data", stage=1)], "gpipe", TINY, 4),
+    "fsdp-1f1b": ("shard_map", [T.FSDP("data")], "1f1b", TINY, 4),
+    "uneven-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", dataclasses.replace(TINY, n_layers=3), 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MOVED_ONCE))
+def test_stages_move_weights_and_gradients_once_a_step_in_each_lowering_and_schedule(case):
+    backend, others, schedule, config, stages = MOVED_ONCE[case]
+    mesh = _mesh(stages)
+    _, _, prog = _gpt(config)
+    part = T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=4, schedule=schedule)]).partitioning
+    _moves_once(part, config, mesh, backend)
+
+
+@pytest.mark.slow
+def test_a_stage_casts_and_gathers_its_weights_once_a_step_where_its_layers_cast_them():
+    """Llama computing in bfloat16 casts its float32 weights inside each layer and
+    gathers the cast: the stage casts and gathers them once before each tick loop (the
+    model charges each gather once), keeps them for the backward pass cut from the
+    gathered block, and the step equals jax.jit's to bfloat16's precision. (XLA:CPU
+    moves bfloat16 in float32, so its collectives' bytes are not the model's here: the
+    float32 cases check those; with one layer a stage XLA would hoist the per-tick
+    gathers out of the loop itself, so the model's count is what shows the change.)"""
+    config, mesh = dataclasses.replace(TINY_LLAMA, dtype=jax.numpy.bfloat16), _mesh(4)
+    step, args, prog = _gpt(config)
+    part = _plan(4, 4, config, [T.FSDP("data")], mesh)
+    fwd = prog.regions[part.pipelines[0].scans.forward.body]
+    casts = {r for v in fwd.invars for o in prog.users[v] if prog.ops[o].primitive == "convert_element_type"
+             for r in prog.ops[o].results}
+    gathers = [c for c in search.CostModel(part, "cpu").cost().collectives
+               if c.value in casts and c.kind == partir.Kind.ALL_GATHER]
+    assert gathers and all(c.count == 1 for c in gathers)  # (not once per microbatch and layer)
+    lowered = partir.lower(part, backend="shard_map")
+    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(lowered(*args)),
+                          jax.tree_util.tree_leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-3,
+                                   err_msg=name)
+    text = lowered.lower(*args).compile().as_text()
+    cols = partir.collectives(text, mesh.jax_mesh())
+    ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
+    assert not [c for c in cols if c.kind == partir.Kind.ALL_GATHER and c.computation in ticks]
 
 
 def test_each_stage_stores_its_share_of_the_layer_stack():

@@ -40,7 +40,7 @@ class Frame:
         forward's move, after `after` (a value the backward pass made) when given: it is
         then not kept moved in between either, as the model charges it."""
         interp = self.interp
-        rest = interp.part.tiling(v)
+        rest = interp.rest(v)
         need = rest if need is None else need
         if v in self.whole:
             key = (v, need.dims, "whole")

@@ -39,7 +39,7 @@ from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import _block, _keep, _micro
+from ._shardmap_pipeline import _block, _keep, _micro, gather_once
 from ._spmd import move
 
 
@@ -90,6 +90,7 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> _Side:
     xs = [None if u in residuals else move(a, Tiling(((),) + interp.rest(u).dims[1:]),
                                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(x.xs, g.xs, w.xs)]
+    xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
     return _Side(call, body, g, w, split_operands(eqn, list(layout.in_dims)), consts, carry, xs)
 
 

@@ -101,6 +101,13 @@ def _pipelined(interp) -> dict:
             remat = StageRemat(interp, inner, pipe)
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
+            for g in lay.gathered:  # (gathered, and cast, before the tick loop: `gather_once`)
+                inner.held[g.value], inner.aliases[g.input] = g.layout, g.value
+                inner.skipped.update(g.ops)
+            inner.held.update(lay.widened)
+            inner.widened.update(lay.widened_ops)
+            # (the stage program keeps and accumulates those it outputs so: `run_pipelined`)
+            interp.held.update(lay.widened)
             out[lay.call.body] = (pipe, lay, inner, remat)
         head = head_layout(part, ext, pipe)
         if head is not None:
@@ -137,6 +144,17 @@ class Interpreter:
         self.move_mesh = part.mesh if move_mesh is None else move_mesh
         # Values a pipeline leaves partial over some axes when made (`ScanLayout.deferred`).
         self.left_partial: dict[int, tuple[str, ...]] = {}
+        # Values a pipeline holds in another layout than at rest: a stage's weights
+        # gathered once before its tick loop (`ScanLayout.gathered`), its gradients
+        # accumulated whole along their reduce-scatter's axes (`ScanLayout.widened`).
+        self.held: dict[int, Tiling] = {}
+        # Ops a pipeline runs on blocks whole along some axes (op id -> those axes): the
+        # linear ops after a weight gradient's deferred reduce-scatter (`ScanLayout.widened_ops`).
+        self.widened: dict[int, tuple[str, ...]] = {}
+        # A pipelined body's inputs given as the cast of them its layers read (input ->
+        # that value), and the casts that made them before its tick loop, not run again.
+        self.aliases: dict[int, int] = {}
+        self.skipped: set[int] = set()
         self.free = free
         self.order = Reordering(part)
         self.rings = ring_moves(part)  # the dots that move a value round a ring (`_ring`)
@@ -166,7 +184,7 @@ class Interpreter:
         for v, c in zip(region.constvars, region.consts):
             frame.make_whole(v, jnp.asarray(c))
         for v, a in zip(region.invars, args):
-            frame.put(v, a)
+            frame.put(self.aliases.get(v, v), a)
         for k, x in (whole or {}).items():
             frame.make_whole(region.invars[k], x)
         skip = 0  # the equations of a region run per microbatch (`_pipeline_head`) after its first
@@ -179,8 +197,14 @@ class Interpreter:
                 run(self, *given, frame)
                 continue
             self.eqn(frame, rid, i, eqn)
-        return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v)
+        return [jnp.asarray(x.val) if isinstance(x, Literal) else frame.read(v, self.given_out(v))
                 for x, v in zip(region.jaxpr.outvars, region.outvars)]
+
+    def given_out(self, v: int) -> Tiling | None:
+        """The layout region output `v` leaves in: at rest (None), but a weight a stage
+        gathered before its tick loop leaves as the plan holds it (`aliases`), cut from
+        the gathered block."""
+        return self.part.tiling(v) if v in self.aliases.values() else None
 
     def eqn(self, frame: Frame, rid: int, i: int, eqn) -> None:
         """Run equation `i` (`eqn`) of region `rid` on the blocks of `frame`."""
@@ -198,12 +222,14 @@ class Interpreter:
     def op(self, frame: Frame, eqn, oid: int) -> None:
         """Run op `oid` (equation `eqn`) on the blocks of `frame`."""
         part, op = self.part, self.prog.ops[oid]
+        if oid in self.skipped:
+            return  # (its result given: `aliases`)
         if oid in self.online.ops:
             self.online.run(frame, oid)  # the blockwise attention does this op's work
             return
         if self._made_whole(frame, eqn, op):
             return
-        slots, partial, _ = part.block_layout(oid)
+        slots, partial, _ = self.block_layout(oid)
         need = {k: Tiling(d) for side, k, _, d in slots if side == "operand"}
         made = {k: d for side, k, _, d in slots if side == "result"}
         backward = self.backward[oid]
@@ -232,14 +258,14 @@ class Interpreter:
         ring = self.rings.get(oid)
         need = None
         if ring is None or ring.kind != "gather" or ring.slot != k:  # a ring reads its block at rest
-            need = next(Tiling(d) for side, j, _, d in self.part.block_layout(oid)[0] if side == "operand" and j == k)
+            need = next(Tiling(d) for side, j, _, d in self.block_layout(oid)[0] if side == "operand" and j == k)
         again = self.backward[oid] and made_in_forward(self.prog, v)
         return frame.read(v, need, self.backward[oid], again, after if again else None)
 
     def put_results(self, frame: Frame, oid: int, outs) -> None:
         """Put op `oid`'s results `outs` (as it makes them) in `frame`, moved to rest."""
         op = self.prog.ops[oid]
-        slots, partial, kind = self.part.block_layout(oid)
+        slots, partial, kind = self.block_layout(oid)
         made = {k: d for side, k, _, d in slots if side == "result"}
         ring = self.rings.get(oid)
         for k, v in enumerate(op.results):
@@ -248,7 +274,7 @@ class Interpreter:
                 made_k = Tiling(made[k], tuple(a for a in partial if a not in left), kind)
                 if ring is not None and ring.kind == "scatter" and k == ring.slot:
                     made_k = ring.made(made_k)
-                frame.put(v, move(outs[k], made_k, self.part.tiling(v), self.move_mesh))
+                frame.put(v, move(outs[k], made_k, self.rest(v), self.move_mesh))
         if self.backward[oid] and outs:
             frame.last = outs[0]
 
@@ -286,6 +312,16 @@ class Interpreter:
         return True
 
     # -- region boundaries ------------------------------------------------------------
+    def block_layout(self, oid: int):
+        """`Partitioning.block_layout` of op `oid` as this interpreter runs it: with the
+        axes of `widened` taken off its slots."""
+        slots, partial, kind = self.part.block_layout(oid)
+        axes = self.widened.get(oid)
+        if not axes:
+            return slots, partial, kind
+        return tuple((side, k, v, tuple(tuple(a for a in d if a not in axes) for d in dims))
+                     for side, k, v, dims in slots), partial, kind
+
     def link(self, src: int, dst: int) -> int | None:
         """The link op carrying value `src` to value `dst`, if there is one."""
         for o in self.prog.users[src]:
@@ -295,8 +331,8 @@ class Interpreter:
         return None
 
     def rest(self, v: int) -> Tiling:
-        """Value `v`'s at-rest tiling."""
-        return self.part.tiling(v)
+        """Value `v`'s at-rest tiling (where a pipeline holds it: `held`)."""
+        return self.held.get(v) or self.part.tiling(v)
 
     def _var_ids(self, rid: int) -> dict:
         """Region `rid`'s jaxpr variables -> their value ids (made once per region)."""

@@ -42,6 +42,7 @@ from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
+from ._eval import bind_equation
 from ._spmd import move
 from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
 
@@ -105,6 +106,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     xs = [a if h else move(a, _without(Tiling(((),) + interp.rest(u).dims[1:]), pipe.axis),
                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v, h in zip(xs, g.xs, w.xs, held)]
+    xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
     if repeats > 1:
         xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
@@ -112,6 +114,9 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
+    outs = body.outvars[len(carry):]
+    scattered = {v for v, _ in layout.widened} if split.exchanged else set()
+    ys_kept = _scatter_rows(interp, layout, ys_kept, outs, scattered)
     if split.exchanged:  # back to the [L, ...] layout
         ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
@@ -121,10 +126,43 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
-    stacked = [y if r < 0 or dropped else move(y, made_at(pipe, split, interp.rest(v), interp.rest(r), slots, r,
-                                                          layout.left_partial(v)), interp.rest(r), interp.move_mesh)
-               for y, v, r, dropped in zip(ys_kept, body.outvars[len(carry):], results[len(carry):], drop)]
+    stacked = [y if r < 0 or dropped else move(y, made_at(
+        pipe, split, interp.part.tiling(v) if v in scattered else interp.rest(v), interp.rest(r), slots, r,
+        () if v in scattered else layout.left_partial(v)), interp.rest(r), interp.move_mesh)
+               for y, v, r, dropped in zip(ys_kept, outs, results[len(carry):], drop)]
     return finals + stacked
+
+
+def _scatter_rows(interp, layout, ys, outs, scattered) -> list:
+    """Per-layer outputs `ys` (of body outputs `outs`), those in `scattered` (gradients
+    accumulated whole along their reduce-scatter's axes, `ScanLayout.widened`, of uneven
+    stages or rolled layers) reduce-scattered on the stage's rows to the body's layout, before the rows
+    are exchanged back to the [L, ...] layout (even stages reduce-scatter them on the
+    way to rest, which is the same collective)."""
+    return [move(y, Tiling(((),) + interp.rest(v).dims, layout.left_partial(v), "sum"),
+                 Tiling(((),) + interp.part.tiling(v).dims), interp.move_mesh) if v in scattered else y
+            for y, v in zip(ys, outs)]
+
+
+def gather_once(interp, layout, xs, ws, *, again: bool) -> list:
+    """The stage's stacked blocks `xs` (of body inputs `ws`, in their body layouts) with
+    those the layers read gathered (`ScanLayout.gathered`) gathered once, before the
+    tick loop, to the layout they read (the microbatched plan's interpreter holds them
+    there: `Interpreter.held`), cast first where the layers read a cast of them
+    (`Gathered.ops`). `again` (the backward scan): gathered anew, in a form
+    XLA does not merge with the forward scan's gather of the same weight, so that the
+    forward's copy need not stay live across the head (`_spmd.move`)."""
+    gathered = {g.input: g for g in layout.gathered}
+    out = []
+    for a, v in zip(xs, ws):
+        g = gathered.get(v)
+        if g is not None:
+            for o in g.ops:  # (casts: elementwise, so the stage's block casts as a layer's)
+                a = bind_equation(interp.prog.ops[o].eqn, [a])[0]
+            a = move(a, Tiling(((),) + interp.rest(g.value).dims), Tiling(((),) + g.layout.dims), interp.move_mesh,
+                     again=again)
+        out.append(a)
+    return out
 
 
 def _without(t: Tiling, axis: str) -> Tiling:

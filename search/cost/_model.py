@@ -178,9 +178,10 @@ class CostModel(CostTime, CostMemory):
         self._slot_values = [tuple(v for _, _, v, _ in self.part.op_layout(o)[0]) if not self._trivial[o] else ()
                              for o in range(n_ops)]
         sigs: dict = {}
+        held = self._pipeline.gathered if self._pipeline else {}  # (read where the stage gathered it)
         self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
                                       tuple((self._nbytes[v], v in self._free, bool(self._virtual[v]),
-                                             bool(self._feeds_backward[v]))
+                                             bool(self._feeds_backward[v]), v in held)
                                             for v in self._slot_values[o])), len(sigs))
                      for o in range(n_ops)]
 
@@ -374,8 +375,10 @@ class CostModel(CostTime, CostMemory):
         """The pipelines' own collectives, as moves of the ops they are charged at."""
         for key in [k for k in self._dedup if k[0] == "pipeline"]:
             del self._dedup[key]
-        for n, (o, v, cols) in enumerate(self._pipeline.collectives(self) if self._pipeline else ()):
-            self._dedup[("pipeline", n)] = {o: (v, cols, 0.0)}
+        for n, (o, v, cols, *live) in enumerate(self._pipeline.collectives(self) if self._pipeline else ()):
+            # (A weight gathered before a tick loop: its buffer, live from `o` to `last`.)
+            last, buf = live[0] if live else (o, 0.0)
+            self._dedup[("pipeline", n)] = {o: (v, cols, buf), **({last: (v, (), buf)} if last > o else {})}
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:

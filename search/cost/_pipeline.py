@@ -36,6 +36,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
+from ._pipeline_once import head_sums, hoisted, read_gathered, scattered
 from ._remat import _is_invar
 from ._tick_buffers import TickBuffers
 
@@ -294,19 +295,6 @@ def _recomputing(part, pipe) -> tuple[set, list]:
     return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 
-def _head_sums(prog, pipe, head, mesh) -> list:
-    """(value, mesh axes) of each all-reduce completing what the head between the layer
-    scans makes once the microbatches are summed: its deferred sums, over the axes left
-    (GPipe); under 1F1B every output the step reads after the backward scan, which the
-    last stage alone makes, over those axes and the stage axis."""
-    if head is None:
-        return []
-    if pipe.schedule != "1f1b":
-        return [(v, axes) for v, axes in head.deferred if v in head.outputs]
-    return [(v, tuple(a for a in mesh.names if a in head.left_partial(v) or a == pipe.axis))
-            for v in partir.onef_outputs(prog, pipe, head)]
-
-
 def _without(t: Tiling, axes) -> Tiling:
     """`t` with mesh `axes` taken off its dims and partial axes."""
     return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims),
@@ -334,6 +322,7 @@ class PipelinePricing:
         # A pipelined scan's body region -> the layers a stage holds (ceil(L/S) slots).
         self.slots: dict[int, int] = {}
         self.uneven: dict[int, float] = {}  # a stacked input of uneven stages -> slots / L
+        self.gathered: dict[int, tuple] = {}  # a weight gathered before its tick loop: `read_gathered`
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
@@ -347,6 +336,7 @@ class PipelinePricing:
                         self.scale[op.id] = split.slots * (m * pipe.repeats + stages - 1) / (
                             pipe.repeats * split.length)
                         self.layouts[op.id] = (ext, lay, pipe)
+                read_gathered(self, lay, pipe, split)
                 if split.exchanged:  # a stage moves its slots' rows of what it reads, all L of what it makes
                     self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
@@ -424,8 +414,8 @@ class PipelinePricing:
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         for r in ext.layout_reshards(o, layout):
-            if r.value in model._free and not r.src.partial:
-                continue
+            if r.value in model._free and not r.src.partial or r.side == "operand" and r.value in self.gathered:
+                continue  # (a weight the stage gathered before its loop: `hoisted`)
             off = micro + ((self.stacked[r.value],) if r.value in self.stacked else ())
             off += lay.left_partial(r.value) if r.side == "result" and lay is not None else ()
             src, dst = _without(r.src, off), _without(r.dst, off)
@@ -474,15 +464,16 @@ class PipelinePricing:
         return tuple(out)
 
     def collectives(self, model) -> list:
-        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, and the deferred
-        sums' reductions after the loop."""
+        """(op, value, collectives) the pipelines add: `pipeline_cost`'s, the deferred sums'
+        reductions after the loop, what `_pipeline_once` moves once a step (with its buffer)."""
         prog, out = self.part.program, []
         for (pipe, *_), head in zip(self.costs, self.heads):
-            for v, axes in _head_sums(prog, pipe, head, self.part.mesh):
+            for v, axes in head_sums(prog, pipe, head, self.part.mesh):
                 nbytes = _block_bytes(prog, v, self.part.tiling(v), self.part.mesh)
                 out.append((prog.producer[v], v, (CollectiveCost(
                     Kind.ALL_REDUCE, axes, nbytes, self.links.time(Kind.ALL_REDUCE, axes, nbytes),
                     prog.producer[v], v, 1.0, bool(model._backward[prog.producer[v]])),)))
+        out += hoisted(self, model) + scattered(self, model)
         for pipe, ext, layouts, cost in self.costs:
             out += [(c.op, c.value, (c,)) for c in cost.collectives]
             kept = partir.kept_in_slots(self.part, pipe)
@@ -491,7 +482,7 @@ class PipelinePricing:
                 split = pipe.split(self.part.mesh.size(pipe.axis))
                 for v, r in zip(body.outvars[len(lay.call.carry):], lay.call.ys):
                     axes = lay.left_partial(v) if v >= 0 else ()
-                    if not axes:
+                    if not axes or v in dict(lay.widened):  # (those reduce-scattered: `scattered`)
                         continue
                     t = partir.made_at(pipe, split, self.part.tiling(v), self.part.tiling(r), kept, r)
                     nbytes = _block_bytes(prog, v, t, self.part.mesh, (lay.call.length,) + tuple(prog.values[v].shape))

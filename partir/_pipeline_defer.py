@@ -1,0 +1,84 @@
+"""Weight gradients a pipelined stage reduce-scatters once a step instead of once per
+microbatch.
+
+A sum over microbatches made by a reduction whose value the plan keeps split over the
+reduced axes at rest (a ZeRO or FSDP weight gradient: partial over `data` as the dot
+makes it, reduce-scattered to its shard) would be reduce-scattered at every tick. As
+gradient accumulation does, `deferred_scatters` instead leaves it partial and whole
+along those axes (on the stage's block) through the linear ops after it, which then run
+on those whole blocks (the axes taken off their layout: `widened` ops), accumulates it
+so over the microbatches, and the lowering reduce-scatters the accumulated sum once
+after the tick loop. Only where it is plainly right: every op after the reduction is
+`unary` or `additive` (`partir._pipeline.LINEARITY`) on such sums alone, makes nothing
+partial itself, is no region boundary, and adds only sums left partial over the same
+axes; otherwise `None`, and the all-reduce-only deferral (`_pipeline._deferred`) applies.
+"""
+
+from __future__ import annotations
+
+from ._tiling import Tiling
+
+#: How `LINEARITY` ops may run on blocks whole along the deferred axes: those taking
+#: sums alone (a `multilinear` op would read its other operand whole too, a move the
+#: plan does not make).
+_WIDENABLE = ("unary", "additive")
+
+
+def _without(t: Tiling, axes) -> Tiling:
+    """`t` with mesh `axes` taken off its dims (its partial state kept)."""
+    return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims), t.partial, t.reduce_kind)
+
+
+def deferred_scatters(ext, ops, kinds: dict):
+    """(deferred, widened values, widened ops) of a pipelined body's `ops` (in program
+    order; `kinds` their values' microbatch kinds), see the module docstring: `deferred`
+    as `ScanLayout.deferred` ((value, mesh axes) left partial), `widened` (value, the
+    `Tiling` it is held in, whole along its deferred axes), `ops` (op id, the axes taken
+    off its layout). None when some sum cannot be deferred so, or none needs widening."""
+    from ._pipeline import MICROBATCH as micro, SUM, _strip as strip  # (it imports this module)
+
+    left: dict[int, frozenset] = {}
+    wide_ops: dict[int, frozenset] = {}
+    for op in ops:
+        for v in (r for r in op.results if r >= 0 and kinds.get(r) == SUM):
+            ins = [left.get(u, frozenset()) for u in op.operands if u >= 0 and kinds.get(u) == SUM]
+            made, rest = ext.produced(v), ext.tiling(v)
+            if op.link:
+                if any(ins):
+                    return None  # (a deferred sum crossing a region boundary)
+                continue
+            if micro in made.partial:  # the reduction over the batch
+                axes = frozenset(made.partial) - {micro}
+                if strip(made).dims != _without(strip(rest), axes).dims:
+                    return None
+            else:
+                if len(set(ins)) > 1:
+                    return None
+                axes = ins[0]
+                if axes and not _widenable(ext, op, kinds):
+                    return None
+                if axes:
+                    wide_ops[op.id] = axes
+            if axes:
+                left[v] = axes
+    widened = tuple((v, _without(ext.tiling(v), axes)) for v, axes in left.items()
+                    if axes & set(ext.tiling(v).axes()))
+    if not widened:
+        return None
+    deferred = tuple((v, tuple(a for a in ext.mesh.names if a in axes)) for v, axes in left.items())
+    return deferred, widened, tuple(sorted((o, tuple(a for a in ext.mesh.names if a in axes))
+                                           for o, axes in wide_ops.items()))
+
+
+def _widenable(ext, op, kinds: dict) -> bool:
+    """Can `op`, reading sums left partial over some axes, run on their blocks whole
+    along them: linear in sums alone, partial over nothing itself, its layout the same
+    whichever way the lowering and the cost model read it?"""
+    from ._pipeline import LINEARITY, SUM
+
+    if LINEARITY.get(op.primitive) not in _WIDENABLE:
+        return False
+    if any(u >= 0 and kinds.get(u) != SUM for u in op.operands):
+        return False
+    block, whole = ext.block_layout(op.id), ext.op_layout(op.id)
+    return not block[1] and block[0] == whole[0]

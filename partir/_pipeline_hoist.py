@@ -1,0 +1,106 @@
+"""Weights a pipelined stage gathers once a pass instead of once per microbatch.
+
+Inside a pipelined layer scan the plan's moves run per microbatch per tick. A stacked
+input of the scan that is the same for every microbatch (a layer's weight) and that the
+layers read only gathered over some axes of the plan (FSDP: split over `data` at rest,
+read whole by the dots) would be gathered again at every tick, although it never
+changes during the loop (or a cast of it: a float32 master weight cast to the compute
+dtype inside the layer, which the stage then casts once too). `gathered_inputs` names
+those body inputs and the layout the layers read them in (`Gathered`); the lowerings
+gather the stage's block of all its layers to that layout once, before the tick loop,
+and the body reads the gathered copy (the backward
+scan, a loop of its own, gathers its inputs again before it, as Megatron and MaxText
+re-gather for the backward pass rather than keep the forward's copy live across the
+head); the cost model charges that gather once a pass, on the stage's layers.
+
+Only where it is plainly right: every reader is an op of the body itself (not a nested
+region, whose boundary moves the value as its link says), all read it in one layout,
+that layout keeps a leading part of each dim's axes (the move is gathers alone), the
+plan recomputes nothing inside the layers (a recomputation reads forward values in the
+backward ticks), and the schedule is not the circular one (which exchanges the stacked
+inputs for its chunks after their moves). Otherwise the value moves per microbatch as
+before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._nested import Link
+from ._tiling import Tiling
+
+#: Ops a stage may run on its whole block of a weight once before its tick loop rather
+#: than in every tick: elementwise casts of one operand (a float32 master weight cast to
+#: the compute dtype inside the layer), whose result is the same whatever the block.
+CASTS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A stacked input of a pipelined scan that its stage gathers once before the tick
+    loop: body input `input`, cast by `ops` (op ids, in order: `CASTS`) into `value`
+    (`input` itself when `ops` is empty), which the layers read in `layout`."""
+
+    input: int
+    value: int
+    layout: Tiling
+    ops: tuple[int, ...] = ()
+
+
+def gathered_inputs(ext, call, in_dims, residuals, per_microbatch: bool) -> tuple:
+    """The `Gathered` stacked inputs of the pipelined scan `call` (see the module
+    docstring); `ext` is the microbatched partitioning, `in_dims` the body inputs'
+    microbatch dims (`ScanLayout.in_dims`); `residuals`: stacked inputs left as they are
+    (1F1B's residuals, which it keeps in its ring of microbatches rather than as stacked
+    blocks); `per_microbatch`: gather none early."""
+    if per_microbatch:
+        return ()
+    prog = ext.program
+    body = prog.regions[call.body]
+    first = len(call.consts) + len(call.carry)
+    out = []
+    for v, dim, outer in zip(body.invars[first:], in_dims[first:], call.xs):
+        if v < 0 or dim is not None or outer in residuals:
+            continue
+        u, ops = _cast(ext, v, call.body)
+        need = _read_layout(ext, u, call.body)
+        if need is not None and need != ext.tiling(u).dims and _gathers_only(ext.tiling(u).dims, need):
+            out.append(Gathered(v, u, Tiling(need), ops))
+    return tuple(out)
+
+
+def _cast(ext, v: int, region: int) -> tuple[int, tuple[int, ...]]:
+    """(the value `v` is cast into by a chain of `CASTS`, each the one reader of what the
+    previous made and keeping its layout, in `region`; the chain's op ids)."""
+    prog, ops = ext.program, []
+    while len(prog.users[v]) == 1:
+        op = prog.ops[prog.users[v][0]]
+        outs = [r for r in op.results if r >= 0]
+        if (op.primitive not in CASTS or op.link or op.region != region or len(outs) != 1
+                or ext.tiling(outs[0]).dims != ext.tiling(v).dims or _read_layout(ext, v, region) != ext.tiling(v).dims):
+            break
+        ops.append(op.id)
+        v = outs[0]
+    return v, tuple(ops)
+
+def _read_layout(ext, v: int, region: int):
+    """The one dim tiling every reader of `v` reads it in, all of them ops of `region`
+    (None when a reader is a link or elsewhere, or two read it differently); but for
+    the link stacking it as a per-layer output (a weight kept for the backward pass: the
+    body gives it at rest, cut from the gathered block, which moves nothing)."""
+    prog, seen = ext.program, set()
+    for o in prog.users[v]:
+        op = prog.ops[o]
+        if op.link and op.primitive == Link.SCAN_YS:
+            continue
+        if op.link or op.region != region:
+            return None
+        for layout in (ext.block_layout(o), ext.op_layout(o)):
+            seen.update(dims for side, k, _, dims in layout[0] if side == "operand" and op.operands[k] == v)
+    return next(iter(seen)) if len(seen) == 1 else None
+
+
+def _gathers_only(have, need) -> bool:
+    """Is moving dim tiling `have` to `need` gathers alone (each dim of `need` a
+    leading part of the same dim of `have`)?"""
+    return all(tuple(h[:len(n)]) == tuple(n) for h, n in zip(have, need))

@@ -1,0 +1,98 @@
+"""What a pipelined stage moves once a step instead of once per microbatch, layer and
+tick, and the buffers that live across its tick loop for it: its weights gathered
+before the loop (`partir.ScanLayout.gathered`, `partir/_pipeline_hoist.py`) and its
+weight gradients accumulated whole along the axes of their reduce-scatter and
+reduce-scattered after it (`partir.ScanLayout.widened`, `partir/_pipeline_defer.py`),
+and what the head between the layer scans sums over the microbatches (`head_sums`)."""
+
+from __future__ import annotations
+
+import math
+
+import partir
+from partir import Kind, Tiling
+
+from ._comm import CollectiveCost
+
+
+def _body_span(prog, call) -> tuple[int, int]:
+    """The first and last op of pipelined scan `call`'s body (its nested regions in)."""
+    inside = set(partir.body_regions(prog, call.body))
+    ids = [op.id for op in prog.ops if op.region in inside]
+    return min(ids), max(ids)
+
+
+def read_gathered(pricing, lay, pipe, split) -> None:
+    """Record in `pricing` (`PipelinePricing`) the weights pipelined scan `lay` gathers
+    before its loop: `gathered` (the value its layers read -> (that layout, `lay`,
+    `pipe`)), and the casts before the gather priced once a step on all the stage's
+    layers (`scale`; `split`: the pipeline's `StageSplit`)."""
+    pricing.gathered.update((g.value, (g.layout, lay, pipe)) for g in lay.gathered)
+    for o in (o for g in lay.gathered for o in g.ops):
+        pricing.scale[o] = split.slots / split.length
+
+
+def hoisted(pricing, model) -> list:
+    """(op, value, collectives, (last op, buffer bytes)) of each weight a pipelined
+    stage gathers before its tick loop (`pricing`: the model's `PipelinePricing`): the
+    gather of its stage's block, all its layers (ceil(L/S) slots), from its layout at
+    rest to the one its layers read, charged once a step at the first op reading it; the
+    gathered block live from there to the body's last op (the loop runs the body in
+    every tick). A weight gather is overlappable as any FSDP gather is (`overlappable`)."""
+    prog, mesh = pricing.part.program, pricing.part.mesh
+    out = []
+    for v, (need, lay, pipe) in pricing.gathered.items():
+        last = _body_span(prog, lay.call)[1]
+        first = min(prog.users[v])
+        stages = mesh.size(pipe.axis)
+        layers = pipe.split(stages).slots * stages  # the stacked block's rows over all stages
+        src = Tiling(((pipe.axis,),) + pricing.part.tiling(v).dims)
+        dst = Tiling(((pipe.axis,),) + need.dims)
+        full = float(model._nbytes[v]) * layers
+        cols = tuple(CollectiveCost(kind, axes, nbytes, t, first, v, 1.0, False)
+                     for kind, axes, nbytes, t in pricing.links.reshard(src, dst, full, mesh))
+        out.append((first, v, cols, (last, full / mesh.devices_along(a for d in dst.dims for a in d))))
+    return out
+
+
+def scattered(pricing, model) -> list:
+    """(op, value, collectives, (last op, buffer bytes)) of each weight gradient a
+    pipelined stage accumulates whole along the axes of its reduce-scatter
+    (`partir.ScanLayout.widened`): the stage's block of all its layers,
+    partial over those axes, reduce-scattered to the layout at rest once a step after
+    the loop (a gradient's reduction, overlappable as any), the accumulator live across
+    the loop. Charged at the body's first op, where the accumulator starts."""
+    prog, part, mesh = pricing.part.program, pricing.part, pricing.part.mesh
+    out = []
+    for pipe, _, layouts, _ in pricing.costs:
+        for lay in layouts:
+            held = dict(lay.widened)
+            first, last = _body_span(prog, lay.call)
+            for v, r in zip(prog.regions[lay.call.body].outvars[len(lay.call.carry):], lay.call.ys):
+                if v not in held or r < 0:
+                    continue
+                src = Tiling(((pipe.axis,),) + held[v].dims, lay.left_partial(v), "sum")
+                # (Uneven stages reduce-scatter the stage's ceil(L/S) rows to the body's
+                # layout, then exchange them as any stacked output: `_uneven_exchanges`.)
+                split = pipe.split(mesh.size(pipe.axis))
+                dst = Tiling(((pipe.axis,),) + part.tiling(v).dims) if split.exchanged else part.tiling(r)
+                full = float(model._nbytes[v]) * (split.slots * split.stages if split.exchanged else lay.call.length)
+                item = float(model._nbytes[v]) / max(1, math.prod(prog.values[v].shape))
+                cols = tuple(CollectiveCost(kind, axes, nbytes, t, first, v, 1.0, True,
+                                            nbytes / item if kind == Kind.ALL_REDUCE else 0.0)
+                             for kind, axes, nbytes, t in pricing.links.reshard(src, dst, full, mesh))
+                out.append((first, v, cols, (last, full / mesh.devices_along(a for d in src.dims for a in d))))
+    return out
+
+
+def head_sums(prog, pipe, head, mesh) -> list:
+    """(value, mesh axes) of each all-reduce completing what the head between the layer
+    scans makes once the microbatches are summed: its deferred sums, over the axes left
+    (GPipe); under 1F1B every output the step reads after the backward scan, which the
+    last stage alone makes, over those axes and the stage axis."""
+    if head is None:
+        return []
+    if pipe.schedule != "1f1b":
+        return [(v, axes) for v, axes in head.deferred if v in head.outputs]
+    return [(v, tuple(a for a in mesh.names if a in head.left_partial(v) or a == pipe.axis))
+            for v in partir.onef_outputs(prog, pipe, head)]
