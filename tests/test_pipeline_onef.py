@@ -104,6 +104,23 @@ def test_the_modeled_peak_of_1f1b_is_xlas_within_a_fifth():
     assert 0.8 < model / xla < 1.2
 
 
+def test_a_fused_attention_kernel_keeps_no_scores_in_the_tick_loops():
+    """On a device whose attention is a fused kernel (H100: cuDNN's), the scores, their
+    softmax and its mask never exist, so no tick loop holds them either (the ring once
+    held the softmax's weights of 7 microbatches: 601 GB a device on NeMo's 70B row):
+    Llama, two stages of two layers, M=4, on H100."""
+    model = search.CostModel(_plan(2, 4, TINY_LLAMA), "h100")
+    model.cost()
+    from search.cost._tick_buffers import kernel_values
+
+    attention = model.materialization.attention
+    kernel = kernel_values(model.part.program, attention)
+    everything = model._pipeline.ticks.entries(model.liveness.virtual, model._value_div)
+    held = model._pipeline.ticks.entries(model.liveness.virtual, model._value_div, attention)
+    assert any(kernel[v] for _, _, v, _ in everything)  # the program's softmax is in the ticks
+    assert held and not any(kernel[v] for _, _, v, _ in held)
+
+
 @pytest.mark.slow
 def test_the_1f1b_ring_is_held_once_where_a_microbatch_has_two_rows():
     """XLA:CPU copies the ring of kept residuals only where a microbatch is one row along

@@ -187,7 +187,8 @@ def test_uneven_stages_hold_their_slots_residuals_not_every_layers():
                                 [T.DataParallel("data"), T.Pipeline("stage", microbatches=4)]).partitioning
         return search.CostModel(part, "h100").cost().memory_peak
 
-    assert peak(7) <= peak(8)
+    # (Within 1%: uneven stages hold their padded rows of the exchanged parameters too.)
+    assert peak(7) <= 1.01 * peak(8)
 
 
 #: Uneven stages rematerializing their layers (slow): (config, mesh, policy, backend).

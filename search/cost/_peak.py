@@ -76,7 +76,8 @@ class CostMemory:
         if ticks is not None:  # the tick loops keep the residuals themselves, and buffers of their own
             carried = ticks.stacked_elsewhere(carried)
         for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried),
-                              ("tick", ticks.entries(liveness.virtual, self._value_div) if ticks else ())):
+                              ("tick", ticks.entries(liveness.virtual, self._value_div, self.materialization.attention)
+                               if ticks else ())):
             if self._pipeline is not None and kind != "tick":
                 entries = self._pipeline.stacks(entries, self._value_div)
             vs, ve, vz = extra_buffers(entries, value_bytes)

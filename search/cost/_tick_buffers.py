@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 import partir
 
 
@@ -107,13 +109,22 @@ class TickBuffers:
                 self.bodies.update(partir.body_regions(prog, lay.call.body))
                 self.passes.append(_pass(prog, pipe, ext, lay.call, span, last, layers, gone, extra))
 
-    def entries(self, virtual, value_div) -> list:
+    def entries(self, virtual, value_div, attention=None) -> list:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
         microbatch's block of each per-layer output, and of each stacked input split over
         the microbatches, `value_div` saying which are: an input the same for every
         microbatch is read in place), each kept stack the model takes as fused
         (`virtual`), from the forward ticks to the backward ones, the loops' fused
-        constants, and uneven stages' padded rows of their stacked inputs and outputs."""
+        constants, and uneven stages' padded rows of their stacked inputs and outputs.
+        With `attention` (`Materialization.attention`, the fused attention kernels), what
+        is inside a kernel is no buffer, in a tick or out of it (`kernel_values`)."""
+        out = self._entries(virtual, value_div)
+        if attention is None:
+            return out
+        inside = kernel_values(self.program, attention)
+        return [e for e in out if not inside[e[2]]]
+
+    def _entries(self, virtual, value_div) -> list:
         out = list(self.rows)
         whole: dict[int, list] = {}  # a fused constant the loops read whole: made once, before them
         for p in self.passes:
@@ -128,6 +139,32 @@ class TickBuffers:
         """`carried` (`Materialization.carried` entries) without those of pipelined scans:
         the tick loop keeps the residuals themselves (see the module docstring)."""
         return [c for c in carried if self.program.values[c[2]].region not in self.bodies]
+
+
+def kernel_values(prog, attention) -> np.ndarray:
+    """Per value: inside a fused attention kernel, where the scores, their softmax and
+    its mask never exist: the kernel's values (`attention.values`), their stacks and
+    slices across a loop's boundary (a forward scan's stacked weights, the backward
+    body's slice of them), and what only the kernel's ops read (the mask a layer scan
+    takes as a constant)."""
+    inside = np.array(attention.values, dtype=bool)
+    for _ in range(2):  # a loop's boundary links run before and after its body
+        for op in prog.ops:
+            if op.link and op.operands and op.operands[0] >= 0 and inside[op.operands[0]]:
+                inside[[r for r in op.results if r >= 0]] = True
+    readers: dict[int, list] = {}
+    for op in prog.ops:
+        for u in op.operands:
+            if u >= 0:
+                readers.setdefault(u, []).append(op)
+    for v, ops in readers.items():
+        if all(not o.link and attention.ops[o.id] for o in ops):
+            inside[v] = True
+    for op in reversed(prog.ops):  # a constant's outer value, when its body copy is the kernel's alone
+        if op.link and op.operands and op.operands[0] >= 0 and all(r < 0 or inside[r] for r in op.results) and \
+                all(o.link for o in readers.get(op.operands[0], ())):
+            inside[op.operands[0]] = True
+    return inside
 
 
 def _pass(prog, pipe, ext, call, span, last, layers, gone, extra) -> _Pass:
