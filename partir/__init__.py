@@ -28,8 +28,8 @@ from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation
                           scan_body_of, user_checkpoints)
 from ._decision import Decision, Reshard
 from ._partitioning import Partitioning
-from ._online import CHAIN_PRIMITIVES, OnlineAttention, OnlineForward, Unmatched, online_attentions, online_reason
-from ._online_scans import OnlineAcrossScans
+from ._online import CHAIN_PRIMITIVES, OnlineAttention, OnlineForward, Unmatched, online_reason
+from ._online_scans import OnlineAcrossScans, online_attentions
 from ._rings import RING_KINDS, RingMove, ring_moves
 from ._pipeline import (MICROBATCH, SCHEDULES as PIPELINE_SCHEDULES, Pipelining, ScanLayout, StageSplit, kept_in_slots, made_at, state_dim,
                         microbatched, stage_chunks)

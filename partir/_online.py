@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._attention import attentions, forward_like, kernel_region, _region_dims
+from ._attention import forward_like, _region_dims
 from ._graph import made_from_scalars
 from ._nested import Link
 
@@ -120,27 +120,8 @@ class Unmatched:
     reason: str
 
 
-def online_attentions(program) -> tuple:
-    """Per attention of `program` (`partir.attentions`), an `OnlineAttention`, an
-    `OnlineForward` (no backward dots of its own), or an `Unmatched` saying why not
-    (module docstring). Kept with the program."""
-    return program.analysis(_online_attentions)
-
-
-def _online_attentions(program) -> tuple:
-    region = kernel_region(program)
-    return tuple(_match(program, region, a) for a in attentions(program))
-
-
 class _NoMatch(Exception):
     pass
-
-
-def _match(program, region, a):
-    try:
-        return _matched(program, region, a)
-    except _NoMatch as e:
-        return Unmatched(a.score, str(e))
 
 
 def _need(ok: bool, reason: str) -> None:
@@ -148,7 +129,9 @@ def _need(ok: bool, reason: str) -> None:
         raise _NoMatch(reason)
 
 
-def _matched(program, region, a):
+def _matched(program, region, a, across):
+    """The match of attention `a` (`partir.online_attentions`); `across`: the matcher of
+    one whose forward stacks residuals for a backward layer scan (`_online_scans`)."""
     forward = forward_like(program)
     dims = _region_dims(program, region, a.scores)
     chain, keys, x, sub = _chain(program, dims, forward, a)
@@ -161,9 +144,7 @@ def _matched(program, region, a):
         ops = _component(program, region, (a.scores,), (a.score, a.combine), stacked)
         if not stacked:
             return OnlineForward(*head, ops)
-        from ._online_scans import across_scans
-
-        return across_scans(program, region, dims, head, stacked, ops)
+        return across(program, region, dims, head, stacked, ops)
     grads = backward_dots(program, region, dims, a.scores, (a.query, a.key, a.value), p)
     dots = (a.score, a.combine) + grads[:4]
     _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")

@@ -21,9 +21,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._attention import attentions, kernel_region
 from ._nested import Link
-from ._online import OnlineAttention, _component, _need, backward_dots
+from ._online import OnlineAttention, Unmatched, _component, _matched, _need, _NoMatch, backward_dots
 from ._scans import layer_scans
+
+
+def online_attentions(program) -> tuple:
+    """Per attention of `program` (`partir.attentions`), an `OnlineAttention`, an
+    `OnlineForward` (no backward dots of its own), an `OnlineAcrossScans` (its backward
+    in the paired backward layer scan), or an `Unmatched` saying why not (`partir._online`'s
+    docstring). Kept with the program."""
+    return program.analysis(_online_attentions)
+
+
+def _online_attentions(program) -> tuple:
+    region = kernel_region(program)
+    return tuple(_match(program, region, a) for a in attentions(program))
+
+
+def _match(program, region, a):
+    try:
+        return _matched(program, region, a, across_scans)
+    except _NoMatch as e:
+        return Unmatched(a.score, str(e))
 
 
 @dataclass(frozen=True)

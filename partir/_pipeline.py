@@ -29,34 +29,17 @@ from ._errors import PartitioningError
 from ._graph import call_roots
 from ._mesh import MeshSpec
 from ._nested import Link
+from ._microbatch import LINEARITY, MICROBATCH, SAME, SPLIT, SUM, _strip
 from ._pipeline_defer import deferred_scatters
 from ._pipeline_hoist import gathered_inputs
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._tiling import Tiling
 
-#: The sequential axis microbatches are cut along in `microbatched`: it is no device
-#: axis, so a plan's mesh may not name it.
-MICROBATCH = "microbatch"
 #: Schedules the lowering runs, by name: "gpipe" (all forwards, then all backwards; with
 #: repeats, the circular schedule) and "1f1b" (one tick loop in which a stage runs one
 #: microbatch's forward and an earlier one's backward, the head between them on the
 #: last stage: `lowering/_onef`).
 SCHEDULES = ("gpipe", "1f1b")
-#: How an op passes on a sum over microbatches (a result of a reduction over the batch),
-#: by primitive: `unary` ops are linear in their one operand; `additive` ones add
-#: operands that must all be such sums; `multilinear` ones are linear in each operand,
-#: so exactly one may be a sum and the others the same for every microbatch;
-#: `numerator` ones are linear in their first operand alone (a mean's division by the
-#: count, which the loss between the layer scans makes).
-LINEARITY = {
-    **dict.fromkeys(("convert_element_type", "reshape", "transpose", "neg", "broadcast_in_dim", "reduce_sum",
-                     "squeeze", "expand_dims", "copy", "copy_p", "reduce_precision"), "unary"),
-    **dict.fromkeys(("add", "add_any", "sub"), "additive"),
-    **dict.fromkeys(("mul", "dot_general"), "multilinear"),
-    "div": "numerator",
-}
-#: Kinds of a body value across microbatches (`ScanLayout`).
-SPLIT, SAME, SUM = "split", "same", "sum"
 
 
 @dataclass(frozen=True)
@@ -313,11 +296,6 @@ def _xs_link(prog, call: ScanCall, op) -> int:
     """`op`'s id if it is a link handing scan `call`'s body a stacked input, else -1."""
     hands = op.link and op.primitive == Link.SCAN_XS and prog.values[op.results[0]].region == call.body
     return op.id if hands else -1
-
-
-def _strip(t: Tiling) -> Tiling:
-    return Tiling(tuple(tuple(a for a in d if a != MICROBATCH) for d in t.dims),
-                  tuple(a for a in t.partial if a != MICROBATCH), t.reduce_kind)
 
 
 def _micro_dim(t: Tiling, what: str):

@@ -16,6 +16,7 @@ axes; otherwise `None`, and the all-reduce-only deferral (`_pipeline._deferred`)
 
 from __future__ import annotations
 
+from ._microbatch import LINEARITY, MICROBATCH as micro, SUM, _strip as strip
 from ._tiling import Tiling
 
 #: How `LINEARITY` ops may run on blocks whole along the deferred axes: those taking
@@ -35,7 +36,6 @@ def deferred_scatters(ext, ops, kinds: dict):
     as `ScanLayout.deferred` ((value, mesh axes) left partial), `widened` (value, the
     `Tiling` it is held in, whole along its deferred axes), `ops` (op id, the axes taken
     off its layout). None when some sum cannot be deferred so, or none needs widening."""
-    from ._pipeline import MICROBATCH as micro, SUM, _strip as strip  # (it imports this module)
 
     left: dict[int, frozenset] = {}
     wide_ops: dict[int, frozenset] = {}
@@ -74,7 +74,6 @@ def _widenable(ext, op, kinds: dict) -> bool:
     """Can `op`, reading sums left partial over some axes, run on their blocks whole
     along them: linear in sums alone, partial over nothing itself, its layout the same
     whichever way the lowering and the cost model read it?"""
-    from ._pipeline import LINEARITY, SUM
 
     if LINEARITY.get(op.primitive) not in _WIDENABLE:
         return False

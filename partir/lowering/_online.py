@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import made_from_scalars
-from .._online import OnlineAttention, OnlineForward, Unmatched, online_attentions, online_reason
-from .._online_scans import OnlineAcrossScans
+from .._online import OnlineAttention, OnlineForward, Unmatched, online_reason
+from .._online_scans import OnlineAcrossScans, online_attentions
 from .._tiling import Tiling
 from ._eval import bind_equation
 from ._ring import _next
