@@ -403,3 +403,29 @@ def test_the_plan_says_which_attentions_keep_the_programs_softmax():
     assert "1 of 1 attentions run blockwise" in notes[True, False] and KEPT not in notes[True, False]
     assert "0 of 1 attentions run blockwise" in notes[True, True]
     assert "keeping the program's softmax round the ring" in notes[True, True] and "Remat" in notes[True, True]
+
+
+#: Context parallelism beside pipeline stages (slow): (model, strategy, balance, backend),
+#: ContextParallel first or after the Pipeline.
+CP_PP = [("gpt", "allgather", "zigzag", "jit", True), ("llama", "allgather", None, "shard_map", False),
+         ("llama", "allgather", "zigzag", "jit", False), ("llama", "ring", "zigzag", "shard_map", True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,strategy,balance,backend,first", CP_PP)
+def test_context_parallel_composes_with_pipeline_stages(model, strategy, balance, backend, first):
+    """The sequence split over 'cp' and the layers over two stages of a layer scan, the
+    batch over 'data' and two microbatches: the step equals jax.jit's. (A ring inside a
+    pipeline keeps the program's softmax, and says so.)"""
+    step, args = _step(model, scan_layers=True, seq_len=16)
+    cp = tactics.ContextParallel("cp", strategy=strategy, balance=balance)
+    rest = [tactics.DataParallel("data"), tactics.Pipeline("stage", microbatches=2)]
+    part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, cp=2, stage=2),
+                                  [cp] + rest if first else rest + [cp]).partitioning
+    prog = part.program
+    assert part.pipelines and any("cp" in part.tiling(v).axes() for v in prog.inputs if "tokens" in prog.name(v))
+    if strategy == "ring":
+        with pytest.warns(UserWarning, match=KEPT):
+            partir.check_equivalence(step, args, part, rtol=RTOL, atol=ATOL, backend=backend)
+    else:
+        partir.check_equivalence(step, args, part, rtol=RTOL, atol=ATOL, backend=backend)
