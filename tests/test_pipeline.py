@@ -137,7 +137,7 @@ def test_a_plan_splitting_the_layers_work_over_the_stage_axis_is_refused():
         T.apply_schedule(prog, _mesh(2), [T.DataParallel("stage"), T.Pipeline("stage", microbatches=2)])
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ("dp", "llama-dp-megatron") else pytest.mark.slow)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "dp" else pytest.mark.slow)
                                   for c in ["dp", *COMPOSED]])
 def test_the_jit_lowering_computes_what_jit_computes_with_the_modeled_collectives(case):
     """Under the jit lowering the pipelined scans run as shard_map regions: the step
@@ -395,6 +395,7 @@ def peaks(part, args) -> tuple[float, float]:
     return search.CostModel(part, "cpu").cost().memory_peak, xla
 
 
+@pytest.mark.slow  # (the default run: test_the_head_runs_per_microbatch_so_its_logits_leave_the_peak)
 def test_more_microbatches_lower_the_modeled_peak_as_they_lower_xlas():
     """A pipelined layer's temporaries hold one microbatch: the modeled peak falls with
     M as the compiled program's does (the layers' values dominate a longer sequence),

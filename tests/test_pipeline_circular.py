@@ -44,8 +44,9 @@ def _same_step(part, config, backend):
 
 
 @pytest.mark.parametrize("microbatches,backend", [
-    (2, "shard_map"), (2, "jit"),
-    (4, "shard_map"),  # more microbatches than stages: they wait at the first stage for their next round
+    (2, "shard_map"), pytest.param(2, "jit", marks=pytest.mark.slow),
+    # more microbatches than stages: they wait at the first stage for their next round
+    pytest.param(4, "shard_map", marks=pytest.mark.slow),
 ])
 def test_circular_gpt_computes_what_jit_computes(microbatches, backend):
     _same_step(_plan(2, microbatches, 2), TINY, backend)

@@ -121,6 +121,7 @@ def test_the_backward_ticks_run_the_layers_again():
     assert full.forward == pytest.approx(plain.forward) and full.backward > plain.backward
 
 
+@pytest.mark.slow  # (the default run holds the band in tests/test_pipeline_uneven.py's remat case)
 def test_remat_lowers_the_modeled_peak_as_it_lowers_xlas():
     """With a sequence long enough that the layers' residuals dominate, rematerializing
     the stages lowers the modeled peak and the compiled program's (S=2, M=2: 1319 -> 349

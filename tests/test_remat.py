@@ -283,7 +283,7 @@ def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
 # The unrolled form (the slowest to compile; `make test-all` runs it) is covered in the
 # default run by test_recomputing_plan_matches_jit's unrolled case; each change runs in
 # the default run under one lowering, the other in `make test-all`.
-SLOW_CHANGES = {("relax", "jit"), ("tighten", "shard_map")}
+SLOW_CHANGES = {("relax", "jit"), ("tighten", "shard_map"), ("tighten", "jit")}
 CHANGED = [(change, backend, form) for change in ("tighten", "relax") for backend in ("jit", "shard_map")
            for form in ("unrolled", "scan")]
 

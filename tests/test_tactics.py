@@ -142,7 +142,7 @@ def test_data_parallel_infers_the_batch_and_all_reduces_gradients():
     assert given.partitioning.key() == part.key()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # (2: between 1 and 3)
 def test_zero_stages(stage):
     step, args = gpt.make_train_step(gpt.GPTConfig(adam_eps=EPS))
     res = _plan(step, args, MeshSpec.of(data=8), [T.DataParallel("data"), T.ZeRO("data", stage)])
