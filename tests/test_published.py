@@ -136,11 +136,11 @@ def test_rankings_compare_throughput_across_batch_sizes():
 #: by the distributed optimizer, the state donated) they model 52 and 42 GiB.
 #: Llama 3 405B (GPipe over uneven stages, `OUT_OF_BAND`) keeps all 32 microbatches'
 #: residuals of its stage's layers from the forward pass to the backward, where the run's
-#: interleaved 1F1B keeps a few; the model puts its peak at 1040 GiB (331 GiB before its
+#: interleaved 1F1B keeps a few; the model puts its peak at 1007 GiB (331 GiB before its
 #: stage kept its weights gathered across the tick loops and its gradients accumulated
 #: unscattered, and before the tick loops' own buffers were modeled: the loops keep the
 #: residuals XLA would otherwise re-derive, among them the float32 RMSNorm values the
-#: example's layers save). NeMo's Llama 3.1 70B (1F1B) models 409 GiB (95 GiB before, the
+#: example's layers save). NeMo's Llama 3.1 70B (1F1B) models 376 GiB (95 GiB before, the
 #: same two changes): this project's 1F1B keeps the residuals of up to 2S - 1 = 7
 #: microbatches a stage, where Megatron's keeps S - s, and its ring holds the layers'
 #: float32 norms, where Megatron's fused RMSNorm keeps its input and statistics.
