@@ -238,3 +238,14 @@ def test_layers_whose_backward_reads_what_the_forward_made_of_the_weights_pipeli
     ours, theirs = partir.lower(part, backend="shard_map")(params, x), jax.jit(_transposed_step)(params, x)
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,others,microbatches,backend", [
+    (FOUR, [T.DataParallel("data")], 4, "shard_map"),
+    (dataclasses.replace(TWO, n_layers=4), [T.FSDP("data")], 8, "jit"),
+], ids=["llama-dp-m4-shard_map", "gpt-fsdp-m8-jit"])
+def test_unrolled_layers_over_four_stages(config, others, microbatches, backend):
+    """Four stages of one unrolled layer each, data parallel or FSDP on the other axis,
+    four or eight microbatches: the step equals `jax.jit`'s."""
+    _same_step(_plan(config, MeshSpec.of(data=2, stage=4), others, microbatches), config, backend)
