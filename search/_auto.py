@@ -133,10 +133,7 @@ class AutomaticPartition(Tactic):
 
     def apply(self, part, ctx: Context):
         start = time.perf_counter()
-        axes, groups = self._setup(part)
-        two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
-        state, why = self._state(part, groups, axes, ctx, two)
-        macros = self._macros(state, axes)
+        axes, groups, two, (state, why), macros = self._space(part, ctx)
         seeds = _seeds.compositions(macros)
         while True:
             try:
@@ -179,10 +176,17 @@ class AutomaticPartition(Tactic):
         """What this search walks from `part`: `(state, macros)`, the search state
         (shallow twins where they are sound, else `part` itself, with `ctx` for the
         macros) and the macro tactics; e.g. for `exhaustive` to walk the same space."""
+        *_, (state, _), macros = self._space(part, ctx)
+        return state, macros
+
+    def _space(self, part, ctx):
+        """`(axes, groups, two, (state, why not on twins), macros)` of a search from
+        `part`: the axes searched, the input groups, `part` on two micro-batches (None
+        without gradient accumulation), the search state and the macro tactics."""
         axes, groups = self._setup(part)
         two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
-        state = self._state(part, groups, axes, ctx, two)[0]
-        return state, self._macros(state, axes)
+        state, why = self._state(part, groups, axes, ctx, two)
+        return axes, groups, two, (state, why), self._macros(state, axes)
 
     def _state(self, part, groups, axes, ctx, two=None):
         """`(state, why not on twins)`: twins where they are sound, else `part` itself;
@@ -196,8 +200,7 @@ class AutomaticPartition(Tactic):
     def _one_state(self, part, groups, axes, ctx):
         if not self.group:
             return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
-        state, why = twin_state(part, groups, axes, device=self.priced_on, memory_limit=self.memory_limit,
-                                source=str(self), ctx=ctx, backend=self.backend, donated=self.donate_argnums)
+        state, why = twin_state(part, groups, axes, model=self._model, source=str(self), ctx=ctx)
         return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
 
     def _program_state(self, part, groups, axes, ctx, two=None):

@@ -40,7 +40,6 @@ from partir import Partitioning, PartitioningError, lift
 from partir._layers import children, is_layers, layer_keys  # noqa: F401
 from tactics import input_groups, roles
 
-from .cost import CostModel
 from .cost._achieved import TimeParts
 from ._state import PairedStates, SearchState, doubtful
 
@@ -269,11 +268,12 @@ class TwinState(PairedStates):
                 "costs extrapolated linearly in the layer count")
 
 
-def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, backend: str = "jit",
-               donated: tuple[int, ...] = ()):
+def twin_state(part, groups, axes, *, model, source: str, ctx):
     """`(TwinState, None)` standing in for `part` (whose input `groups` are searched over
-    `axes`), or `(None, why not)`. Each twin's macros apply with a context of its own,
-    `ctx.child()` (`ctx` is the schedule's)."""
+    `axes`), or `(None, why not)`; `model(partitioning)` is the `CostModel` the search
+    prices a plan with (its device, limit, lowering and donation), made for each twin.
+    Each twin's macros apply with a context of its own, `ctx.child()` (`ctx` is the
+    schedule's)."""
     prog = part.program
     origin = getattr(prog, "origin", None)
     if origin is None:
@@ -322,9 +322,8 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, ba
         states, names = [], []
         for depth in depths:
             canon = _canonical_names(keys, layers, depth, head, tail)
-            state, why = _twin(part, groups, axes, progs[depth], canon, depth, device=device,
-                               memory_limit=memory_limit, source=source, ctx=ctx.child(), backend=backend,
-                               donated=donated)
+            state, why = _twin(part, groups, axes, progs[depth], canon, depth, model=model, source=source,
+                               ctx=ctx.child())
             if state is None:
                 break
             states.append(state)
@@ -334,7 +333,7 @@ def twin_state(part, groups, axes, *, device, memory_limit, source: str, ctx, ba
     return None, why
 
 
-def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, source, ctx, backend, donated):
+def _twin(part, groups, axes, tprog, canon, depth, *, model, source, ctx):
     prog = part.program
     r = roles(tprog)
     by_first = {tprog.name(g.members[0]): g for g in input_groups(tprog, r.params + r.batch)}
@@ -356,5 +355,4 @@ def _twin(part, groups, axes, tprog, canon, depth, *, device, memory_limit, sour
         tv = tprog.resolve(canon[v])
         if part.tiling(v) != tpart.tiling(tv) or part.is_pinned(v) != tpart.is_pinned(tv):
             return None, f"earlier decisions differ between layers ({prog.name(v)})"
-    model = CostModel(tpart, device, memory_limit=memory_limit, backend=backend, donate_argnums=donated)
-    return SearchState(tpart, model, aligned, axes, source, ctx), None
+    return SearchState(tpart, model(tpart), aligned, axes, source, ctx), None

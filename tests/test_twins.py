@@ -52,8 +52,8 @@ def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     part = partir.Partitioning(prog, MESH)
     r = T.roles(prog)
     groups = search.input_groups(prog, r.params + r.batch)
-    twins, why = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=None, source="test",
-                                   ctx=T.Context())
+    twins, why = _twins.twin_state(part, groups, MESH.names, model=lambda p: search.CostModel(p, "h100"),
+                                   source="test", ctx=T.Context())
     assert why is None
     full = search.SearchState(part, search.CostModel(part, "h100"), groups, MESH.names, "test", T.Context())
     macro = {"dp": T.DataParallel("data"), "megatron": T.Megatron("model"), "fsdp": T.FSDP("data", leave_room=False)}
@@ -78,11 +78,13 @@ def test_near_the_limit_twins_extrapolate_the_exact_peak():
     exact = search.CostModel(part.copy(), "h100").exact_peak()
     r = T.roles(prog)
     groups = search.input_groups(prog, r.params + r.batch)
-    twins, _ = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=exact,
+    twins, _ = _twins.twin_state(part, groups, MESH.names,
+                                 model=lambda p: search.CostModel(p, "h100", memory_limit=exact),
                                  source="test", ctx=T.Context())
     assert twins.evaluate()[1] == pytest.approx(exact, rel=1e-9)
-    far, _ = _twins.twin_state(part, groups, MESH.names, device="h100", memory_limit=10 * exact, source="test",
-                               ctx=T.Context())
+    far, _ = _twins.twin_state(part, groups, MESH.names,
+                               model=lambda p: search.CostModel(p, "h100", memory_limit=10 * exact),
+                               source="test", ctx=T.Context())
     assert far.evaluate()[1] < exact  # far from the limit the fast (optimistic) peak is enough
 
 
@@ -229,8 +231,8 @@ def test_equinox_layers_in_a_module_field_get_twins():
     part = partir.Partitioning(prog, MESH)
     r = T.roles(prog)
     groups = search.input_groups(prog, r.params + r.batch)
-    twins, why = _twins.twin_state(part, groups, MESH.names, device="cpu", memory_limit=None, source="test",
-                                   ctx=T.Context())
+    twins, why = _twins.twin_state(part, groups, MESH.names, model=lambda p: search.CostModel(p, "cpu"),
+                                   source="test", ctx=T.Context())
     assert why is None and twins.layers == 12
     full = search.SearchState(part, search.CostModel(part, "cpu"), groups, MESH.names, "test", T.Context())
     dp = search.Action.macro(T.DataParallel("data"))
