@@ -100,6 +100,7 @@ class TickBuffers:
     def __init__(self, part, pipes):
         prog = part.program
         self.program, self.passes, self.bodies, self.rows = prog, [], set(), []
+        self._kernel = (None, None)  # (attention, its `kernel_values`): the memory model asks every evaluation
         for pipe, ext, layouts, gone, extra in pipes:
             self.rows += _padded_rows(part, pipe, layouts)
             layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
@@ -121,7 +122,9 @@ class TickBuffers:
         out = self._entries(virtual, value_div)
         if attention is None:
             return out
-        inside = kernel_values(self.program, attention)
+        if self._kernel[0] is not attention:
+            self._kernel = (attention, kernel_values(self.program, attention))
+        inside = self._kernel[1]
         return [e for e in out if not inside[e[2]]]
 
     def _entries(self, virtual, value_div) -> list:
