@@ -81,7 +81,12 @@ class OnlineRings:
         """Forget the previous trace's saved outputs (per score dot: output and
         log-sum-exp) and the constants made whole."""
         self.saved: dict[int, SavedRows] = {}
-        self.wholes: dict[int, object] = {}
+        # By (region traced, value): a constant made while tracing one loop body is a
+        # value of that body's trace, which another body (the backward scan's, reaching
+        # the forward's mask through the scans' links) must not close over: JAX would
+        # lift the dead tracer into the step's arguments (a crash from its second call).
+        self.wholes: dict[tuple[int, int], object] = {}
+        self.tracing: int | None = None  # the region whose trace makes the constants now
 
     def skips(self, frame, results) -> bool:
         """Does a nested call making `results` make only values of a blockwise attention
@@ -89,6 +94,7 @@ class OnlineRings:
         (the mask a `jnp.where` returns for its gradient), the former never exist."""
         if not self.values or not any(r in self.values for r in results):
             return False
+        self.tracing = self.interp.prog.values[results[0]].region
         free = made_from_scalars(self.interp.prog)
         if not all(r < 0 or r in self.values or free[r] for r in results):
             return False
@@ -103,6 +109,7 @@ class OnlineRings:
         has nothing to do."""
         m = self.ops[oid]
         a = m.attention
+        self.tracing = self.interp.prog.ops[oid].region
         if oid == a.combine:
             self._forward(frame, m)
         elif oid in m.backward_dots and not frame.has(self.interp.prog.ops[m.grad_values].results[0]):
@@ -111,9 +118,9 @@ class OnlineRings:
     # -- the pieces ------------------------------------------------------------------
     def _whole(self, v: int):
         """Value `v` (made from scalars) whole, in the plan's token order."""
-        cache = self.wholes
-        if v in cache:
-            return cache[v]
+        cache, key = self.wholes, (self.tracing, v)
+        if key in cache:
+            return cache[key]
         prog = self.interp.prog
         p = prog.producer[v]
         if p < 0:
@@ -125,7 +132,7 @@ class OnlineRings:
             args = [x.val if u < 0 else self._whole(u) for x, u in zip(op.eqn.invars, op.operands)]
             outs = bind_equation(op.eqn, args)
             x = self.interp.order.made(v, outs[op.results.index(v)])
-        cache[v] = x
+        cache[key] = x
         return x
 
     def _logits(self, m, scores, block, size: int):
