@@ -67,7 +67,8 @@ class OnlineForward:
     `chain`: op ids from the score dot's result to the softmax input `x` (link ops
     included: identities); `chain_key_dims`: per chain op, the keys' dim of its result.
     `weights`: the softmax's result `P`, `row_sum` its row sums (before they are
-    broadcast back), `key_dim` the keys' dim of `x` and `P`. `ops`: every op whose
+    broadcast back), `key_dim` the keys' dim of `x` and `P`; `read`: `P` as the dots
+    read it (`P`, or its cast to the dtype of a mixed-precision step's `P V`). `ops`: every op whose
     work the blockwise attention does instead (the region's ops, links included, and
     its dots)."""
 
@@ -78,6 +79,7 @@ class OnlineForward:
     weights: int
     row_sum: int
     key_dim: int
+    read: int
     ops: frozenset
 
     @property
@@ -137,15 +139,15 @@ def _matched(program, region, a, across):
     chain, keys, x, sub = _chain(program, dims, forward, a)
     key = keys[-1] if keys else a.score_key_dim
     p, row_sum = _softmax(program, forward, x, key, sub)
-    _need(p in program.ops[a.combine].operands, "the combine dot does not read the softmax's result")
-    head = (a, tuple(chain), tuple(keys), x, p, row_sum, key)
+    read = _weights_read(program, forward, p, a.combine)
+    head = (a, tuple(chain), tuple(keys), x, p, row_sum, key, read)
     if not [o for o in program.users[a.value] if region.score[o] and not forward[o]]:
         stacked = []  # no backward dot reads the values here: a forward pass alone, or one keeping residuals
         ops = _component(program, region, (a.scores,), (a.score, a.combine), stacked)
         if not stacked:
             return OnlineForward(*head, ops)
         return across(program, region, dims, head, stacked, ops)
-    grads = backward_dots(program, region, dims, a.scores, (a.query, a.key, a.value), p)
+    grads = backward_dots(program, region, dims, a.scores, (a.query, a.key, a.value), read)
     dots = (a.score, a.combine) + grads[:4]
     _need(len({program.ops[o].region for o in dots}) == 1, "its forward and backward dots run in different regions")
     ops = _component(program, region, (a.scores, program.ops[grads[0]].results[0]), dots)
@@ -241,6 +243,19 @@ def _softmax(program, forward, x: int, key: int, sub) -> tuple[int, int]:
             and program.ops[o].operands == (e, total)]
     _need(len(divs) == 1, "no softmax: exp is not divided by its sum")
     return divs[0].results[0], sums[0].results[0]
+
+
+def _weights_read(program, forward, p: int, combine: int) -> int:
+    """The weights `p` as the combine dot reads them: `p` itself, or its one cast (a
+    bfloat16 step's `jax.nn.dot_product_attention` takes the softmax in float32 and
+    casts the weights to the values' dtype for `P V`); _NoMatch otherwise."""
+    if p in program.ops[combine].operands:
+        return p
+    casts = [program.ops[o] for o in program.users[p]
+             if forward[o] and program.ops[o].primitive == "convert_element_type"]
+    _need(len(casts) == 1 and casts[0].results[0] in program.ops[combine].operands,
+          "the combine dot does not read the softmax's result")
+    return casts[0].results[0]
 
 
 def _only(program, forward, v: int, primitive: str) -> int:

@@ -71,7 +71,7 @@ def across_scans(program, region, dims, head: tuple, stacked: list[int], forward
     """The attention `head` (`OnlineForward`'s fields before `ops`) whose forward ops
     `forward_ops` stack residuals by the `Link.SCAN_YS` ops `stacked`, matched across
     its scan pair; _NoMatch saying why not."""
-    a, p = head[0], head[4]
+    a, p = head[0], head[7]  # the weights as the dots read them (cast or not)
     body = program.ops[a.score].region
     pair = next((s for s in layer_scans(program) if s.forward.body == body and s.backward is not None), None)
     _need(pair is not None, "it keeps residuals in a loop's stack for no backward layer scan")

@@ -173,6 +173,7 @@ class OnlineRings:
         size = keys.shape[a.key_dim]
         me = jax.lax.axis_index(ring.axis)
         kd = m.key_dim
+        cast = prog.values[m.read].dtype  # P as P V reads it (a bfloat16 step casts it)
         row_max = row_sum = acc = None
         for s in range(n):
             block = (me - s) % n
@@ -183,7 +184,9 @@ class OnlineRings:
             new_max = top if row_max is None else jnp.maximum(row_max, top)
             safe = jnp.where(jnp.isneginf(new_max), 0, new_max)  # a row masked to -inf so far
             p = jnp.exp(x - safe)
-            pv = _dot(combine, a.value, values, p)
+            # Summed over the blocks in the statistics' precision, as one dot over the
+            # whole row sums internally; cast to the program's dtype once at the end.
+            pv = _dot(combine, a.value, values, p.astype(cast), preferred_element_type=p.dtype)
             if row_max is None:
                 row_sum, acc = jnp.sum(p, axis=kd, keepdims=True), pv
             else:
@@ -193,7 +196,7 @@ class OnlineRings:
             row_max = new_max
             if s + 1 < n:  # the next block's work after this one's: one block of scores at a time
                 keys, values, row_max, row_sum, acc = jax.lax.optimization_barrier((*sent, row_max, row_sum, acc))
-        out = acc / _to_out(combine, a.value, values, row_sum)
+        out = (acc / _to_out(combine, a.value, values, row_sum)).astype(prog.values[a.out].dtype)
         lse = jnp.where(jnp.isneginf(row_max), 0, row_max) + jnp.log(row_sum)
         self.saved[a.score] = SavedRows(out, lse)
         if isinstance(m, OnlineAcrossScans):  # stacked for the backward scan, in the place of its residuals
@@ -220,7 +223,8 @@ class OnlineRings:
         keys, values, q = jax.lax.optimization_barrier((keys, values, q, d_out))[:3]
         size = keys.shape[a.key_dim]
         me = jax.lax.axis_index(ring.axis)
-        delta = _to_rows(combine, a.value, values, d_out * out, lse)
+        cast = prog.values[m.read].dtype
+        delta = _to_rows(combine, a.value, values, d_out.astype(lse.dtype) * out.astype(lse.dtype), lse)
         dq = own = travelling = None
         for s in range(n):
             block = (me - s) % n
@@ -228,12 +232,12 @@ class OnlineRings:
                 sent = (_next(keys, ring.axis, n, again=True), _next(values, ring.axis, n, again=True))
             x, logits_vjp = jax.vjp(lambda t, b=block: self._logits(m, t, b, size), _dot(score, a.key, keys, q))
             p = jnp.exp(x - lse)
-            _, weights_vjp = jax.vjp(lambda t, vb=values: _dot(combine, a.value, vb, t), p)
+            _, weights_vjp = jax.vjp(lambda t, vb=values: _dot(combine, a.value, vb, t.astype(cast)), p)
             (dp,) = weights_vjp(d_out)
             (ds,) = logits_vjp(p * (dp - delta))
             part_dq = _dot(dq_op, key, keys, ds)
             dq = part_dq if dq is None else dq + part_dq
-            parts = (_dot(dk_op, query, q, ds), _dot(dv_op, m.grad_out, d_out, p))
+            parts = (_dot(dk_op, query, q, ds), _dot(dv_op, m.grad_out, d_out, p.astype(cast)))
             if s == 0:
                 own = parts
             else:
@@ -265,26 +269,26 @@ def _is_chain(prog, m, o: int, u: int) -> bool:
     return u in prog.ops[m.chain[k - 1]].results
 
 
-def _dot(op, fixed: int, given, other):
+def _dot(op, fixed: int, given, other, **changes):
     """Dot `op` bound with its operand `fixed` (a value id) as `given` and the other as
-    `other`."""
+    `other`, its params updated by `changes`."""
     args = [given, other] if op.operands[0] == fixed else [other, given]
-    return bind_equation(op.eqn, args)[0]
+    return bind_equation(op.eqn, args, **changes)[0]
 
 
 def _to_out(combine, value: int, values, stat):
     """A per-row statistic (the weights' layout, keys' dim of size 1) in the combine
-    dot's result layout: the dot of it with ones of one key (exact)."""
-    ones = jnp.ones(_one_key(combine, value, values), values.dtype)
-    return _dot(combine, value, ones, stat)
+    dot's result layout: the dot of it with ones of one key (exact, in its dtype)."""
+    ones = jnp.ones(_one_key(combine, value, values), stat.dtype)
+    return _dot(combine, value, ones, stat, preferred_element_type=stat.dtype)
 
 
 def _to_rows(combine, value: int, values, y, like):
     """`y` (of the combine dot's result layout) summed over the values' own dims, in
     the layout of `like` (the weights' with the keys' dim of size 1): `_to_out`
     transposed."""
-    ones = jnp.ones(_one_key(combine, value, values), values.dtype)
-    (r,) = jax.linear_transpose(lambda t: _dot(combine, value, ones, t), like)(y)
+    ones = jnp.ones(_one_key(combine, value, values), like.dtype)
+    (r,) = jax.linear_transpose(lambda t: _dot(combine, value, ones, t, preferred_element_type=like.dtype), like)(y)
     return r
 
 
