@@ -74,7 +74,7 @@ class Pipeline(Tactic):
                               "to roll unrolled layers into one, or leave Pipeline out")
         scan = scans[0]
         length = scan.forward.length
-        split = partir.StageSplit(length, stages, scan.forward.rolled)
+        split = partir.StageSplit(length, stages, scan.forward.rolled, self.repeats)
         found, _ = batch_inputs(part, self.batch_argnums)
         for v in found:
             blocks = part.mesh.devices_along(part.tiling(v).dims[0]) * self.microbatches
@@ -96,9 +96,10 @@ class Pipeline(Tactic):
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
         per, units = split.slots, self.microbatches * self.repeats
-        chunks = f" in {self.repeats} chunks of {per // self.repeats} (circular)" if self.repeats > 1 else ""
-        if split.uneven:
-            chunks = f" (the last {stages - split.fuller} of {per - 1}; uneven)"
+        chunks = f" in {self.repeats} chunks of {split.chunk} (circular)" if self.repeats > 1 else ""
+        if split.uneven:  # (the last chunks run one layer fewer: with one repeat, the last stages)
+            which = "chunks " if self.repeats > 1 else ""
+            chunks += f" (the last {split.chunks - split.fuller} {which}of {split.chunk - 1}; uneven)"
         return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
                       f"{(stages - 1) / (units + stages - 1):.0%}"]

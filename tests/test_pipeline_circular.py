@@ -195,7 +195,7 @@ def test_residuals_stay_in_the_stages_order_between_the_passes():
 # -- refusals ------------------------------------------------------------------------------
 @pytest.mark.parametrize("stages,microbatches,repeats,config,others,match", [
     (2, 1, 2, TINY, None, "at least as many microbatches as stages"),
-    (4, 4, 2, TINY, None, "do not divide the 4 layers"),
+    (4, 4, 2, TINY, None, "4 stages x 2 repeats make more chunks than the 4 layers"),
 ])
 def test_settings_the_circular_schedule_cannot_run_are_refused(stages, microbatches, repeats, config, others, match):
     with pytest.raises(T.TacticError, match=match):

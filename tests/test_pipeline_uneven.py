@@ -142,9 +142,9 @@ def test_the_stage_table_says_which_layers_each_stage_runs():
                     ["2", "3..3 + 1 padding slot", "2, 6"], ["3", "4..4 + 1 padding slot", "3, 7"]]
 
 
-def test_the_circular_schedule_over_uneven_stages_is_refused_naming_the_fix():
+def test_a_circular_schedule_of_more_chunks_than_layers_is_refused_naming_the_fix():
     _, _, prog = _lifted(THREE)
-    with pytest.raises(T.TacticError, match="2 stages x 2 repeats do not divide the 3 layers.*repeats=1"):
+    with pytest.raises(T.TacticError, match="2 stages x 2 repeats make more chunks than the 3 layers.*at most 1"):
         T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.Pipeline("stage", microbatches=2, repeats=2)])
 
 
