@@ -36,10 +36,12 @@ class Pipeline(Tactic):
     stage s runs chunks s, s+S, ..., s+(R-1)*S: a microbatch goes round the stages R
     times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
     values stay in contiguous blocks at rest; each step exchanges the stage's
-    parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
-    `microbatches` >= S and S*R dividing the layers (Remat runs in the chunks); uneven stages (S not
-    dividing the layers) need repeats=1 (Remat runs in them, a padding slot keeping
-    its carry only).
+    parameters and gradients for its chunks over `axis` (docs/pipeline.md). Where S*R
+    does not divide the layers (or they were rolled from unrolled ones) the chunks are
+    padded to ceil(L/(S*R)) slots, the last ones one layer fewer, and the state is held
+    as uneven stages hold it, exchanged straight into the chunks' order. Needs
+    `microbatches` >= S and at most as many chunks as layers (Remat runs in the chunks,
+    a padding slot keeping its carry only).
 
     With `schedule` "1f1b" the forward layers, the head and the backward layers run as
     one tick loop: a stage runs one microbatch's forward and an earlier one's backward

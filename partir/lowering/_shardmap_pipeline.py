@@ -17,10 +17,12 @@ chunk of L/(S*R) layers each, the sends form a ring (the last position sends to 
 first, where a microbatch's carry waits for its next round), and the stacked values are
 exchanged for the chunks the stage runs on the way in and back on the way out
 (`_circular`), but for the residuals kept in that order between the two scans
-(`partir.kept_in_slots`). With uneven stages (S not dividing L) each stage runs
-ceil(L/S) layer slots, a padding slot passing its carry on, and its rows of the stacked
-values are exchanged in and out of their [L, ...] layout (`_uneven`), but for the
-residuals kept as the stages' blocks between the two scans.
+(`partir.kept_in_slots`). With uneven stages (S, or S*R, not dividing L) or layers
+rolled from unrolled ones each stage runs ceil(L/S) layer slots (circular: R chunks of
+ceil(L/(S*R))), a padding slot passing its carry on, and its rows of the stacked values
+are exchanged in and out of their [L, ...] layout (`_uneven`), already in the circular
+schedule's slot order, but for the residuals kept as the stages' blocks between the
+two scans.
 
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is

@@ -1,6 +1,7 @@
 """Uneven stages inside a pipelined layer scan's stage program (`partir.StageSplit`):
 each stage runs ceil(L/S) layer slots, the first stages all of them with layers, the
-others one padding slot last.
+others one padding slot last (under the circular schedule, R chunks of ceil(L/(S*R))
+slots, in the order the stage runs them: `StageSplit.positions`).
 
 The stacked values keep their own [L, ...] layout (an array cannot be split unevenly
 over devices), so the stage program pads on the way in and cuts on the way out, and
