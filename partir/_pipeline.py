@@ -279,10 +279,12 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
         if k == SUM:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
-    # (Not where the layers recompute, or the circular schedule exchanges the stacked
-    # values around their moves: they keep moving per microbatch there.)
+    # (Not where the layers recompute, or the circular schedule exchanges contiguous
+    # blocks around their moves: they keep moving per microbatch there. Exchanged rows,
+    # uneven or rolled, arrive in the circular schedule's order before the moves.)
     ring = set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()  # (the residuals 1F1B keeps)
-    plain = bool(part.rematerialized or part.reused or pipe.repeats > 1)
+    blocks = pipe.repeats > 1 and not pipe.split(part.mesh.size(pipe.axis)).exchanged
+    plain = bool(part.rematerialized or part.reused or blocks)
     gathered = gathered_inputs(ext, call, in_dims, ring, plain)
     scatters = None if plain else deferred_scatters(ext, ops, kinds)
     deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())

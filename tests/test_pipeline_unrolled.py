@@ -309,3 +309,20 @@ def test_unrolled_layers_run_the_circular_schedule_in_chunks_of_unequal_lengths(
     _same_step(part, config, backend)
     compiled, modeled = _collectives(part, config, backend)
     assert compiled == modeled
+
+
+@pytest.mark.slow
+def test_circular_stages_of_rolled_layers_gather_their_weights_once_as_gpipe_does():
+    """FSDP on the other axis, four microbatches: the exchange brings each stage its
+    rows in chunk order before the tick loop, so the stage's weights are gathered once
+    before it (and their gradients reduced once after) as under GPipe, not per tick:
+    XLA's all-gathers over 'data' are GPipe's, and its collectives the modeled ones."""
+    config = CIRCULAR["gpt"]
+
+    def gathers(repeats):
+        part = _plan(config, MeshSpec.of(data=4, stage=2), [T.FSDP("data")], 4, repeats=repeats)
+        compiled, modeled = _collectives(part, config, "shard_map")
+        assert compiled == modeled
+        return {key: n for key, n in compiled.items() if key[0] == partir.Kind.ALL_GATHER and key[1] == ("data",)}
+
+    assert gathers(2) == gathers(1)
