@@ -210,8 +210,15 @@ def test_uneven_stages_rematerializing_their_layers_compile_the_modeled_collecti
     config, mesh, policy, backend = REMAT_CASES[case]
     part = _plan(config, mesh, [T.DataParallel("data"), T.Remat(policy)])
     _same_step(part, config, backend)
+    _compiled_as_modeled(part, config, backend)
+
+
+def _compiled_as_modeled(part, config, backend, **lowering):
+    """XLA's collectives of `part`'s step (lowered with `lowering`) are exactly the
+    modeled ones, and under the shard_map lowering its peak (temp + arguments + outputs
+    - alias) is the modeled one within 20%."""
     _, args, _ = _lifted(config)
-    program = partir.lower(part, backend=backend).lower(*args).compile()
+    program = partir.lower(part, backend=backend, **lowering).lower(*args).compile()
     compiled = partir.collective_buffers(partir.collectives(program.as_text(), part.mesh.jax_mesh()),
                                          reduce_scatter=False)
     cost = search.CostModel(part, "cpu").cost()
@@ -278,14 +285,6 @@ def test_the_circular_schedule_runs_chunks_of_unequal_lengths(case):
     split = part.pipelines[0].split(2)
     assert split.layers() == (((0, 1, 3), (2, 4)) if config.n_layers == 5 else ((0, 1, 4), (2, 3, 5)))
     _same_step(part, config, backend)
-    _, args, prog = _lifted(config)
+    _, _, prog = _lifted(config)
     free = {"free": search.materialization(prog).from_scalars} if backend == "shard_map" else {}
-    program = partir.lower(part, backend=backend, **free).lower(*args).compile()
-    compiled = partir.collective_buffers(partir.collectives(program.as_text(), part.mesh.jax_mesh()),
-                                         reduce_scatter=False)
-    cost = search.CostModel(part, "cpu").cost()
-    assert compiled == collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
-    if backend == "shard_map":
-        ma = program.memory_analysis()
-        xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-        assert 0.8 < cost.memory_peak / xla < 1.2
+    _compiled_as_modeled(part, config, backend, **free)
