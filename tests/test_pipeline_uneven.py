@@ -133,14 +133,26 @@ def test_the_last_stages_run_one_layer_fewer():
     assert [list(r) for r in partir.StageSplit(5, 4).layers()] == [[0, 1], [2], [3], [4]]
 
 
-def test_the_stage_table_says_which_layers_each_stage_runs():
+def _stage_rows(layers, repeats, names, sizes):
     out = Console(file=io.StringIO(), width=200)
-    out.print(stage_table("stage", 5, 1, ["data", "stage"], [2, 4]))
+    out.print(stage_table("stage", layers, repeats, names, sizes))
     text = out.file.getvalue()
     assert "uneven" in text
-    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
-    assert rows == [["0", "0..1", "0, 4"], ["1", "2..2 + 1 padding slot", "1, 5"],
-                    ["2", "3..3 + 1 padding slot", "2, 6"], ["3", "4..4 + 1 padding slot", "3, 7"]]
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+
+
+def test_the_stage_table_says_which_layers_each_stage_runs():
+    assert _stage_rows(5, 1, ["data", "stage"], [2, 4]) == [
+        ["0", "0..1", "0, 4"], ["1", "2..2 + 1 padding slot", "1, 5"],
+        ["2", "3..3 + 1 padding slot", "2, 6"], ["3", "4..4 + 1 padding slot", "3, 7"]]
+
+
+@pytest.mark.slow
+def test_the_stage_table_lists_circular_chunks_of_unequal_lengths():
+    """5 layers in 4 chunks of 2 slots (2, 1, 1, 1 layers): stage 0 runs chunks 0 and 2,
+    stage 1 chunks 1 and 3, their padding slots counted."""
+    assert _stage_rows(5, 2, ["data", "stage"], [4, 2]) == [
+        ["0", "0..1, 3..3 + 1 padding slot", "0, 2, 4, 6"], ["1", "2..2, 4..4 + 2 padding slots", "1, 3, 5, 7"]]
 
 
 def test_a_circular_schedule_of_more_chunks_than_layers_is_refused_naming_the_fix():
