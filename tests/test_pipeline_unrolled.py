@@ -327,3 +327,21 @@ def test_circular_stages_of_rolled_layers_gather_their_weights_once_as_gpipe_doe
         return {key: n for key, n in compiled.items() if key[0] == partir.Kind.ALL_GATHER and key[1] == ("data",)}
 
     assert gathers(2) == gathers(1)
+
+
+@pytest.mark.slow
+def test_a_saved_circular_plan_of_unrolled_layers_loads_and_runs_as_it_was_made(tmp_path):
+    """`automap.partition` rolls five unrolled layers for the circular schedule (chunks
+    of 2, 1, 1, 1); the plan file reads back to the same pipeline and bytes, and the
+    loaded plan's step equals `jax.jit`'s."""
+    config = dataclasses.replace(TWO, n_layers=5)
+    step, args = gpt.make_train_step(config)
+    plan = automap.partition(step, mesh={"data": 4, "stage": 2}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=2, repeats=2)])(*args)
+    plan.save(tmp_path / "plan.json")
+    loaded = automap.load_plan(tmp_path / "plan.json").bind(step, *args)
+    assert loaded.partitioning.pipelines == plan.partitioning.pipelines
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
+    for a, b in zip(jax.tree_util.tree_leaves(loaded.jit()(*args)), jax.tree_util.tree_leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
