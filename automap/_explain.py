@@ -107,23 +107,20 @@ def saved_pipeline_tables(data: dict) -> list:
 
 
 def stage_table(axis: str, layers: int, repeats: int, names, sizes) -> Table:
-    """Which layers each stage over `axis` runs (`partir.stage_chunks`; uneven stages,
-    `partir.StageSplit`, marked with their padding slot), and its devices."""
+    """Which layers each stage over `axis` runs, chunk by chunk (`partir.StageSplit`;
+    uneven ones marked with their padding slots), and its devices."""
     import partir
 
     stages = dict(zip(names, sizes))[axis]
-    split = partir.StageSplit(layers, stages)
-    per = layers // (stages * repeats)  # layers per chunk
+    split = partir.StageSplit(layers, stages, repeats=repeats)
     table = Table(title=f"pipeline stages over {axis!r}" + (" (uneven)" if split.uneven else ""))
     for col in ("stage", "layers", "devices"):
         table.add_column(col, justify="right" if col == "stage" else "left")
-    for s, chunks in enumerate(partir.stage_chunks(stages, repeats)):
+    for s in range(stages):
         devices = [d for d in range(math.prod(sizes)) if _coord(d, names, sizes, axis) == s]
-        if split.uneven:
-            first, count = split.first(s), split.count(s)
-            ran = f"{first}..{first + count - 1}" + (" + 1 padding slot" if count < split.slots else "")
-        else:
-            ran = ", ".join(f"{k * per}..{(k + 1) * per - 1}" for k in chunks)
+        ran = ", ".join(f"{r[0]}..{r[-1]}" for r in split.stage_layers(s))
+        pad = split.slots - split.count(s)
+        ran += f" + {pad} padding slot{'s' * (pad > 1)}" if pad else ""
         table.add_row(str(s), ran, ", ".join(map(str, devices)))
     return table
 

@@ -31,8 +31,9 @@ from ._partitioning import Partitioning
 from ._online import CHAIN_PRIMITIVES, OnlineAttention, OnlineForward, Unmatched, online_reason
 from ._online_scans import OnlineAcrossScans, online_attentions
 from ._rings import RING_KINDS, RingMove, ring_moves
-from ._pipeline import (MICROBATCH, SCHEDULES as PIPELINE_SCHEDULES, Pipelining, ScanLayout, StageSplit, kept_in_slots, made_at, state_dim,
+from ._pipeline import (MICROBATCH, SCHEDULES as PIPELINE_SCHEDULES, Pipelining, ScanLayout, kept_in_slots, made_at, state_dim,
                         microbatched, stage_chunks)
+from ._stage_split import StageSplit
 from ._pipeline_head import HeadLayout, check_pipeline, check_pipelines, head_layout, onef_outputs
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._reshard import Kind, Transition, permuted_dims, transition

@@ -33,6 +33,7 @@ from ._microbatch import LINEARITY, MICROBATCH, SAME, SPLIT, SUM, _strip
 from ._pipeline_defer import deferred_scatters
 from ._pipeline_hoist import gathered_inputs
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
+from ._stage_split import StageSplit
 from ._tiling import Tiling
 
 #: Schedules the lowering runs, by name: "gpipe" (all forwards, then all backwards; with
@@ -107,7 +108,7 @@ class Pipelining:
 
     def split(self, stages: int) -> "StageSplit":
         """How the layers of the forward scan fall into `stages` stages (`StageSplit`)."""
-        return StageSplit(self.scans.forward.length, stages, self.scans.forward.rolled)
+        return StageSplit(self.scans.forward.length, stages, self.scans.forward.rolled, self.repeats)
 
     @property
     def bodies(self) -> tuple[int, ...]:
@@ -117,54 +118,6 @@ class Pipelining:
     def stacked(self) -> tuple[int, ...]:
         """Every stacked value of the pipelined scans (split over the stage axis)."""
         return tuple(dict.fromkeys(v for c in self.scans.calls for v in c.stacked))
-
-
-@dataclass(frozen=True)
-class StageSplit:
-    """`length` layers over `stages` contiguous stages. Each stage holds `slots` =
-    ceil(L/S) layer slots; when S does not divide L the first `fuller` stages run
-    `slots` layers and the others one fewer, their last slot padding (every stage runs
-    at least floor(L/S) layers, none runs none). `rolled`: the layers were rolled from
-    unrolled ones (`partir.roll_layers`), whose per-layer arrays cannot be held split
-    along the stacked layer dim, so the stages exchange their layers as uneven ones do."""
-
-    length: int
-    stages: int
-    rolled: bool = False
-
-    @property
-    def slots(self) -> int:
-        """Layer slots per stage: ceil(L/S)."""
-        return -(-self.length // self.stages)
-
-    @property
-    def uneven(self) -> bool:
-        """Do some stages hold a padding slot (S does not divide L)?"""
-        return self.length % self.stages != 0
-
-    @property
-    def exchanged(self) -> bool:
-        """Do the stacked values stay [L, ...] at rest (split over the stage axis along
-        another dim), each step exchanging the stage's layers in and out (`uneven` or
-        `rolled`)?"""
-        return self.uneven or self.rolled
-
-    @property
-    def fuller(self) -> int:
-        """How many stages (the first ones) run `slots` layers; the others run one fewer."""
-        return self.length - self.stages * (self.slots - 1)
-
-    def first(self, s: int) -> int:
-        """The first layer stage `s` runs."""
-        return s * (self.slots - 1) + min(s, self.fuller)
-
-    def count(self, s: int) -> int:
-        """How many layers stage `s` runs."""
-        return self.slots - (s >= self.fuller)
-
-    def layers(self) -> tuple[range, ...]:
-        """Per stage, the layers it runs."""
-        return tuple(range(self.first(s), self.first(s) + self.count(s)) for s in range(self.stages))
 
 
 @dataclass(frozen=True)
@@ -209,21 +162,17 @@ def microbatched(part, pipe: Pipelining):
 
 
 def _check_circular(part, pipe: Pipelining) -> None:
-    """The circular schedule's conditions: whole chunks, a microbatch back at the first
-    stage no later than it is needed there."""
-    stages, length = part.mesh.size(pipe.axis), pipe.scans.forward.length
-    if pipe.scans.forward.rolled:
-        raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) does not run layers rolled from "
-                                "unrolled ones (their stages exchange the layers in contiguous blocks): use "
-                                "repeats=1, or write the layers as a jax.lax.scan")
-    if length % (stages * pipe.repeats):
-        raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats do not divide the {length} layers of the "
-                                "layer scan into whole chunks (the circular schedule runs no uneven stages): pick "
-                                "repeats so that stages*repeats divides them, or repeats=1")
+    """The circular schedule's conditions: a microbatch back at the first stage no later
+    than it is needed there; with chunks of unequal lengths (S*R not dividing the
+    layers) or layers rolled from unrolled ones, those of their exchange
+    (`_check_uneven`)."""
+    stages = part.mesh.size(pipe.axis)
     if pipe.microbatches < stages:
         raise PartitioningError(f"the circular schedule (repeats={pipe.repeats}) needs at least as many microbatches "
                                 f"as stages ({stages}); {pipe.microbatches} microbatches would reach the first stage "
                                 f"again before it is free: give microbatches >= {stages}, or repeats=1")
+    if pipe.split(stages).exchanged:
+        _check_uneven(part, pipe)
 
 
 def _check_uneven(part, pipe: Pipelining) -> None:
@@ -235,6 +184,10 @@ def _check_uneven(part, pipe: Pipelining) -> None:
     if stages > length:
         raise PartitioningError(f"{stages} stages over {pipe.axis!r} are more than the {length} layers of the layer "
                                 "scan: some stage would run no layer; pick an axis of at most as many devices")
+    if stages * pipe.repeats > length:
+        raise PartitioningError(f"{stages} stages x {pipe.repeats} repeats make more chunks than the {length} layers "
+                                "of the layer scan: some chunk would run no layer; pick repeats of at most "
+                                f"{length // stages}")
     for v in pipe.stacked():
         t = part.tiling(v)
         if t.dims[0] or state_dim(t, pipe.axis) == -1:
@@ -266,7 +219,7 @@ def kept_in_slots(part, pipe: Pipelining) -> frozenset:
     such residual; empty with contiguous even stages or no backward scan."""
     back = pipe.scans.backward
     stages = part.mesh.size(pipe.axis)
-    uneven = pipe.repeats == 1 and pipe.split(stages).exchanged
+    uneven = pipe.split(stages).exchanged
     if (pipe.repeats == 1 and not uneven) or back is None:
         return frozenset()
     prog, roots = part.program, call_roots(part.program)
@@ -326,10 +279,12 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
         if k == SUM:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
-    # (Not where the layers recompute, or the circular schedule exchanges the stacked
-    # values around their moves: they keep moving per microbatch there.)
+    # (Not where the layers recompute, or the circular schedule exchanges contiguous
+    # blocks around their moves: they keep moving per microbatch there. Exchanged rows,
+    # uneven or rolled, arrive in the circular schedule's order before the moves.)
     ring = set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()  # (the residuals 1F1B keeps)
-    plain = bool(part.rematerialized or part.reused or pipe.repeats > 1)
+    blocks = pipe.repeats > 1 and not pipe.split(part.mesh.size(pipe.axis)).exchanged
+    plain = bool(part.rematerialized or part.reused or blocks)
     gathered = gathered_inputs(ext, call, in_dims, ring, plain)
     scatters = None if plain else deferred_scatters(ext, ops, kinds)
     deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())

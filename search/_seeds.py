@@ -58,16 +58,17 @@ def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
 
 def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, int], ...]:
     """The (schedule, repeats) the search offers a pipeline of layer scans `scans` over
-    `axis` with: GPipe; the circular schedule's `CIRCULAR_REPEATS` where it can run
-    (whole chunks of the layers, at least a microbatch per stage); and 1F1B where it
-    keeps fewer residuals than GPipe (more microbatches than the 2S-1 a stage keeps in
-    flight), the stages are even and the step differentiates the layers where it scans them (a backward scan
-    in the forward's region, the head between them). Layers rolled from unrolled ones
-    (`partir.roll_layers`) are offered GPipe alone."""
+    `axis` with: GPipe; the circular schedule's `CIRCULAR_REPEATS` where it can run (a
+    layer at least in each of the S*R chunks, unequal ones padded, at least a
+    microbatch per stage); and 1F1B where it keeps fewer residuals than GPipe (more
+    microbatches than the 2S-1 a stage keeps in flight), the stages are even and the
+    step differentiates the layers where it scans them (a backward scan in the
+    forward's region, the head between them) from a scan, not layers rolled from
+    unrolled ones (`partir.roll_layers`)."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
-    rolled = scans.forward.rolled  # (its stages exchange their layers: GPipe alone runs so)
-    if scans.forward.length % (stages * CIRCULAR_REPEATS) == 0 and microbatches >= stages and not rolled:
+    rolled = scans.forward.rolled  # (its stages exchange their layers: 1F1B does not run so)
+    if stages * CIRCULAR_REPEATS <= scans.forward.length and microbatches >= stages:
         out.append(("gpipe", CIRCULAR_REPEATS))
     back = scans.backward
     even = scans.forward.length % stages == 0

@@ -36,10 +36,12 @@ class Pipeline(Tactic):
     stage s runs chunks s, s+S, ..., s+(R-1)*S: a microbatch goes round the stages R
     times, and the bubble falls from (S-1)/(M+S-1) to (S-1)/(M*R+S-1). The stacked
     values stay in contiguous blocks at rest; each step exchanges the stage's
-    parameters and gradients for its chunks over `axis` (docs/pipeline.md). Needs
-    `microbatches` >= S and S*R dividing the layers (Remat runs in the chunks); uneven stages (S not
-    dividing the layers) need repeats=1 (Remat runs in them, a padding slot keeping
-    its carry only).
+    parameters and gradients for its chunks over `axis` (docs/pipeline.md). Where S*R
+    does not divide the layers (or they were rolled from unrolled ones) the chunks are
+    padded to ceil(L/(S*R)) slots, the last ones one layer fewer, and the state is held
+    as uneven stages hold it, exchanged straight into the chunks' order. Needs
+    `microbatches` >= S and at most as many chunks as layers (Remat runs in the chunks,
+    a padding slot keeping its carry only).
 
     With `schedule` "1f1b" the forward layers, the head and the backward layers run as
     one tick loop: a stage runs one microbatch's forward and an earlier one's backward
@@ -74,7 +76,7 @@ class Pipeline(Tactic):
                               "to roll unrolled layers into one, or leave Pipeline out")
         scan = scans[0]
         length = scan.forward.length
-        split = partir.StageSplit(length, stages, scan.forward.rolled)
+        split = partir.StageSplit(length, stages, scan.forward.rolled, self.repeats)
         found, _ = batch_inputs(part, self.batch_argnums)
         for v in found:
             blocks = part.mesh.devices_along(part.tiling(v).dims[0]) * self.microbatches
@@ -96,9 +98,10 @@ class Pipeline(Tactic):
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
         per, units = split.slots, self.microbatches * self.repeats
-        chunks = f" in {self.repeats} chunks of {per // self.repeats} (circular)" if self.repeats > 1 else ""
-        if split.uneven:
-            chunks = f" (the last {stages - split.fuller} of {per - 1}; uneven)"
+        chunks = f" in {self.repeats} chunks of {split.chunk} (circular)" if self.repeats > 1 else ""
+        if split.uneven:  # (the last chunks run one layer fewer: with one repeat, the last stages)
+            which = "chunks " if self.repeats > 1 else ""
+            chunks += f" (the last {split.chunks - split.fuller} {which}of {split.chunk - 1}; uneven)"
         return part, [f"{length} layers in {stages} stages of {per}{chunks} over {self.axis!r}, "
                       f"{self.microbatches} microbatches, schedule {self.schedule}; modeled bubble "
                       f"{(stages - 1) / (units + stages - 1):.0%}"]

@@ -195,7 +195,7 @@ def test_residuals_stay_in_the_stages_order_between_the_passes():
 # -- refusals ------------------------------------------------------------------------------
 @pytest.mark.parametrize("stages,microbatches,repeats,config,others,match", [
     (2, 1, 2, TINY, None, "at least as many microbatches as stages"),
-    (4, 4, 2, TINY, None, "do not divide the 4 layers"),
+    (4, 4, 2, TINY, None, "4 stages x 2 repeats make more chunks than the 4 layers"),
 ])
 def test_settings_the_circular_schedule_cannot_run_are_refused(stages, microbatches, repeats, config, others, match):
     with pytest.raises(T.TacticError, match=match):
@@ -274,9 +274,14 @@ def test_a_saved_circular_plan_plots_its_rounds(tmp_path):
 
 
 # -- the search ----------------------------------------------------------------------------
-@pytest.mark.parametrize("microbatches,layers,offered", [(2, 4, (1, 2)), (1, 4, (1,)), (2, 2, (1,))])
+@pytest.mark.parametrize("microbatches,layers,offered", [
+    (2, 4, (1, 2)), (1, 4, (1,)), (2, 2, (1,)),
+    pytest.param(2, 5, (1, 2), marks=pytest.mark.slow),  # chunks of 2, 1, 1, 1 layers
+    pytest.param(2, 3, (1,), marks=pytest.mark.slow),  # four chunks, three layers
+])
 def test_the_search_offers_the_circular_schedule_where_it_can_run(microbatches, layers, offered):
-    """Beside GPipe, two repeats: only with whole chunks and a microbatch per stage."""
+    """Beside GPipe, two repeats: only with a layer in each of the S*R chunks (their
+    lengths may differ) and a microbatch per stage."""
     _, _, prog = _gpt(dataclasses.replace(TINY, n_layers=layers))
     part = partir.Partitioning(prog, _mesh(2))
     found = [m.repeats for m in search._seeds.macros(part, ("stage",), (microbatches,)) if isinstance(m, T.Pipeline)]

@@ -4,6 +4,7 @@ The per-layer arrays are stacked in the step; the stage axis splits each along a
 dim at rest and each step exchanges the stage's layers in and their gradients out. The
 step computes what plain `jax.jit` computes (loss, updated parameters, Adam moments)."""
 
+import collections
 import dataclasses
 import functools
 
@@ -35,9 +36,10 @@ def _rolled(config):
     return step, args, partir.roll_layers(partir.lift(step, *args))
 
 
-def _plan(config, mesh, others, microbatches):
+def _plan(config, mesh, others, microbatches, repeats=1):
     _, _, prog = _rolled(config)
-    return T.apply_schedule(prog, mesh, others + [T.Pipeline("stage", microbatches=microbatches)]).partitioning
+    pipeline = T.Pipeline("stage", microbatches=microbatches, repeats=repeats)
+    return T.apply_schedule(prog, mesh, others + [pipeline]).partitioning
 
 
 def _layer_state(prog):
@@ -82,6 +84,12 @@ def test_compiled_collectives_are_the_modeled_ones(config, backend):
         part = _plan(TWO, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2)
     else:
         part = _plan(FOUR, MeshSpec.of(data=2, model=2, stage=2), [T.DataParallel("data"), T.Megatron("model")], 4)
+    _exchanged_once_each_way_as_modeled(part, config, backend)
+
+
+def _exchanged_once_each_way_as_modeled(part, config, backend):
+    """XLA's collectives of `part`'s step are exactly the modeled ones, with one
+    all-to-all over the stage axis per layer parameter each way."""
     compiled, modeled = _collectives(part, config, backend)
     per_layer = len(_layer_state(part.program)) // 3 // config.n_layers  # parameters, not the Adam moments
     exchanges = sum(n for (kind, axes, _), n in compiled.items()
@@ -142,15 +150,54 @@ def test_the_search_pipelines_rolled_layers_where_the_model_says_it_wins(memory_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipeline,match", [
-    (T.Pipeline("stage", microbatches=4, repeats=2), "circular schedule .* does not run layers rolled"),
-    (T.Pipeline("stage", microbatches=4, schedule="1f1b"), "1f1b schedule does not run layers rolled"),
-])
-def test_schedules_that_do_not_run_rolled_layers_are_refused(pipeline, match):
+def test_1f1b_is_refused_on_rolled_layers():
     step, args = gpt.make_train_step(dataclasses.replace(TWO, n_layers=4))
     prog = partir.roll_layers(partir.lift(step, *args))
-    with pytest.raises(T.TacticError, match=match):
+    with pytest.raises(T.TacticError, match="1f1b schedule does not run layers rolled"):
+        pipeline = T.Pipeline("stage", microbatches=4, schedule="1f1b")
         T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.DataParallel("data"), pipeline])
+
+
+# -- the circular schedule -----------------------------------------------------------------
+#: Unrolled layers for two stages of two repeats: four chunks of one layer.
+CIRCULAR = {"gpt": dataclasses.replace(TWO, n_layers=4), "llama": FOUR}
+#: The other axes: (mesh, tactics on them).
+OTHERS = {"dp": (MeshSpec.of(data=4, stage=2), lambda: [T.DataParallel("data")]),
+          "megatron": (MeshSpec.of(data=2, model=2, stage=2), lambda: [T.DataParallel("data"), T.Megatron("model")])}
+
+
+def test_unrolled_gpt_is_planned_for_the_circular_schedule():
+    """Four unrolled layers, two stages of two repeats: stage 0 runs layers 0 and 2,
+    stage 1 layers 1 and 3, and the modeled step exchanges each layer parameter once
+    each way over the stage axis, straight into (and out of) that order, its bubble
+    (S-1)/(M*R+S-1). (The step's numerics and XLA's collectives: the slow matrix below.)"""
+    config = CIRCULAR["gpt"]
+    part = _plan(config, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2, repeats=2)
+    assert part.pipelines[0].split(2).layers() == ((0, 2), (1, 3))
+    cost = search.pipeline_cost(part, part.pipelines[0], "cpu")
+    exchanged = collections.Counter(c.value for c in cost.collectives if c.kind == partir.Kind.ALL_TO_ALL)
+    per_layer = len(_layer_state(part.program)) // 3 // config.n_layers  # parameters, not the Adam moments
+    assert len(exchanged) == 2 * per_layer and set(exchanged.values()) == {1}
+    assert cost.bubble == 1 / 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+@pytest.mark.parametrize("microbatches", [2, 4])
+@pytest.mark.parametrize("others", sorted(OTHERS))
+@pytest.mark.parametrize("model", sorted(CIRCULAR))
+def test_unrolled_layers_run_the_circular_schedule_as_modeled(model, others, microbatches, backend):
+    """GPT and Llama, two stages of two repeats, two or four microbatches (four: they
+    wait at the first stage for their next round), DataParallel with and without
+    Megatron, both lowerings: the step equals `jax.jit`'s, and XLA's collectives are
+    exactly the modeled ones: one all-to-all over the stage axis per layer parameter
+    each way, which takes the stage's rows out of the [L, ...] layout in the circular
+    schedule's chunk order directly (no second exchange into it), and the ring's
+    permutes."""
+    config, (mesh, make) = CIRCULAR[model], OTHERS[others]
+    part = _plan(config, mesh, make(), microbatches, repeats=2)
+    _same_step(part, config, backend)
+    _exchanged_once_each_way_as_modeled(part, config, backend)
 
 
 @pytest.mark.slow
@@ -249,3 +296,52 @@ def test_unrolled_layers_over_four_stages(config, others, microbatches, backend)
     """Four stages of one unrolled layer each, data parallel or FSDP on the other axis,
     four or eight microbatches: the step equals `jax.jit`'s."""
     _same_step(_plan(config, MeshSpec.of(data=2, stage=4), others, microbatches), config, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+def test_unrolled_layers_run_the_circular_schedule_in_chunks_of_unequal_lengths(backend):
+    """Five unrolled layers in four chunks (2, 1, 1, 1: each padded to 2 slots), two
+    stages of two repeats: the step equals `jax.jit`'s, XLA's collectives the modeled
+    ones."""
+    config = dataclasses.replace(TWO, n_layers=5)
+    part = _plan(config, MeshSpec.of(data=4, stage=2), [T.DataParallel("data")], 2, repeats=2)
+    assert part.pipelines[0].split(2).layers() == ((0, 1, 3), (2, 4))
+    _same_step(part, config, backend)
+    compiled, modeled = _collectives(part, config, backend)
+    assert compiled == modeled
+
+
+@pytest.mark.slow
+def test_circular_stages_of_rolled_layers_gather_their_weights_once_as_gpipe_does():
+    """FSDP on the other axis, four microbatches: the exchange brings each stage its
+    rows in chunk order before the tick loop, so the stage's weights are gathered once
+    before it (and their gradients reduced once after) as under GPipe, not per tick:
+    XLA's all-gathers over 'data' are GPipe's, and its collectives the modeled ones."""
+    config = CIRCULAR["gpt"]
+
+    def gathers(repeats):
+        part = _plan(config, MeshSpec.of(data=4, stage=2), [T.FSDP("data")], 4, repeats=repeats)
+        compiled, modeled = _collectives(part, config, "shard_map")
+        assert compiled == modeled
+        return {key: n for key, n in compiled.items() if key[0] == partir.Kind.ALL_GATHER and key[1] == ("data",)}
+
+    assert gathers(2) == gathers(1)
+
+
+@pytest.mark.slow
+def test_a_saved_circular_plan_of_unrolled_layers_loads_and_runs_as_it_was_made(tmp_path):
+    """`automap.partition` rolls five unrolled layers for the circular schedule (chunks
+    of 2, 1, 1, 1); the plan file reads back to the same pipeline and bytes, and the
+    loaded plan's step equals `jax.jit`'s."""
+    config = dataclasses.replace(TWO, n_layers=5)
+    step, args = gpt.make_train_step(config)
+    plan = automap.partition(step, mesh={"data": 4, "stage": 2}, lowering="shard_map", device="cpu",
+                             schedule=[T.DataParallel("data"), T.Pipeline("stage", microbatches=2, repeats=2)])(*args)
+    plan.save(tmp_path / "plan.json")
+    loaded = automap.load_plan(tmp_path / "plan.json").bind(step, *args)
+    assert loaded.partitioning.pipelines == plan.partitioning.pipelines
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
+    for a, b in zip(jax.tree_util.tree_leaves(loaded.jit()(*args)), jax.tree_util.tree_leaves(jax.jit(step)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)

@@ -65,10 +65,13 @@ def test_a_bad_row_is_refused_naming_it(tmp_path):
 
 
 #: Check rows whose modeled published configuration falls outside the band, and why:
-#: Llama 3 405B on 8192 H100s (TP8 PP16 FSDP64) models 18.6 s a step against the 12.6 s
-#: its 430 TFLOP/s give (-33%). It runs GPipe over uneven stages, the nearest schedule
-#: the project has to the run's interleaved 1F1B: the stage's 8 layer slots tick 47 times
-#: for 32 microbatches (bubble 15/47: 13.3 s of compute for 9.1 s of work). A stage now
+#: Llama 3 405B on 8192 H100s (TP8 PP16 FSDP64) models 16.5 s a step against the 12.6 s
+#: its 430 TFLOP/s give (-24%). It runs the circular schedule over chunks of unequal
+#: lengths (16 stages x 2 repeats, 32 chunks of 4 layer slots, the last 2 of 3 layers),
+#: the nearest schedule the project has to the run's interleaved one (V stages a rank,
+#: the Llama 3 paper): 79 ticks of 4 slots for 32 microbatches, bubble 15/79. (As GPipe
+#: over uneven stages, 47 ticks of 8 slots, bubble 15/47, it modeled 18.6 s, -33%: 13.3 s
+#: of compute for 9.1 s of work; the figures below are GPipe's.) A stage now
 #: casts and gathers its layers' weights once before each tick loop and reduce-scatters
 #: their accumulated gradients once after (it gathered them at every tick of both passes
 #: before, 6897 all-gathers and as many reduce-scatters, 32.0 s a step); what stays per
@@ -134,9 +137,10 @@ def test_rankings_compare_throughput_across_batch_sizes():
 #: 84 GiB with float32 parameters whole and not donated; as Megatron runs them
 #: (`master_weights`: bfloat16 weights, the float32 master copy and adam moments sharded
 #: by the distributed optimizer, the state donated) they model 52 and 42 GiB.
-#: Llama 3 405B (GPipe over uneven stages, `OUT_OF_BAND`) keeps all 32 microbatches'
-#: residuals of its stage's layers from the forward pass to the backward, where the run's
-#: interleaved 1F1B keeps a few; the model puts its peak at 1007 GiB (331 GiB before its
+#: Llama 3 405B (the circular schedule in GPipe's order, `OUT_OF_BAND`) keeps all 32
+#: microbatches' residuals of its stage's layers from the forward pass to the backward,
+#: where the run's interleaved 1F1B keeps a few; the model puts its peak at 992 GiB (1007
+#: GiB as GPipe over uneven stages; 331 GiB before its
 #: stage kept its weights gathered across the tick loops and its gradients accumulated
 #: unscattered, and before the tick loops' own buffers were modeled: the loops keep the
 #: residuals XLA would otherwise re-derive, among them the float32 RMSNorm values the

@@ -128,6 +128,6 @@ def stage_blocks(part) -> frozenset:
     from one region to the other may gather (the plan holds them whole along it)."""
     out = set()
     for pipe in part.pipelines:
-        if pipe.repeats == 1 and pipe.split(part.mesh.size(pipe.axis)).exchanged:
+        if pipe.split(part.mesh.size(pipe.axis)).exchanged:
             out |= kept_in_slots(part, pipe)
     return frozenset(out)

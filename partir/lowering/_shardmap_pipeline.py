@@ -17,10 +17,12 @@ chunk of L/(S*R) layers each, the sends form a ring (the last position sends to 
 first, where a microbatch's carry waits for its next round), and the stacked values are
 exchanged for the chunks the stage runs on the way in and back on the way out
 (`_circular`), but for the residuals kept in that order between the two scans
-(`partir.kept_in_slots`). With uneven stages (S not dividing L) each stage runs
-ceil(L/S) layer slots, a padding slot passing its carry on, and its rows of the stacked
-values are exchanged in and out of their [L, ...] layout (`_uneven`), but for the
-residuals kept as the stages' blocks between the two scans.
+(`partir.kept_in_slots`). With uneven stages (S, or S*R, not dividing L) or layers
+rolled from unrolled ones each stage runs ceil(L/S) layer slots (circular: R chunks of
+ceil(L/(S*R))), a padding slot passing its carry on, and its rows of the stacked values
+are exchanged in and out of their [L, ...] layout (`_uneven`), already in the circular
+schedule's slot order, but for the residuals kept as the stages' blocks between the
+two scans.
 
 The body runs on the blocks of the microbatched partitioning (`partir.microbatched`) by
 an interpreter whose moves leave the microbatch axis out: a sum over microbatches is
@@ -107,7 +109,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v, h in zip(xs, g.xs, w.xs, held)]
     xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
-    if repeats > 1:
+    if repeats > 1 and not split.exchanged:  # (exchanged rows arrive in slot order)
         xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
     if remat is not None and call.body == remat.fwd:
         remat.keep_inputs(g, w, xs, consts)
@@ -120,7 +122,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     if split.exchanged:  # back to the [L, ...] layout
         ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
-    if repeats > 1:
+    if repeats > 1 and not split.exchanged:
         ys_kept = [y if r < 0 or dropped or r in slots else from_slots(y, pipe.axis, stages, repeats)
                    for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
@@ -296,9 +298,9 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         xs_m = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
         more = remat.per_tick(mc, M, _micro) if reading else {}
         xs_m += remat.per_layer(mc, M, _micro) if reading else ()
-        if pipe.repeats > 1:  # the circular schedule: this unit's chunk of the stage's layers
-            xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
         xs_m += (real,) if real is not None else ()
+        if pipe.repeats > 1:  # the circular schedule: this unit's chunk of the stage's layers (and of its mask)
+            xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
         c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
                                          reverse=not forward)
         done = valid & last & (k == pipe.repeats - 1)

@@ -1,6 +1,7 @@
 """Uneven stages inside a pipelined layer scan's stage program (`partir.StageSplit`):
 each stage runs ceil(L/S) layer slots, the first stages all of them with layers, the
-others one padding slot last.
+others one padding slot last (under the circular schedule, R chunks of ceil(L/(S*R))
+slots, in the order the stage runs them: `StageSplit.positions`).
 
 The stacked values keep their own [L, ...] layout (an array cannot be split unevenly
 over devices), so the stage program pads on the way in and cuts on the way out, and
@@ -21,15 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _first(split, s):
-    """The first layer stage `s` (a traced index) runs (`StageSplit.first`)."""
-    return s * (split.slots - 1) + jnp.minimum(s, split.fuller)
+def _table(split):
+    """[S, slots] layer of each stage's slot (`StageSplit.positions`; L: padding)."""
+    return jnp.asarray(split.positions())
 
 
 def slot_mask(axis: str, split):
     """[slots] booleans: which of this stage's slots hold a layer."""
-    s = jax.lax.axis_index(axis)
-    return jnp.arange(split.slots) < split.slots - (s >= split.fuller)
+    return _table(split)[jax.lax.axis_index(axis)] < split.length
 
 
 def _masked(rows, mask):
@@ -37,26 +37,24 @@ def _masked(rows, mask):
 
 
 def stage_rows(a, axis: str, split):
-    """This stage's `split.slots` layers of `a` ([L, ...], whole along `axis`), zeros in
-    its padding slot."""
-    padded = jnp.concatenate([a, jnp.zeros((split.slots,) + a.shape[1:], a.dtype)])
-    rows = jax.lax.dynamic_slice_in_dim(padded, _first(split, jax.lax.axis_index(axis)), split.slots, 0)
-    return _masked(rows, slot_mask(axis, split))
+    """This stage's `split.slots` layers of `a` ([L, ...], whole along `axis`), in slot
+    order, zeros in its padding slots."""
+    padded = jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
+    return jnp.take(padded, _table(split)[jax.lax.axis_index(axis)], axis=0)
 
 
 def whole_rows(y, axis: str, split):
-    """Every stage's rows `y` ([slots, ...], this stage's layers) as the [L, ...] value,
-    the same on every stage: each writes its layers into zeros, summed over `axis`."""
-    padded = jnp.zeros((split.length + split.slots,) + y.shape[1:], y.dtype)
-    mine = jax.lax.dynamic_update_slice_in_dim(padded, _masked(y, slot_mask(axis, split)),
-                                               _first(split, jax.lax.axis_index(axis)), 0)
+    """Every stage's rows `y` ([slots, ...], this stage's layers in slot order) as the
+    [L, ...] value, the same on every stage: each writes its layers into zeros (its
+    padding slots into a row dropped after), summed over `axis`."""
+    padded = jnp.zeros((split.length + 1,) + y.shape[1:], y.dtype)
+    mine = padded.at[_table(split)[jax.lax.axis_index(axis)]].set(y)
     return jax.lax.psum(mine[:split.length], axis)
 
 
 def _positions(split) -> np.ndarray:
     """[S * slots]: the layer each stage's slot holds, stage-major; L for a padding slot."""
-    return np.array([split.first(s) + j if j < split.count(s) else split.length
-                     for s in range(split.stages) for j in range(split.slots)])
+    return split.positions().reshape(-1)
 
 
 def to_stage_rows(a, axis: str, split, dim: int):

@@ -257,7 +257,7 @@ def _exchanges(part, pipe, link: LinkModel) -> list:
     chunks. A stacked input both scans read alike is exchanged once: XLA computes the
     two identical exchanges of the same value once."""
     stages, repeats = part.mesh.size(pipe.axis), pipe.repeats
-    if repeats == 1:
+    if repeats == 1 or pipe.split(stages).exchanged:  # (exchanged rows come in slot order)
         return []
     prog, slots = part.program, partir.kept_in_slots(part, pipe)
     roots, pad = partir.call_roots(prog), stages * -(-repeats // stages) / repeats
