@@ -111,9 +111,10 @@ class _Loop:
         self.head_blocks = {v: frame.read(v) for v in head.inputs if v not in whole and v not in fcall.carry_out}
 
     def _micro_block(self, v: int, layers: int = 0):
-        """Zeros shaped as one microbatch's block of value `v` (stacked on `layers`)."""
+        """Zeros shaped as one microbatch's block of value `v` (stacked on `layers`), in
+        the layout the body gives it (a weight held gathered leaves at rest: `given_out`)."""
         inner = self.inner
-        val, t = inner.prog.values[v], inner.rest(v)
+        val, t = inner.prog.values[v], inner.given_out(v) or inner.rest(v)
         shape = t.shard_shape(val.shape, inner.mesh)
         return jnp.zeros(((layers,) if layers else ()) + tuple(shape), val.dtype)
 

@@ -31,6 +31,7 @@ the backward ticks hand it to the body (`_pipeline_remat.StageRemat`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -42,7 +43,7 @@ from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
-from ._eval import bind_equation
+from ._local import LocalOp, bind_local
 from ._spmd import move
 from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
 
@@ -149,20 +150,30 @@ def gather_once(interp, layout, xs, ws, *, again: bool) -> list:
     those the layers read gathered (`ScanLayout.gathered`) gathered once, before the
     tick loop, to the layout they read (the microbatched plan's interpreter holds them
     there: `Interpreter.held`), cast first where the layers read a cast of them
-    (`Gathered.ops`). `again` (the backward scan): gathered anew, in a form
-    XLA does not merge with the forward scan's gather of the same weight, so that the
-    forward's copy need not stay live across the head (`_spmd.move`)."""
+    (`Gathered.ops`: casts and broadcasts, run on each layer's block). `again` (the
+    backward scan): gathered anew, in a form XLA does not merge with the forward scan's
+    gather of the same weight, so that the forward's copy need not stay live across the
+    head (`_spmd.move`)."""
     gathered = {g.input: g for g in layout.gathered}
     out = []
     for a, v in zip(xs, ws):
         g = gathered.get(v)
         if g is not None:
-            for o in g.ops:  # (casts: elementwise, so the stage's block casts as a layer's)
-                a = bind_equation(interp.prog.ops[o].eqn, [a])[0]
+            for o in g.ops:
+                a = jax.vmap(functools.partial(_per_layer, interp, interp.prog.ops[o]))(a)
             a = move(a, Tiling(((),) + interp.rest(g.value).dims), Tiling(((),) + g.layout.dims), interp.move_mesh,
                      again=again)
         out.append(a)
     return out
+
+
+def _per_layer(interp, op, a):
+    """Op `op` (a cast or a broadcast, `Gathered.ops`) on one layer's block `a` of its
+    operand, at rest (a broadcast made at the block's shapes)."""
+    eqn, (v,), (r,) = op.eqn, op.operands, op.results
+    local = LocalOp(eqn, (interp.rest(v),), (interp.rest(r),), (interp.prog.values[v].shape,),
+                    (interp.prog.values[r].shape,), interp.mesh)
+    return bind_local(local, [a])[0]
 
 
 def _without(t: Tiling, axis: str) -> Tiling:
