@@ -32,7 +32,7 @@ tick loop adds, per pass:
   passes as one row and broadcasts per tick (`thin_consts`); and each tick passes the
   inner loop its microbatch's block of one split over the microbatches (the backward
   ticks, where they recompute the layers, the forward layers' constants too, which the
-  lowering saves whole for them).
+  lowering saves for them as it passes them to the forward ticks).
 - **Uneven stages' padded rows.** With uneven stages (`partir.StageSplit`) each stacked
   input the stages do not keep as their own blocks reaches the tick loops as the
   stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
@@ -196,11 +196,20 @@ def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
     if gone and not forward:  # recomputing reads the forward layers' constants in the backward ticks
         ahead = pipe.scans.forward
         consts += tuple((o, w) for o, w in zip(ahead.consts, prog.regions[ahead.body].invars) if o >= 0 and w >= 0)
-        thin -= set(ahead.consts)  # (saved whole for it, before the forward ticks)
+        thin |= {o for o, d in zip(ahead.consts, _const_dims(ext, ahead)) if o >= 0 and d is not None
+                 and d in partir.uniform_dims(prog, o)}  # (saved as one row for it too)
     single = frozenset(v for v in kept if _single_row(ext, v))
     return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
                  tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts,
                  single, thin)
+
+
+def _const_dims(ext, call) -> list:
+    """The microbatch dim of each constant of scan `call` (None where it has none), on
+    the microbatched partitioning `ext`."""
+    body = ext.program.regions[call.body]
+    return [None if w < 0 else next((d for d, axes in enumerate(ext.tiling(w).dims) if partir.MICROBATCH in axes),
+                                    None) for w in body.invars[:len(call.consts)]]
 
 
 def _single_row(ext, v: int) -> bool:
