@@ -53,5 +53,5 @@ __all__ = [
     "dump",
     "factor_rule", "lift", "roll_layers", "lower", "lowering_mesh", "path_matches", "register_backend", "rules", "summarize",
     "permuted_dims",
-    "transition",
+    "transition", "uniform_dims",
 ]
