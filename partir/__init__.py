@@ -39,6 +39,7 @@ from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._reshard import Kind, Transition, permuted_dims, transition
 from ._rule import FactorRule, factor_rule
 from ._tiling import Tiling
+from ._uniform import uniform_dims
 from .lowering import CONSTRAIN_MODES, lower, register_backend
 from ._verify import check_equivalence
 
@@ -53,5 +54,5 @@ __all__ = [
     "dump",
     "factor_rule", "lift", "roll_layers", "lower", "lowering_mesh", "path_matches", "register_backend", "rules", "summarize",
     "permuted_dims",
-    "transition",
+    "transition", "uniform_dims",
 ]

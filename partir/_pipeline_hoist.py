@@ -4,8 +4,9 @@ Inside a pipelined layer scan the plan's moves run per microbatch per tick. A st
 input of the scan that is the same for every microbatch (a layer's weight) and that the
 layers read only gathered over some axes of the plan (FSDP: split over `data` at rest,
 read whole by the dots) would be gathered again at every tick, although it never
-changes during the loop (or a cast of it: a float32 master weight cast to the compute
-dtype inside the layer, which the stage then casts once too). `gathered_inputs` names
+changes during the loop (or a cast or broadcast of it: a float32 master weight cast to
+the compute dtype inside the layer, a norm's [D] scale broadcast to [1, 1, D] for the
+product reading it, which the stage then casts or broadcasts once too). `gathered_inputs` names
 those body inputs and the layout the layers read them in (`Gathered`); the lowerings
 gather the stage's block of all its layers to that layout once, before the tick loop,
 and the body reads the gathered copy (the backward
@@ -33,12 +34,19 @@ from ._tiling import Tiling
 #: than in every tick: elementwise casts of one operand (a float32 master weight cast to
 #: the compute dtype inside the layer), whose result is the same whatever the block.
 CASTS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+#: Ops a stage may likewise run once on its block, per layer (`jax.vmap` over the layer
+#: dim): a broadcast of the weight to the rank of the activation it scales (a layer
+#: norm's [D] scale made [1, 1, D]), whose new dims no plan splits. FSDP splits the
+#: scale and so the broadcast's result, which the product then gathers: in every tick,
+#: unless the stage broadcasts once and gathers the broadcast.
+BROADCASTS = ("broadcast_in_dim",)
 
 
 @dataclass(frozen=True)
 class Gathered:
     """A stacked input of a pipelined scan that its stage gathers once before the tick
-    loop: body input `input`, cast by `ops` (op ids, in order: `CASTS`) into `value`
+    loop: body input `input`, cast or broadcast by `ops` (op ids, in order: `CASTS`,
+    `BROADCASTS`) into `value`
     (`input` itself when `ops` is empty), which the layers read in `layout`."""
 
     input: int
@@ -70,18 +78,31 @@ def gathered_inputs(ext, call, in_dims, residuals, per_microbatch: bool) -> tupl
 
 
 def _cast(ext, v: int, region: int) -> tuple[int, tuple[int, ...]]:
-    """(the value `v` is cast into by a chain of `CASTS`, each the one reader of what the
-    previous made and keeping its layout, in `region`; the chain's op ids)."""
+    """(the value `v` is made into by a chain of `CASTS` and `BROADCASTS`, each the one
+    reader of what the previous made, reading it at rest and keeping its layout, in
+    `region`; the chain's op ids)."""
     prog, ops = ext.program, []
     while len(prog.users[v]) == 1:
         op = prog.ops[prog.users[v][0]]
         outs = [r for r in op.results if r >= 0]
-        if (op.primitive not in CASTS or op.link or op.region != region or len(outs) != 1
-                or ext.tiling(outs[0]).dims != ext.tiling(v).dims or _read_layout(ext, v, region) != ext.tiling(v).dims):
+        if (op.link or op.region != region or len(outs) != 1 or _read_layout(ext, v, region) != ext.tiling(v).dims
+                or not _keeps_layout(op, ext.tiling(v).dims, ext.tiling(outs[0]).dims)):
             break
         ops.append(op.id)
         v = outs[0]
     return v, tuple(ops)
+
+
+def _keeps_layout(op, have, made) -> bool:
+    """Does `op`, a cast or a broadcast, make from its operand's dim tiling `have` the
+    same tiling of its dims (`made`), the broadcast's new dims whole?"""
+    if op.primitive in CASTS:
+        return made == have
+    if op.primitive not in BROADCASTS:
+        return False
+    kept = tuple(op.eqn.params["broadcast_dimensions"])
+    return (tuple(made[d] for d in kept) == tuple(have)
+            and all(not axes for d, axes in enumerate(made) if d not in kept))
 
 def _read_layout(ext, v: int, region: int):
     """The one dim tiling every reader of `v` reads it in, all of them ops of `region`

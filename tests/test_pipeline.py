@@ -232,9 +232,9 @@ def _moves_once(part, config, mesh, backend="shard_map"):
     stacked inputs and outputs (weights, their gradients) run once a step. Under GPipe,
     XLA runs no gather or reduce-scatter over `data` in a loop that sends carries over
     `stage` (a tick loop, with what it calls: 1F1B's also runs the head, whose weights
-    move per microbatch) and some outside. (Checked with one layer a stage: with more,
-    the layer norms' scales, made into [1, 1, D] blocks split over `data` inside the
-    layers and gathered there, are gathered in every tick, as modeled.)"""
+    move per microbatch) and some outside; with several layers a stage too, the layer
+    norms' scales broadcast to [1, 1, D] once before the loop and gathered so (with
+    one, XLA would hoist a per-tick gather out of the loop itself)."""
     step, args, prog = _gpt(config)
     free = search.materialization(prog).from_scalars
     lowered = partir.lower(part, backend="shard_map", free=free) if backend == "shard_map" else partir.lower(part)
@@ -251,11 +251,14 @@ def _moves_once(part, config, mesh, backend="shard_map"):
                for v, outer in zip(prog.regions[call.body].invars[-len(call.xs):], call.xs)
                if outer not in pipe.scans.forward.ys}  # (the weights, not the residuals)
     bodies = {r for call in pipe.scans.calls for r in partir.body_regions(prog, call.body)}
-    # (a weight's gather, or a gradient's reduction, charged at its op in the layers)
-    layers = [c for c in modeled if c.axes == ("data",) and (
-        c.value in stacked or c.gradient and prog.ops[c.op].region in bodies)]
+    # (a weight's gather, a gradient's reduction, or under GPipe any gather charged at an
+    # op in the layers: 1F1B's backward reads the broadcast norm scales the forward keeps
+    # from its ring of residuals, gathered per tick)
+    gpipe = pipe.schedule == "gpipe"
+    layers = [c for c in modeled if c.axes == ("data",) and (c.value in stacked or prog.ops[c.op].region in bodies
+                                                           and (c.gradient or gpipe and c.kind == partir.Kind.ALL_GATHER))]
     assert layers and all(c.count == 1 for c in layers)
-    if pipe.schedule == "gpipe" and pipe.split(mesh.size("stage")).slots == 1:
+    if gpipe:
         ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
         for kind in (partir.Kind.ALL_GATHER, partir.Kind.REDUCE_SCATTER):
             moves = [c for c in cols if c.kind == kind and c.axes == ("data",)]
@@ -272,12 +275,15 @@ def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microb
 
 
 #: (backend, the tactics on `data`, schedule, config, stages) of the slow cases of
-#: `_moves_once`: the last, 3 layers over 2 stages, uneven.
+#: `_moves_once`: "uneven-fsdp", 3 layers over 2 stages; the Llama cases two layers a
+#: stage, their RMSNorm scales broadcast and gathered once before each tick loop.
 MOVED_ONCE = {
     "jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY, 4),
     "zero1-dp": ("shard_map", [T.DataParallel("data"), T.ZeRO("data", stage=1)], "gpipe", TINY, 4),
     "fsdp-1f1b": ("shard_map", [T.FSDP("data")], "1f1b", TINY, 4),
     "uneven-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", dataclasses.replace(TINY, n_layers=3), 2),
+    "llama-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
+    "llama-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
 }
 
 

@@ -39,7 +39,7 @@ from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import _block, _keep, _micro, gather_once
+from ._shardmap_pipeline import _block, _keep, _micro, gather_once, micro_const, thin_consts
 from ._spmd import move
 
 
@@ -63,7 +63,8 @@ def run_onef(interp, pipe, layouts, inner, head, frame) -> None:
 class _Side:
     """One pipelined scan as the tick loop runs it: its call and body, its operand ids
     (`g`) and body inputs (`w`) split as a scan's (`split_operands`), the microbatch dims
-    of its body inputs (`d`), and its operands in its body's layouts."""
+    of its body inputs (`d`), and its operands in its body's layouts (its constants as
+    `thin_consts` gives them)."""
 
     call: object
     body: object
@@ -91,7 +92,8 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> _Side:
                                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(x.xs, g.xs, w.xs)]
     xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
-    return _Side(call, body, g, w, split_operands(eqn, list(layout.in_dims)), consts, carry, xs)
+    d = split_operands(eqn, list(layout.in_dims))
+    return _Side(call, body, g, w, d, thin_consts(interp.prog, call, consts, d.consts, pipe.microbatches), carry, xs)
 
 
 class _Loop:
@@ -111,9 +113,10 @@ class _Loop:
         self.head_blocks = {v: frame.read(v) for v in head.inputs if v not in whole and v not in fcall.carry_out}
 
     def _micro_block(self, v: int, layers: int = 0):
-        """Zeros shaped as one microbatch's block of value `v` (stacked on `layers`)."""
+        """Zeros shaped as one microbatch's block of value `v` (stacked on `layers`), in
+        the layout the body gives it (a weight held gathered leaves at rest: `given_out`)."""
         inner = self.inner
-        val, t = inner.prog.values[v], inner.rest(v)
+        val, t = inner.prog.values[v], inner.given_out(v) or inner.rest(v)
         shape = t.shard_shape(val.shape, inner.mesh)
         return jnp.zeros(((layers,) if layers else ()) + tuple(shape), val.dtype)
 
@@ -148,7 +151,7 @@ class _Loop:
     def _layers(self, side, c_in, m, xs_m, reverse: bool):
         """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs)."""
         inner, call, nk = self.inner, side.call, len(side.call.carry)
-        consts_m = [_micro(a, i, m, self.M) for a, i in zip(side.consts, side.d.consts)]
+        consts_m = [micro_const(c, i, m, self.M) for c, i in zip(side.consts, side.d.consts)]
 
         def layer(c, xl):
             outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))

@@ -19,10 +19,13 @@ them and the backward one takes them (`saved_layouts`).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from .._errors import PartitioningError
 from .._nested import Link
 from .._pipeline import MICROBATCH, _micro_dim
 from .._tiling import Tiling
+from .._uniform import uniform_dims
 
 
 class StageRemat:
@@ -47,6 +50,16 @@ class StageRemat:
         self.consts = [s for s in srcs if prog.producer[s] >= 0 and prog.ops[prog.producer[s]].link
                        and prog.ops[prog.producer[s]].primitive == Link.SCAN_CONST]
         self.dims = {s: self._micro(s) for s in self.extra + [s for s, _ in self.more] + self.consts}
+        #: Constants the same along their microbatch dim (a causal mask: `thin_consts`):
+        #: saved as one row along the dims they are the same along, broadcast per tick to a
+        #: microbatch's block (that shape).
+        self.rows: dict[int, tuple[frozenset, tuple]] = {}
+        for s in self.consts:
+            same = uniform_dims(prog, prog.ops[prog.producer[s]].operands[0])
+            if self.dims[s] in same:
+                block = interp.rest(s).shard_shape(tuple(prog.values[s].shape), interp.mesh)
+                self.rows[s] = (same, tuple(n // pipe.microbatches if k == self.dims[s] else n
+                                            for k, n in enumerate(block)))
 
     def _micro(self, s: int):
         t = self.inner.part.tiling(s)
@@ -62,7 +75,7 @@ class StageRemat:
     def saved_layouts(self) -> list[tuple[int, Tiling]]:
         """(value, the layout of its stage block at rest) of what the forward scan saves,
         in the order a region passes them: stacked ones with the stage axis on their
-        layer dim."""
+        layer dim (a constant saved as a row: that row, in the same layout)."""
         rest = self.interp.rest
         stacked = [(s, Tiling(((self.pipe.axis,),) + rest(s).dims)) for s in self.extra + [s for s, _ in self.more]]
         return stacked + [(s, rest(s)) for s in self.consts]
@@ -75,7 +88,9 @@ class StageRemat:
         for s, stack in self.more:
             self.saved[s] = xs[list(g.xs).index(stack)]
         for s in self.consts:
-            self.saved[s] = consts[list(w.consts).index(s)]
+            a = consts[list(w.consts).index(s)]
+            same = self.rows[s][0] if s in self.rows else ()
+            self.saved[s] = a[tuple(slice(0, 1) if k in same else slice(None) for k in range(a.ndim))]
 
     def made(self):
         """The forward body's values to stack, as the body just made them."""
@@ -94,8 +109,9 @@ class StageRemat:
                      for s in stacked)
 
     def per_tick(self, mc, count: int, micro) -> dict:
-        """Microbatch `mc`'s part of the saved constants."""
-        return {s: micro(self.saved[s], self.dims[s], mc, count) for s in self.consts}
+        """Microbatch `mc`'s part of the saved constants (one saved as a row broadcast)."""
+        return {s: jnp.broadcast_to(self.saved[s], self.rows[s][1]) if s in self.rows
+                else micro(self.saved[s], self.dims[s], mc, count) for s in self.consts}
 
     def enter(self, layer_slices, consts: dict) -> None:
         """Before the backward body runs on one layer: what recomputing there reads."""

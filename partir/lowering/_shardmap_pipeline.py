@@ -33,6 +33,7 @@ the backward ticks hand it to the body (`_pipeline_remat.StageRemat`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -41,10 +42,11 @@ import jax.numpy as jnp
 from .._errors import PartitioningError
 from .._nested import split_operands
 from .._pipeline import SAME, SPLIT, SUM, kept_in_slots, made_at, state_dim
+from .._uniform import uniform_dims
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
-from ._eval import bind_equation
+from ._local import LocalOp, bind_local
 from ._spmd import move
 from ._uneven import from_stage_rows, slot_mask, stage_rows, to_stage_rows, whole_rows
 
@@ -55,6 +57,31 @@ def _micro(a, dim, m, count: int):
         return a
     n = a.shape[dim] // count
     return jax.lax.dynamic_slice_in_dim(a, m * n, n, dim)
+
+
+def thin_consts(prog, call, consts, dims, count: int) -> list:
+    """The stage's constants `consts` of pipelined scan `call` (blocks in its body's
+    layouts; `dims`: their microbatch dims, `count` microbatches) as the tick loop takes
+    them: `(block, None)`, cut per microbatch (`micro_const`), but for one that holds the
+    same entries along its microbatch dim (a causal mask broadcast to the batch:
+    `partir.uniform_dims`), `(its first row along every such dim, one microbatch's
+    block shape)`, broadcast in each tick; XLA then makes no mask of the whole batch."""
+    out = []
+    for a, o, dim in zip(consts, call.consts, dims):
+        same = uniform_dims(prog, o) if dim is not None and o >= 0 else frozenset()
+        if dim not in same:
+            out.append((a, None))
+            continue
+        shape = tuple(n // count if k == dim else n for k, n in enumerate(a.shape))
+        out.append((a[tuple(slice(0, 1) if k in same else slice(None) for k in range(a.ndim))], shape))
+    return out
+
+
+def micro_const(const, dim, m, count: int):
+    """Microbatch `m` (traced) of a constant as `thin_consts` gives it, cut along `dim`
+    into `count`, or broadcast to a microbatch's block."""
+    a, shape = const
+    return _micro(a, dim, m, count) if shape is None else jnp.broadcast_to(a, shape)
 
 
 def _keep(buf, y, kind: str, dim, m, valid):
@@ -151,20 +178,30 @@ def gather_once(interp, layout, xs, ws, *, again: bool) -> list:
     those the layers read gathered (`ScanLayout.gathered`) gathered once, before the
     tick loop, to the layout they read (the microbatched plan's interpreter holds them
     there: `Interpreter.held`), cast first where the layers read a cast of them
-    (`Gathered.ops`). `again` (the backward scan): gathered anew, in a form
-    XLA does not merge with the forward scan's gather of the same weight, so that the
-    forward's copy need not stay live across the head (`_spmd.move`)."""
+    (`Gathered.ops`: casts and broadcasts, run on each layer's block). `again` (the
+    backward scan): gathered anew, in a form XLA does not merge with the forward scan's
+    gather of the same weight, so that the forward's copy need not stay live across the
+    head (`_spmd.move`)."""
     gathered = {g.input: g for g in layout.gathered}
     out = []
     for a, v in zip(xs, ws):
         g = gathered.get(v)
         if g is not None:
-            for o in g.ops:  # (casts: elementwise, so the stage's block casts as a layer's)
-                a = bind_equation(interp.prog.ops[o].eqn, [a])[0]
+            for o in g.ops:
+                a = jax.vmap(functools.partial(_per_layer, interp, interp.prog.ops[o]))(a)
             a = move(a, Tiling(((),) + interp.rest(g.value).dims), Tiling(((),) + g.layout.dims), interp.move_mesh,
                      again=again)
         out.append(a)
     return out
+
+
+def _per_layer(interp, op, a):
+    """Op `op` (a cast or a broadcast, `Gathered.ops`) on one layer's block `a` of its
+    operand, at rest (a broadcast made at the block's shapes)."""
+    eqn, (v,), (r,) = op.eqn, op.operands, op.results
+    local = LocalOp(eqn, (interp.rest(v),), (interp.rest(r),), (interp.prog.values[v].shape,),
+                    (interp.prog.values[r].shape,), interp.mesh)
+    return bind_local(local, [a])[0]
 
 
 def _without(t: Tiling, axis: str) -> Tiling:
@@ -273,6 +310,7 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
     perm = ticks.perm()
     kinds, dims = layout.out_kinds, layout.out_dims
     waits = pipe.repeats > 1 and M > S  # the first position keeps returning carries until their turn
+    consts = thin_consts(interp.prog, call, consts, d.consts, M)
 
     def layer(c, xl, consts_m, more):
         if real is not None:  # a padding slot passes its carry on and makes zeros
@@ -294,7 +332,7 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
                          for b, r in zip(back, recv))
         c_in = tuple(jnp.where(first, _first_input(_micro(a, i, mc, M), r, b if waits else None, k, mc, ticks), r)
                      for a, i, r, b in zip(carry, d.carry, recv, back or recv))
-        consts_m = [_micro(a, i, mc, M) for a, i in zip(consts, d.consts)]
+        consts_m = [micro_const(c, i, mc, M) for c, i in zip(consts, d.consts)]
         xs_m = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
         more = remat.per_tick(mc, M, _micro) if reading else {}
         xs_m += remat.per_layer(mc, M, _micro) if reading else ()

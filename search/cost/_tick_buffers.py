@@ -25,12 +25,14 @@ tick loop adds, per pass:
   split dim (one sequence a device) it reads the ring before the write and copies the
   ring for the write: the ring is held twice through the loop (measured at S=2 and
   S=4, one or two layers a stage, M=8 and 16; with two rows a microbatch, never).
-- **The loops' constants.** A constant of the layers the model takes as fused (a mask
-  broadcast to the batch) is an operand of the tick loops: XLA makes it once before
-  them, whole, but for a broadcast of a scalar, which it sinks into the loops; and
-  each tick passes the inner loop its microbatch's block of one split over the
-  microbatches (the backward ticks, where they recompute the layers, the forward
-  layers' constants too).
+- **The loops' constants.** A constant of the layers the model takes as fused is an
+  operand of the tick loops: XLA makes it once before them, whole, but for a broadcast
+  of a scalar, which it sinks into the loops, and one the same along its microbatch dim
+  (a causal mask broadcast to the batch, `partir.uniform_dims`), which the lowering
+  passes as one row and broadcasts per tick (`thin_consts`); and each tick passes the
+  inner loop its microbatch's block of one split over the microbatches (the backward
+  ticks, where they recompute the layers, the forward layers' constants too, which the
+  lowering saves for them as it passes them to the forward ticks).
 - **Uneven stages' padded rows.** With uneven stages (`partir.StageSplit`) each stacked
   input the stages do not keep as their own blocks reaches the tick loops as the
   stage's ceil(L/S) padded rows (`lowering/_uneven`: the all-to-all's result, whole
@@ -57,7 +59,8 @@ class _Pass:
     stacks as its per-layer outputs (`outputs`); the layers a tick runs; its kept stacks
     (stacked outputs, the forward scan's only); whether it is 1F1B's (`ring`); its
     constants (outer value, body value); the kept stacks a microbatch of which is one
-    row along its split dim (`single`: 1F1B's ring is copied for them)."""
+    row along its split dim (`single`: 1F1B's ring is copied for them); the constants
+    it takes as one row, broadcast per tick (`thin`: the lowering's `thin_consts`)."""
 
     start: int
     end: int
@@ -69,6 +72,7 @@ class _Pass:
     ring: bool
     consts: tuple[tuple[int, int], ...]
     single: frozenset
+    thin: frozenset = frozenset()
 
     def ticks(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of a tick's stacks and constants (see
@@ -108,7 +112,7 @@ class TickBuffers:
             last = max(end for _, end in spans)
             for lay, span in zip(layouts, spans):
                 self.bodies.update(partir.body_regions(prog, lay.call.body))
-                self.passes.append(_pass(prog, pipe, ext, lay.call, span, last, layers, gone, extra))
+                self.passes.append(_pass(prog, pipe, ext, lay, span, last, layers, gone, extra))
 
     def entries(self, virtual, value_div, attention=None) -> list:
         """`(start, end, value, scale)` of the tick loops' buffers: a tick's stacks (one
@@ -130,13 +134,16 @@ class TickBuffers:
     def _entries(self, virtual, value_div) -> list:
         out = list(self.rows)
         whole: dict[int, list] = {}  # a fused constant the loops read whole: made once, before them
+        read_whole = set()  # (by some loop: not taken as one row by all, `_Pass.thin`)
         for p in self.passes:
             out += p.ticks(virtual, value_div)
             for o, _ in p.consts:
                 if virtual[o] and not _sunk(self.program, o):
                     span = whole.setdefault(o, [p.start, p.end])
                     span[:] = min(span[0], p.start), max(span[1], p.end)
-        return out + [(a, b, o, 1.0) for o, (a, b) in whole.items()]
+                    if o not in p.thin:
+                        read_whole.add(o)
+        return out + [(a, b, o, 1.0) for o, (a, b) in whole.items() if o in read_whole]
 
     def stacked_elsewhere(self, carried) -> list:
         """`carried` (`Materialization.carried` entries) without those of pipelined scans:
@@ -170,11 +177,12 @@ def kernel_values(prog, attention) -> np.ndarray:
     return inside
 
 
-def _pass(prog, pipe, ext, call, span, last, layers, gone, extra) -> _Pass:
-    """The `_Pass` of `pipe`'s scan `call` (`ext`: the microbatched partitioning), its
+def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
+    """The `_Pass` of `pipe`'s scan `lay` (`partir.ScanLayout`; `ext`: the microbatched partitioning), its
     body from `span[0]` to `span[1]`, the pipeline's scans ending at `last`; `gone`: the
     stacked outputs recomputed (kept as placeholders), `extra`: the layer inputs kept
     for recomputing (made by the forward ticks, sliced by the backward ones)."""
+    call = lay.call
     body = prog.regions[call.body]
     ins = body.invars[len(call.consts) + len(call.carry):]
     outs = body.outvars[len(call.carry_out):]
@@ -183,13 +191,25 @@ def _pass(prog, pipe, ext, call, span, last, layers, gone, extra) -> _Pass:
     forward = call is pipe.scans.forward
     kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
     consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
+    thin = frozenset(o for o, d in zip(call.consts, lay.in_dims) if o >= 0 and d is not None
+                     and d in partir.uniform_dims(prog, o))
     if gone and not forward:  # recomputing reads the forward layers' constants in the backward ticks
         ahead = pipe.scans.forward
         consts += tuple((o, w) for o, w in zip(ahead.consts, prog.regions[ahead.body].invars) if o >= 0 and w >= 0)
+        thin |= {o for o, d in zip(ahead.consts, _const_dims(ext, ahead)) if o >= 0 and d is not None
+                 and d in partir.uniform_dims(prog, o)}  # (saved as one row for it too)
     single = frozenset(v for v in kept if _single_row(ext, v))
     return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
                  tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts,
-                 single)
+                 single, thin)
+
+
+def _const_dims(ext, call) -> list:
+    """The microbatch dim of each constant of scan `call` (None where it has none), on
+    the microbatched partitioning `ext`."""
+    body = ext.program.regions[call.body]
+    return [None if w < 0 else next((d for d, axes in enumerate(ext.tiling(w).dims) if partir.MICROBATCH in axes),
+                                    None) for w in body.invars[:len(call.consts)]]
 
 
 def _single_row(ext, v: int) -> bool:
