@@ -25,6 +25,7 @@ from tactics import Group
 
 from ._actions import Action
 from ._state import SearchState
+from ._twins import TWIN_MIN_LAYERS, layer_counts
 
 
 class StackedState:
@@ -175,6 +176,12 @@ def stacked_state(part, groups, axes, *, model, source: str, ctx):
         return None, "earlier tactics detached values from their tiling classes"
     if part.decisions:
         return None, "earlier tactics decided values (the stacked form replays none)"
+    origin = prog.origin
+    counts = layer_counts([a for i, a in enumerate(origin.args) if i not in origin.static_argnums])
+    if not counts or min(counts) < TWIN_MIN_LAYERS:
+        # A shallower program is searched on itself, as without twins: its episodes cost
+        # little, and the plan is the program's own.
+        return None, f"no sequence of {TWIN_MIN_LAYERS} or more alike layers among the arguments"
     try:
         stacked = stack_layers(prog)
     except PartitioningError as e:
