@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal, jaxpr_as_fun
 
 from ._errors import PartitioningError
-from ._layers import child, is_layers
+from ._layers import is_layers, layer_positions
 from ._roll import CARRY, CONST, STACK, _closed, _dropped, _feeds, _pass, _read, _reads, _run, _same, _scan, \
     _show, _used_outside, _weight_copies
 
@@ -103,7 +103,7 @@ def _leaves(tree, base):
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     groups: dict[str, list] = {}
     args: dict[str, int] = {}
-    for k, ((path, _), at) in enumerate(zip(flat, _layer_positions(tree, [p for p, _ in flat]))):
+    for k, ((path, _), at) in enumerate(zip(flat, layer_positions(tree, [p for p, _ in flat], MIN_LAYERS))):
         prefix, skip, arg = base(k, path)
         name = prefix + jax.tree_util.keystr(path[skip:]) if at is None else \
             prefix + jax.tree_util.keystr(path[skip:at]) + "[:]" + jax.tree_util.keystr(path[at + 1:])
@@ -114,20 +114,6 @@ def _leaves(tree, base):
     if len(leaves) != len(stacked):
         _refuse("its sequences of layers do not stack to one array per leaf of a layer")
     return leaves, treedef, stacked
-
-
-def _layer_positions(tree, paths) -> list:
-    """Per leaf path: the position in it of the index into the outermost sequence of
-    alike layers, or None."""
-    out = []
-    for path in paths:
-        node, at = tree, None
-        for j, k in enumerate(path):
-            if at is None and is_layers(node, MIN_LAYERS):
-                at = j
-            node = child(node, k)
-        out.append(at)
-    return out
 
 
 def _stack_tree(tree):

@@ -63,10 +63,12 @@ class AutomaticPartition(Tactic):
     plan's where it is None, and its memory limit where `memory_limit` is None; alone,
     None is the default preset and its HBM.
 
-    A model with a list of 8 or more alike layers in its arguments is searched on two
-    shallow twins with costs extrapolated to its depth (`search._twins`), so
-    the search takes no longer for 48 layers than for 8; the result's `twins` and `why`
-    (and the first note of the history) say whether it was, and why not.
+    A model with a list of 8 or more alike layers in its arguments is searched on its
+    stacked form (`search._stacked`: the layers' inputs as `[L, ...]` stacks, as a
+    layer scan takes them, costs the program's own), else, where the layers do not
+    stack, on two shallow twins with costs extrapolated to its depth (`search._twins`),
+    so the search takes no longer for 48 layers than for 8; the result's `twins` and
+    `why` (and the first note of the history) say which it was, and why not the others.
 
     `grad_accum` is how many micro-batches a step the program (the train step of one)
     runs with gradient accumulation: above 1, plans are chosen by the accumulated step,
