@@ -84,11 +84,14 @@ def stack_layers(program) -> Stacked:
         _refuse("the program's inputs do not match its arguments")
     args = [n[:len(n) - len(jax.tree_util.keystr(p[1:]))] for n, (p, _) in zip(program.input_names, flat_in)]
     ins, in_tree, avals = _leaves(dyn, lambda k, path: (args[k], 1, path[0].idx))
-    outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.closed_jaxpr.jaxpr.outvars]
-    outs, out_tree, _ = _leaves(jax.tree.unflatten(program.out_tree, outs), lambda k, path: ("out", 0, 0))
+    results = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.closed_jaxpr.jaxpr.outvars]
+    outs, out_tree, _ = _leaves(jax.tree.unflatten(program.out_tree, results), lambda k, path: ("out", 0, 0))
+    counts = {len(leaf.members) for leaf in ins + outs if leaf.stacked}
     if not any(leaf.stacked for leaf in ins):
         _refuse("the step takes no sequence of two or more alike layers (a list or tuple of pytrees of one "
                 "structure)")
+    if len(counts) > 1:
+        _refuse(f"its sequences of alike layers are of different lengths ({sorted(counts)})")
     closed = _stacked_jaxpr(program.closed_jaxpr, ins, outs, avals)
     prog = _build(closed, in_tree, out_tree, [leaf.name for leaf in ins], [leaf.arg for leaf in ins],
                   [leaf.name for leaf in outs], None)
@@ -109,7 +112,8 @@ def _leaves(tree, base):
             prefix + jax.tree_util.keystr(path[skip:at]) + "[:]" + jax.tree_util.keystr(path[at + 1:])
         groups.setdefault(name, []).append((0 if at is None else path[at].idx, k))
         args[name] = arg
-    leaves = tuple(StackedLeaf(name, args[name], tuple(k for _, k in sorted(members))) for name, members in groups.items())
+    leaves = tuple(StackedLeaf(name, args[name], tuple(k for _, k in sorted(members)))
+                   for name, members in groups.items())
     stacked, treedef = jax.tree_util.tree_flatten(_stack_tree(tree))
     if len(leaves) != len(stacked):
         _refuse("its sequences of layers do not stack to one array per leaf of a layer")
