@@ -151,3 +151,12 @@ def test_a_plan_the_program_splits_otherwise_than_its_stacks_is_searched_again_o
     _, result = _search(_deep(), 10)
     assert result.twins is not None
     assert result.why == f"the stacked form's plan splits {WHERE} otherwise than its stack"
+
+
+@pytest.mark.slow
+def test_the_plan_searched_on_the_stacked_form_computes_what_jax_jit_does():
+    step, args = llama.make_train_step(DEEP)
+    res, result = _search(partir.lift(step, *args), 100)
+    assert res.history[-1].notes[0].startswith("searched on the stacked form")
+    assert any(res.partitioning.tiling(v).axes() for v in res.program.inputs)  # (a plan that splits)
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
