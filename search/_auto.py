@@ -207,7 +207,9 @@ class AutomaticPartition(Tactic):
         state, why = self._one_state(part, groups, axes, ctx, stacked=two is None)
         if two is None:
             return state, why
-        return AccumulatedState(state, self._one_state(two, groups, axes, ctx.child())[0], self.grad_accum), why
+        # Both micro-batch counts on twins (or the programs): their states take the same actions.
+        other = self._one_state(two, groups, axes, ctx.child(), stacked=False)[0]
+        return AccumulatedState(state, other, self.grad_accum), why
 
     def _one_state(self, part, groups, axes, ctx, stacked=True):
         """`(state, why not on the stacked form or twins)`: a step over unrolled layers on

@@ -160,3 +160,11 @@ def test_the_plan_searched_on_the_stacked_form_computes_what_jax_jit_does():
     assert res.history[-1].notes[0].startswith("searched on the stacked form")
     assert any(res.partitioning.tiling(v).axes() for v in res.program.inputs)  # (a plan that splits)
     partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_both_micro_batch_counts_are_searched_alike():
+    # The step on one and on two micro-batches take the same actions: neither is stacked.
+    part = partir.Partitioning(_deep(), MESH)
+    state, _ = search.AutomaticPartition(grad_accum=4).search_space(part, T.Context())
+    assert [type(s).__name__ for s in state.pair] == ["TwinState", "TwinState"]
