@@ -19,6 +19,7 @@ from ._hlo import Collective, collective_buffers, collectives, collectives_of, s
 from ._ir import Op, Program, Region, Value, path_matches
 from ._lift import lift
 from ._roll import roll_layers
+from ._stacked import Stacked, StackedLeaf, stack_layers
 from ._layers import input_layers, layer_keys
 from ._mesh import MeshSpec, lowering_mesh
 from ._nested import Link
@@ -52,7 +53,7 @@ __all__ = [
     "PartitioningError", "Program", "Region", "Reshard", "CHAIN_PRIMITIVES", "OnlineAttention", "OnlineForward", "OnlineAcrossScans", "Unmatched", "online_attentions", "online_reason", "RING_KINDS", "RingMove", "ring_moves", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
     "dump",
-    "factor_rule", "lift", "roll_layers", "lower", "lowering_mesh", "path_matches", "register_backend", "rules", "summarize",
+    "factor_rule", "lift", "roll_layers", "stack_layers", "Stacked", "StackedLeaf", "lower", "lowering_mesh", "path_matches", "register_backend", "rules", "summarize",
     "permuted_dims",
     "transition", "uniform_dims",
 ]

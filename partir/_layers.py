@@ -63,17 +63,25 @@ def layer_keys(prog, min_layers: int) -> dict[int, tuple] | None:
     leaves = jax.tree_util.tree_flatten_with_path(dyn)[0]
     if len(leaves) != len(prog.inputs):
         return None
-    seen: dict[int, bool] = {}
-    out = {}
-    for v, name, (path, _) in zip(prog.inputs, prog.input_names, leaves):
-        node, at = dyn, None
+    paths = [path for path, _ in leaves]
+    return {v: (name[:len(name) - len(jax.tree_util.keystr(path[1:]))], path, at)
+            for v, name, path, at in zip(prog.inputs, prog.input_names, paths, layer_positions(dyn, paths, min_layers))}
+
+
+def layer_positions(tree, paths, min_layers: int) -> list:
+    """Per leaf path of `tree`: the position in it of the index into the outermost
+    sequence of at least `min_layers` alike layers, or None."""
+    seen: dict[int, bool] = {}  # by node identity: a sequence is looked at once, not once per leaf
+    out = []
+    for path in paths:
+        node, at = tree, None
         for j, k in enumerate(path):
             if at is None and type(node) in (list, tuple):
                 if id(node) not in seen:
                     seen[id(node)] = is_layers(node, min_layers)
                 at = j if seen[id(node)] else None
             node = child(node, k)
-        out[v] = (name[:len(name) - len(jax.tree_util.keystr(path[1:]))], path, at)
+        out.append(at)
     return out
 
 

@@ -2,8 +2,9 @@
 with (`search.cost`, re-exported here).
 
 `AutomaticPartition` is the search as a tactic: Monte Carlo tree search (`_mcts`) over
-tiling and macro actions (`_actions`) on a search state (`_state`), on shallow twins of a
-deep model (`_twins`) where that is sound, over the micro-batches of a step under
+tiling and macro actions (`_actions`) on a search state (`_state`), on the stacked form
+of a deep model over unrolled layers (`_stacked`) or its shallow twins (`_twins`) where
+that is sound, over the micro-batches of a step under
 gradient accumulation (`_accum`); `exhaustive` (`_exact`) walks the same space
 exactly for small problems.
 """

@@ -16,6 +16,7 @@ from ._actions import apply_action, input_groups
 from .cost import BACKENDS as LOWERINGS, DEFAULT_DEVICE, CostModel, bytes_str, get_device, time_str
 from ._mcts import mcts
 from ._result import SearchResult
+from ._stacked import StackedState, stacked_state
 from ._state import SearchState
 from ._twins import TwinsDisagree, twin_state
 
@@ -62,10 +63,12 @@ class AutomaticPartition(Tactic):
     plan's where it is None, and its memory limit where `memory_limit` is None; alone,
     None is the default preset and its HBM.
 
-    A model with a list of 8 or more alike layers in its arguments is searched on two
-    shallow twins with costs extrapolated to its depth (`search._twins`), so
-    the search takes no longer for 48 layers than for 8; the result's `twins` and `why`
-    (and the first note of the history) say whether it was, and why not.
+    A model with a list of 8 or more alike layers in its arguments is searched on its
+    stacked form (`search._stacked`: the layers' inputs as `[L, ...]` stacks, as a
+    layer scan takes them, costs the program's own), else, where the layers do not
+    stack, on two shallow twins with costs extrapolated to its depth (`search._twins`),
+    so the search takes no longer for 48 layers than for 8; the result's `twins` and
+    `why` (and the first note of the history) say which it was, and why not the others.
 
     `grad_accum` is how many micro-batches a step the program (the train step of one)
     runs with gradient accumulation: above 1, plans are chosen by the accumulated step,
@@ -146,6 +149,8 @@ class AutomaticPartition(Tactic):
                 why = str(e)
                 state, start = self._program_state(part, groups, axes, ctx, two), None
                 continue
+            if isinstance(state, StackedState):
+                result = state.plan(result)
             mark, ctx_mark = part.mark(), ctx.mark()
             said = self._apply_plan(part, groups, result.actions, ctx)
             differs = state.mismatch(part, result.actions)
@@ -156,6 +161,13 @@ class AutomaticPartition(Tactic):
             # middle layer cannot show. Search the program itself, with a budget of its own.
             part.rollback(mark)
             ctx.rollback(ctx_mark)
+            if isinstance(state, StackedState):
+                # The stacked form's plan splits a layer's array otherwise than its stack:
+                # search again on twins (or the program), with a budget of their own.
+                why = f"the stacked form's plan splits {differs} otherwise than its stack"
+                state, _ = self._twins_or_program(part, groups, axes, ctx, why)
+                start = None
+                continue
             why = f"the twins' plan splits {differs} differently in the program"
             state, start = self._program_state(part, groups, axes, ctx, two), None
         result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
@@ -192,16 +204,34 @@ class AutomaticPartition(Tactic):
         """`(state, why not on twins)`: twins where they are sound, else `part` itself;
         with `two` (`part`'s plan on two micro-batches), the accumulated step's state
         over both."""
-        state, why = self._one_state(part, groups, axes, ctx)
+        state, why = self._one_state(part, groups, axes, ctx, stacked=two is None)
         if two is None:
             return state, why
-        return AccumulatedState(state, self._one_state(two, groups, axes, ctx.child())[0], self.grad_accum), why
+        # Both micro-batch counts on twins (or the programs): their states take the same actions.
+        other = self._one_state(two, groups, axes, ctx.child(), stacked=False)[0]
+        return AccumulatedState(state, other, self.grad_accum), why
 
-    def _one_state(self, part, groups, axes, ctx):
+    def _one_state(self, part, groups, axes, ctx, stacked=True):
+        """`(state, why not on the stacked form or twins)`: a step over unrolled layers on
+        its stacked form (`search._stacked`; not with pipelines, which the search would
+        offer on its layer scans, nor beside a second micro-batch), else on shallow
+        twins, else `part` itself."""
         if not self.group:
             return self._program_state(part, groups, axes, ctx), "group=False decides layers one by one"
+        why = "pipelines are searched on the program's own layer scans" if self.pipelines else None
+        if stacked and not self.pipelines:
+            state, why = stacked_state(part, groups, axes, model=self._model, source=str(self), ctx=ctx.child())
+            if state is not None:
+                return state, None
+        return self._twins_or_program(part, groups, axes, ctx, why)
+
+    def _twins_or_program(self, part, groups, axes, ctx, not_stacked):
+        """`(state, why)`: twins where sound, else `part` itself; `why` says why not the
+        stacked form (`not_stacked`) and, on the program, why not twins."""
         state, why = twin_state(part, groups, axes, model=self._model, source=str(self), ctx=ctx)
-        return (state, None) if state is not None else (self._program_state(part, groups, axes, ctx), why)
+        if state is not None:
+            return state, None if not_stacked is None else f"not stacked: {not_stacked}"
+        return self._program_state(part, groups, axes, ctx), why
 
     def _program_state(self, part, groups, axes, ctx, two=None):
         state = SearchState(part, self._model(part), groups, axes, str(self), ctx)

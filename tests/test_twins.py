@@ -19,6 +19,15 @@ CFG = dict(d_model=128, n_heads=4, d_ff=512, vocab=512, seq_len=32, batch=8, ada
 MESH = MeshSpec.of(data=2, model=4)
 
 
+@pytest.fixture(autouse=True)
+def _twins_not_stacked(monkeypatch):
+    """The search tries a deep program's stacked form before its twins
+    (`tests/test_stacked.py`); these tests are of the twins, so it is left out."""
+    one = search.AutomaticPartition._one_state
+    monkeypatch.setattr(search.AutomaticPartition, "_one_state",
+                        lambda self, *args, **kwargs: one(self, *args, **{**kwargs, "stacked": False}))
+
+
 def _gpt(layers):
     step, args = gpt.make_train_step(gpt.GPTConfig(n_layers=layers, **CFG), abstract=True)
     return step, args, partir.lift(step, *args)
