@@ -159,8 +159,8 @@ def summary(part, r: Row, device, two=None, *, whole: bool = False) -> dict:
     one = step = cost.step_time
     if two is not None:
         other = search.CostModel(two.copy(), device, donate_argnums=donated)
-        step = search.accumulated_step(model.evaluate_parts()[0], other.evaluate_parts()[0], r.grad_accum,
-                                       model.device)
+        parts, again, _ = model.accumulation_parts()
+        step = search.accumulated_step(parts, other.evaluate_parts()[0], r.grad_accum, model.device, again)
     peak = search.get_device(device).flops_for("bfloat16")
     return {"step_s": step, "micro_step_s": one, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
             "mfu": FORMULAS[r.flops](r) / (peak * step)}

@@ -44,14 +44,19 @@ from .cost._achieved import TimeParts
 from ._state import PairedStates
 
 
-def accumulated_step(one: TimeParts, two: TimeParts, grad_accum: int, device) -> float:
+def accumulated_step(one: TimeParts, two: TimeParts, grad_accum: int, device, again: TimeParts | None = None) -> float:
     """The modeled step (seconds) of `grad_accum` micro-batches a step on `device`, from
-    the `TimeParts` of the train step on one and on two micro-batches: term by term
-    (module docstring); where their computations differ, their step times, affinely."""
-    if one.parents != two.parents:
+    the `TimeParts` of the train step on one and on two micro-batches and of the
+    collectives of one that run again every micro-batch though the batch does not grow
+    them (`again`, `CostModel.accumulation_parts`: FSDP's parameter gathers and gradient
+    reduce-scatters): term by term (module docstring); where their computations differ,
+    the step times affinely, the collectives run again exposed."""
+    if one.parents != two.parents or (again is not None and again.parents != one.parents):
         t1, t2 = one.step(device)[0], two.step(device)[0]
-        return t1 + (grad_accum - 1) * (t2 - t1)
-    return one.extrapolate(two, grad_accum - 1).step(device)[0]
+        repeated = 0.0 if again is None else again.step(device)[0]
+        return t1 + (grad_accum - 1) * (t2 - t1 + repeated)
+    step = one.extrapolate(two, grad_accum - 1)
+    return (step if again is None else step.plus(again, grad_accum - 1)).step(device)[0]
 
 
 class AccumulatedState(PairedStates):
@@ -78,8 +83,9 @@ class AccumulatedState(PairedStates):
     def evaluate(self) -> tuple[float, float]:
         """The accumulated step's modeled `(step time, peak memory)`: `accumulated_step`
         and the one-micro-batch program's peak."""
-        (one, peak), (two, _) = (s.evaluate_parts() for s in self.pair)
-        return accumulated_step(one, two, self.grad_accum, self.pair[0].device), peak
+        one, again, peak = self.pair[0].accumulation_parts()
+        two = self.pair[1].evaluate_parts()[0]
+        return accumulated_step(one, two, self.grad_accum, self.pair[0].device, again), peak
 
     def exact_peak(self) -> float:
         """The exact modeled peak memory of the one-micro-batch program."""

@@ -389,13 +389,25 @@ class CostModel(CostTime, CostMemory):
     def evaluate_parts(self):
         """(the step's `TimeParts`, fast estimate of the peak memory): `evaluate` before
         overlap is applied, for shallow twins to extrapolate term by term."""
+        parts, _, peak = self._evaluate(repeated=False)
+        return parts, peak
+
+    def accumulation_parts(self):
+        """`evaluate_parts` with, between them, the `TimeParts` (no compute) of the
+        collectives that do not grow with the batch yet run every micro-batch of a step
+        that accumulates gradients: FSDP's parameter gathers and its gradients'
+        reduce-scatters (`_achieved.repeated_per_micro_batch`, `search._accum`)."""
+        return self._evaluate(repeated=True)
+
+    def _evaluate(self, *, repeated: bool):
         self._sync()
         times, _, extra = self._op_times()
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
-        parts = self._parts(times, self._again_ops(extra), compute, again_cols + self._order_cols())
+        cols_again = again_cols + self._order_cols()
+        parts = self._parts(times, self._again_ops(extra), compute, cols_again)
         peak = self._memory(self._value_bytes(), exact=False)[0]
-        return parts, peak
+        return parts, self._repeated_parts(cols_again) if repeated else None, peak
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""
