@@ -18,6 +18,7 @@ from ._mcts import mcts
 from ._result import SearchResult
 from ._state import SearchState
 from ._twins import TwinsDisagree, twin_state
+from ._zero_root import offers_zero, zero_root
 
 
 #: How many of the buffers live at the memory peak an error names.
@@ -133,7 +134,7 @@ class AutomaticPartition(Tactic):
 
     def apply(self, part, ctx: Context):
         start = time.perf_counter()
-        axes, groups, two, (state, why), macros = self._space(part, ctx)
+        part, axes, groups, two, (state, why), macros = self._space(part, ctx)
         seeds = _seeds.compositions(macros)
         while True:
             try:
@@ -180,13 +181,20 @@ class AutomaticPartition(Tactic):
         return state, macros
 
     def _space(self, part, ctx):
-        """`(axes, groups, two, (state, why not on twins), macros)` of a search from
-        `part`: the axes searched, the input groups, `part` on two micro-batches (None
-        without gradient accumulation), the search state and the macro tactics."""
+        """`(part, axes, groups, two, (state, why not on twins), macros)` of a search from
+        `part`: the partitioning searched (`part`, or where the program itself is searched
+        with gradient accumulation, `part` detached so that ZeRO-1 is a macro:
+        `search._zero_root`), the axes searched, the input groups, it on two
+        micro-batches (None without gradient accumulation), the search state and the
+        macro tactics."""
         axes, groups = self._setup(part)
         two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
         state, why = self._state(part, groups, axes, ctx, two)
-        return axes, groups, two, (state, why), self._macros(state, axes)
+        root = zero_root(part, self.grad_accum, self.macros) if state.depths is None else None
+        if root is not None:
+            part, two = root, two_micro_batches(root, str(self))
+            state, why = self._state(part, groups, axes, ctx, two)
+        return part, axes, groups, two, (state, why), self._macros(state, axes)
 
     def _state(self, part, groups, axes, ctx, two=None):
         """`(state, why not on twins)`: twins where they are sound, else `part` itself;
@@ -231,7 +239,8 @@ class AutomaticPartition(Tactic):
         32 took 0.4 s)."""
         if not self.macros:
             return ()
-        return _seeds.macros(state.deepest_part, axes, self.pipelines, ring=self.backend == "shard_map")
+        return _seeds.macros(state.deepest_part, axes, self.pipelines, ring=self.backend == "shard_map",
+                             zero=offers_zero(state.deepest_part))
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
         """`(result, notes)` of a plan that fits the program exactly: the searched one,
