@@ -193,7 +193,7 @@ class AutomaticPartition(Tactic):
         root = zero_root(part, self.grad_accum, self.macros) if state.depths is None else None
         if root is not None:
             part, two = root, two_micro_batches(root, str(self))
-            state, why = self._state(part, groups, axes, ctx, two)
+            state = self._state(part, groups, axes, ctx, two)[0]  # (why not on twins: as before)
         return part, axes, groups, two, (state, why), self._macros(state, axes)
 
     def _state(self, part, groups, axes, ctx, two=None):
