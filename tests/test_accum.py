@@ -4,6 +4,7 @@ parameters every micro-batch, ZeRO-1 once a step, and the search may choose ZeRO
 import jax.numpy as jnp
 import pytest
 
+import automap
 import partir
 import search
 import tactics
@@ -48,6 +49,22 @@ def test_an_accumulated_step_gathers_fsdp_parameters_every_micro_batch_and_zero1
     zero1, zero1_gathers = _increment(small_steps, [tactics.DataParallel("data"), tactics.ZeRO("data", stage=1)])
     assert fsdp > fsdp_gathers > 0
     assert 0 < zero1 < zero1_gathers
+
+
+@pytest.mark.slow
+def test_a_zero1_plan_file_loads_with_the_layouts_it_was_saved_with(tmp_path):
+    # ZeRO-1 keeps the parameters whole apart from their optimizer state (detached from
+    # their tiling class); the plan file names what was detached, so its decisions
+    # replay (before, the optimizer state's tiles conflicted with the parameters' pins).
+    config = llama.LlamaConfig(n_layers=2, d_model=64, n_heads=2, n_kv_heads=2, d_ff=128, vocab=128, seq_len=32,
+                               batch=8, dtype=jnp.float32, scan_layers=True)
+    step, args = llama.make_train_step(config, abstract=True)
+    plan = automap.partition(step, mesh="data=8", device="cpu",
+                             schedule=[tactics.DataParallel("data"), tactics.ZeRO("data", stage=1)])(*args)
+    plan.save(tmp_path / "zero1.json")
+    back = automap.load_plan(tmp_path / "zero1.json").bind(step, *args)
+    prog = plan.partitioning.program
+    assert [back.partitioning.tiling(v) for v in prog.inputs] == [plan.partitioning.tiling(v) for v in prog.inputs]
 
 
 @pytest.mark.slow
