@@ -70,10 +70,16 @@ class AutomaticPartition(Tactic):
 
     `grad_accum` is how many micro-batches a step the program (the train step of one)
     runs with gradient accumulation: above 1, plans are chosen by the accumulated step,
-    each time term extrapolated as P(1) + (grad_accum - 1) (P(2) - P(1)) from the step on
-    one and on two micro-batches and overlap applied after (`search.accumulated_step`),
-    as a run pays its per-micro-batch work that many times and its gradient reduction
-    and update once; memory is one micro-batch's.
+    each time term extrapolated as P(1) + (grad_accum - 1) (P(2) - P(1) + R) from the
+    step on one and on two micro-batches and R, the collectives run again every
+    micro-batch though the batch does not grow them (FSDP's parameter gathers and
+    gradient reduce-scatters), overlap applied after (`search.accumulated_step`), as a
+    run pays its per-micro-batch work that many times and its gradient all-reduce and
+    update once; memory is one micro-batch's. Where the program itself is searched
+    (not twins), it starts from a partitioning detached for ZeRO-1 and offers
+    `ZeRO(axis, stage=1)` as a macro (`search._zero_root`): the parameters whole and
+    gathered once a step, the optimizer state sharded, against FSDP's gathers every
+    micro-batch; the tactic says which the plan chose.
 
     `donate_argnums` lists the arguments (positions among the non-static ones) the plan
     will be called with donated, as `jax.jit`'s: the cost model then lets an updated
