@@ -155,7 +155,7 @@ def summary(part, r: Row, device, two=None, *, whole: bool = False) -> dict:
         raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
                          "exactly when there is more than one, and a pipelined step (`whole`) none")
     donated = donated_args(r)
-    model = search.CostModel(part.copy(), device, donate_argnums=donated)
+    model = search.CostModel(part.copy(), device, donate_argnums=donated, grad_accum=r.grad_accum if accumulated else 1)
     cost = model.cost()
     one = step = cost.step_time
     if two is not None:

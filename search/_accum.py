@@ -28,7 +28,8 @@ compute). Where nothing changes overlap, both give the same step.
 `benchmarks/published.py` prices a published run by this rule; searching by the step of
 one micro-batch weighs the once-a-step costs GA times too much, and picks a plan that
 avoids the gradient reduction at any price per micro-batch. The peak is one
-micro-batch's: FSDP's gathered layer is freed within it. Gathering the parameters once
+micro-batch's (FSDP's gathered layer is freed within it) with the gradient accumulator
+live throughout (`CostModel`'s `grad_accum`). Gathering the parameters once
 and keeping them whole through the accumulation is a plan of its own, ZeRO-1, which
 the search offers where it searches the program itself (`search._zero_root`).
 
@@ -70,7 +71,8 @@ class AccumulatedState(PairedStates):
     """The search state of a train step run `grad_accum` times a step, kept as the
     states of its programs on one and on two micro-batches (`SearchState`s or
     `TwinState`s): every action goes to both, the step time is the accumulated one
-    (`accumulated_step`), the peak memory one micro-batch's."""
+    (`accumulated_step`), the peak memory one micro-batch's, with the gradient
+    accumulator where the states' cost models hold one (`CostModel`'s `grad_accum`)."""
 
     def __init__(self, one, two, grad_accum: int):
         self.pair, self.grad_accum = (one, two), grad_accum

@@ -75,7 +75,8 @@ class AutomaticPartition(Tactic):
     micro-batch though the batch does not grow them (FSDP's parameter gathers and
     gradient reduce-scatters), overlap applied after (`search.accumulated_step`), as a
     run pays its per-micro-batch work that many times and its gradient all-reduce and
-    update once; memory is one micro-batch's. Where the program itself is searched
+    update once; memory is one micro-batch's with a gradient accumulator (`CostModel`'s
+    `grad_accum`). Where the program itself is searched
     (not twins), it starts from a partitioning detached for ZeRO-1 and offers
     `ZeRO(axis, stage=1)` as a macro (`search._zero_root`): the parameters whole and
     gathered once a step, the optimizer state sharded, against FSDP's gathers every
@@ -303,7 +304,7 @@ class AutomaticPartition(Tactic):
     def _model(self, part) -> CostModel:
         """The cost model of `part` on the search's device, limit and lowering."""
         return CostModel(part, self.priced_on, memory_limit=self.memory_limit, backend=self.backend,
-                         donate_argnums=self.donate_argnums)
+                         donate_argnums=self.donate_argnums, grad_accum=self.grad_accum)
 
     def _exact(self, part, costs: dict):
         """The exact cost of `part` (with the buffers live at its peak, for an error),
