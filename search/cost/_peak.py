@@ -91,10 +91,10 @@ class CostMemory:
         `(start, end, value, scale)` entries: each parameter's gradient summed over the
         micro-batches, laid out as the parameter is (whole for data parallelism and
         ZeRO-1, sharded for FSDP, as XLA's accumulation loop and MaxText keep it), live
-        through every micro-batch's forward and backward pass. None with one micro-batch
-        or a pipeline (its microbatches accumulate in the tick loops: `_pipeline`);
-        `length` is the liveness schedule's (the entries span it)."""
-        if self.grad_accum <= 1 or self._pipeline is not None:
+        through every micro-batch's forward and backward pass (a pipeline's tick loops
+        accumulate within a micro-batch, and this sum is across them). None with one
+        micro-batch; `length` is the liveness schedule's (the entries span it)."""
+        if self.grad_accum <= 1:
             return []
         from tactics import roles
 
