@@ -185,6 +185,8 @@ class Plan:
             "decisions": [d.to_json(prog) for d in part.decisions],
             "cost": _cost_json(self.cost),
         }
+        if part.detached:  # (ZeRO below stage 3: its decisions replay only on values detached so)
+            out["detached"] = [prog.name(v) for v in sorted(part.detached)]
         if part.pipelines:
             out["pipelines"] = [p.to_json(prog) for p in part.pipelines]
         if self.search is not None:

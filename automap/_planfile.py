@@ -52,9 +52,10 @@ class SavedPlan:
         problems = check(self.data, prog, jax_mesh)
         if problems:
             raise PlanError(f"plan {self.path} does not fit this program:\n  - " + "\n  - ".join(problems))
-        part = partir.Partitioning(prog, self.mesh)
         decisions = self.data["decisions"]
-        if decisions and all(d.get("name") == _name(prog, d.get("value")) for d in decisions):
+        replay = bool(decisions) and all(d.get("name") == _name(prog, d.get("value")) for d in decisions)
+        part = partir.Partitioning(prog, self.mesh, detached=self._detached(prog) if replay else ())
+        if replay:
             self._replay(part, decisions)
         else:
             for item in self.data["inputs"]:
@@ -79,6 +80,14 @@ class SavedPlan:
                 partir.check_pipelines(part)
             except (PartitioningError, KeyError, TypeError, ValueError) as e:
                 raise PlanError(f"plan {self.path}, pipelines[{i}]: {e}; fix the entry or delete the file") from None
+
+    def _detached(self, prog) -> list[int]:
+        """The values the plan's tactics detached from their tiling classes (ZeRO below
+        stage 3 keeps the parameters whole apart from their optimizer state), by name."""
+        try:
+            return [prog.resolve(name) for name in self.data.get("detached", ())]
+        except (PartitioningError, TypeError) as e:
+            raise PlanError(f"plan {self.path}, detached: {e}; fix the entry or delete the file") from None
 
     def _replay(self, part, decisions) -> None:
         prog = part.program

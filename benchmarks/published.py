@@ -28,17 +28,18 @@ Gradient accumulation: a run of GA 1 (`grad_accum`) is modeled as the train step
 the global batch with one optimizer update. A run of GA micro-batches a step runs the
 forward and backward GA times and reduces the gradients and updates once: every term of
 its modeled step is affine in the micro-batches, parts(1) + (GA - 1) (parts(2) -
-parts(1)), where parts(k) are the compute and communication terms of the modeled train
-step of k micro-batches' sequences, with overlap applied to the result
+parts(1) + again(1)), where parts(k) are the compute and communication terms of the
+modeled train step of k micro-batches' sequences and again(1) the collectives of one
+that every micro-batch runs again (FSDP's parameter gathers and gradient
+reduce-scatters), with overlap applied to the result
 (`search.accumulated_step`, `summary`; on the step times themselves it would count a
 collective hidden on two micro-batches but not on one as hidden GA - 1 times). The search is given the
 train step of one micro-batch and the row's GA (`AutomaticPartition(grad_accum=...)`):
 it chooses its plan by the same accumulated step, from the step on one and on two
 micro-batches (`search._accum`); that plan, taken again on two (`replayed`), is
-accumulated the same way for the table. The rule counts what does not grow with the
-batch once a step: right for the gradient reduction and update of data parallelism,
-kind to a plan whose parameter gathers do not grow either (FSDP), as if it kept them
-gathered across the micro-batches, which its peak (one micro-batch's) leaves out.
+accumulated the same way for the table. With GA above 1 the search offers ZeRO-1
+(Megatron's distributed optimizer: parameters whole, gathered once a step) beside FSDP
+(gathered every micro-batch), and chooses between them by that step.
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
@@ -154,13 +155,13 @@ def summary(part, r: Row, device, two=None, *, whole: bool = False) -> dict:
         raise ValueError(f"{r.id}: the step of {r.grad_accum} micro-batches needs the plan on two (`two`) "
                          "exactly when there is more than one, and a pipelined step (`whole`) none")
     donated = donated_args(r)
-    model = search.CostModel(part.copy(), device, donate_argnums=donated)
+    model = search.CostModel(part.copy(), device, donate_argnums=donated, grad_accum=r.grad_accum if accumulated else 1)
     cost = model.cost()
     one = step = cost.step_time
     if two is not None:
         other = search.CostModel(two.copy(), device, donate_argnums=donated)
-        step = search.accumulated_step(model.evaluate_parts()[0], other.evaluate_parts()[0], r.grad_accum,
-                                       model.device)
+        parts, again, _ = model.accumulation_parts()
+        step = search.accumulated_step(parts, other.evaluate_parts()[0], r.grad_accum, model.device, again)
     peak = search.get_device(device).flops_for("bfloat16")
     return {"step_s": step, "micro_step_s": one, "peak_gib": cost.memory_peak / 2**30, "fits": bool(cost.fits),
             "mfu": FORMULAS[r.flops](r) / (peak * step)}

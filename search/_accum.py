@@ -2,14 +2,20 @@
 
 A run that accumulates gradients over GA micro-batches runs the forward and backward
 pass GA times and reduces the gradients and updates the parameters once. What grows
-with the batch (compute, the activations' collectives) is paid GA times, what does not
-(the gradient reduction, the update, the all-gather of ZeRO's updated parameters) once:
-every term of the step is affine in the micro-batches. So the accumulated step is
-priced from the modeled train steps of one and of two micro-batches' sequences (the
-program on a batch twice as large), each term of their `TimeParts` (compute, and each
-computation's window and overlappable communication) extrapolated,
+with the batch (compute, the activations' collectives) is paid GA times, and so is
+what the batch does not grow but every micro-batch runs again: FSDP's parameter
+all-gathers and its gradients' reduce-scatters (XLA runs a scanned layer's gathers in
+every trip of every micro-batch and accumulates the gradient sharded like the
+parameter, reducing each micro-batch's: docs/design.md, "Gradient accumulation";
+`search.cost._achieved.repeated_per_micro_batch`). The rest (a gradient all-reduce,
+the update, the all-gather of ZeRO's updated parameters) is paid once. So the
+accumulated step is priced from the modeled train steps of one and of two
+micro-batches' sequences (the program on a batch twice as large) and the collectives
+of one run again (`again`, `CostModel.accumulation_parts`), each term of their
+`TimeParts` (compute, and each computation's window and overlappable communication)
+extrapolated,
 
-    parts(GA) = parts(1) + (GA - 1) * (parts(2) - parts(1)),
+    parts(GA) = parts(1) + (GA - 1) * (parts(2) - parts(1) + again(1)),
 
 and overlap applied to the result (`accumulated_step`), as shallow twins extrapolate
 in depth (`search._twins`). Extrapolating the step times themselves,
@@ -21,9 +27,11 @@ compute). Where nothing changes overlap, both give the same step.
 
 `benchmarks/published.py` prices a published run by this rule; searching by the step of
 one micro-batch weighs the once-a-step costs GA times too much, and picks a plan that
-avoids the gradient reduction at any price per micro-batch. The rule is kind to a plan
-whose parameter all-gathers do not grow with the batch (FSDP), as if it kept them
-gathered across the micro-batches; the peak is one micro-batch's.
+avoids the gradient reduction at any price per micro-batch. The peak is one
+micro-batch's (FSDP's gathered layer is freed within it) with the gradient accumulator
+live throughout (`CostModel`'s `grad_accum`). Gathering the parameters once
+and keeping them whole through the accumulation is a plan of its own, ZeRO-1, which
+the search offers where it searches the program itself (`search._zero_root`).
 
 The search traces the program again on two micro-batches (from the function and
 abstract arguments `lift` keeps: every batch input's leading dim doubled), applies every
@@ -44,21 +52,27 @@ from .cost._achieved import TimeParts
 from ._state import PairedStates
 
 
-def accumulated_step(one: TimeParts, two: TimeParts, grad_accum: int, device) -> float:
+def accumulated_step(one: TimeParts, two: TimeParts, grad_accum: int, device, again: TimeParts | None = None) -> float:
     """The modeled step (seconds) of `grad_accum` micro-batches a step on `device`, from
-    the `TimeParts` of the train step on one and on two micro-batches: term by term
-    (module docstring); where their computations differ, their step times, affinely."""
-    if one.parents != two.parents:
+    the `TimeParts` of the train step on one and on two micro-batches and of the
+    collectives of one that run again every micro-batch though the batch does not grow
+    them (`again`, `CostModel.accumulation_parts`: FSDP's parameter gathers and gradient
+    reduce-scatters): term by term (module docstring); where their computations differ,
+    the step times affinely, the collectives run again exposed."""
+    if one.parents != two.parents or (again is not None and again.parents != one.parents):
         t1, t2 = one.step(device)[0], two.step(device)[0]
-        return t1 + (grad_accum - 1) * (t2 - t1)
-    return one.extrapolate(two, grad_accum - 1).step(device)[0]
+        repeated = 0.0 if again is None else again.step(device)[0]
+        return t1 + (grad_accum - 1) * (t2 - t1 + repeated)
+    step = one.extrapolate(two, grad_accum - 1)
+    return (step if again is None else step.plus(again, grad_accum - 1)).step(device)[0]
 
 
 class AccumulatedState(PairedStates):
     """The search state of a train step run `grad_accum` times a step, kept as the
     states of its programs on one and on two micro-batches (`SearchState`s or
     `TwinState`s): every action goes to both, the step time is the accumulated one
-    (`accumulated_step`), the peak memory one micro-batch's."""
+    (`accumulated_step`), the peak memory one micro-batch's, with the gradient
+    accumulator where the states' cost models hold one (`CostModel`'s `grad_accum`)."""
 
     def __init__(self, one, two, grad_accum: int):
         self.pair, self.grad_accum = (one, two), grad_accum
@@ -78,8 +92,9 @@ class AccumulatedState(PairedStates):
     def evaluate(self) -> tuple[float, float]:
         """The accumulated step's modeled `(step time, peak memory)`: `accumulated_step`
         and the one-micro-batch program's peak."""
-        (one, peak), (two, _) = (s.evaluate_parts() for s in self.pair)
-        return accumulated_step(one, two, self.grad_accum, self.pair[0].device), peak
+        one, again, peak = self.pair[0].accumulation_parts()
+        two = self.pair[1].evaluate_parts()[0]
+        return accumulated_step(one, two, self.grad_accum, self.pair[0].device, again), peak
 
     def exact_peak(self) -> float:
         """The exact modeled peak memory of the one-micro-batch program."""
@@ -97,7 +112,8 @@ class AccumulatedState(PairedStates):
     def describe(self) -> str:
         """What is searched, for the history."""
         return (f"{self.pair[0].describe()}; priced over {self.grad_accum} micro-batches a step from the "
-                "program on one and on two micro-batches, term by term")
+                "program on one and on two micro-batches, term by term, FSDP's parameter gathers and gradient "
+                "reduce-scatters every micro-batch")
 
 
 def two_micro_batches(part, where: str):

@@ -19,6 +19,7 @@ from ._result import SearchResult
 from ._stacked import StackedState, stacked_state
 from ._state import SearchState
 from ._twins import TwinsDisagree, twin_state
+from ._zero_root import offers_zero, zero_root
 
 
 #: How many of the buffers live at the memory peak an error names.
@@ -72,10 +73,17 @@ class AutomaticPartition(Tactic):
 
     `grad_accum` is how many micro-batches a step the program (the train step of one)
     runs with gradient accumulation: above 1, plans are chosen by the accumulated step,
-    each time term extrapolated as P(1) + (grad_accum - 1) (P(2) - P(1)) from the step on
-    one and on two micro-batches and overlap applied after (`search.accumulated_step`),
-    as a run pays its per-micro-batch work that many times and its gradient reduction
-    and update once; memory is one micro-batch's.
+    each time term extrapolated as P(1) + (grad_accum - 1) (P(2) - P(1) + R) from the
+    step on one and on two micro-batches and R, the collectives run again every
+    micro-batch though the batch does not grow them (FSDP's parameter gathers and
+    gradient reduce-scatters), overlap applied after (`search.accumulated_step`), as a
+    run pays its per-micro-batch work that many times and its gradient all-reduce and
+    update once; memory is one micro-batch's with a gradient accumulator (`CostModel`'s
+    `grad_accum`). Where the program itself is searched
+    (not twins), it starts from a partitioning detached for ZeRO-1 and offers
+    `ZeRO(axis, stage=1)` as a macro (`search._zero_root`): the parameters whole and
+    gathered once a step, the optimizer state sharded, against FSDP's gathers every
+    micro-batch; the tactic says which the plan chose.
 
     `donate_argnums` lists the arguments (positions among the non-static ones) the plan
     will be called with donated, as `jax.jit`'s: the cost model then lets an updated
@@ -136,7 +144,7 @@ class AutomaticPartition(Tactic):
 
     def apply(self, part, ctx: Context):
         start = time.perf_counter()
-        axes, groups, two, (state, why), macros = self._space(part, ctx)
+        part, axes, groups, two, (state, why), macros = self._space(part, ctx)
         seeds = _seeds.compositions(macros)
         while True:
             try:
@@ -192,13 +200,20 @@ class AutomaticPartition(Tactic):
         return state, macros
 
     def _space(self, part, ctx):
-        """`(axes, groups, two, (state, why not on twins), macros)` of a search from
-        `part`: the axes searched, the input groups, `part` on two micro-batches (None
-        without gradient accumulation), the search state and the macro tactics."""
+        """`(part, axes, groups, two, (state, why not on twins), macros)` of a search from
+        `part`: the partitioning searched (`part`, or where the program itself is searched
+        with gradient accumulation, `part` detached so that ZeRO-1 is a macro:
+        `search._zero_root`), the axes searched, the input groups, it on two
+        micro-batches (None without gradient accumulation), the search state and the
+        macro tactics."""
         axes, groups = self._setup(part)
         two = two_micro_batches(part, str(self)) if self.grad_accum > 1 else None
         state, why = self._state(part, groups, axes, ctx, two)
-        return axes, groups, two, (state, why), self._macros(state, axes)
+        root = zero_root(part, self.grad_accum, self.macros) if state.depths is None else None
+        if root is not None:
+            part, two = root, two_micro_batches(root, str(self))
+            state = self._state(part, groups, axes, ctx, two)[0]  # (why not on twins: as before)
+        return part, axes, groups, two, (state, why), self._macros(state, axes)
 
     def _state(self, part, groups, axes, ctx, two=None):
         """`(state, why not on twins)`: twins where they are sound, else `part` itself;
@@ -261,7 +276,8 @@ class AutomaticPartition(Tactic):
         32 took 0.4 s)."""
         if not self.macros:
             return ()
-        return _seeds.macros(state.deepest_part, axes, self.pipelines, ring=self.backend == "shard_map")
+        return _seeds.macros(state.deepest_part, axes, self.pipelines, ring=self.backend == "shard_map",
+                             zero=offers_zero(state.deepest_part))
 
     def _fitting(self, part, groups, result, ctx, said, marks, costs):
         """`(result, notes)` of a plan that fits the program exactly: the searched one,
@@ -318,7 +334,7 @@ class AutomaticPartition(Tactic):
     def _model(self, part) -> CostModel:
         """The cost model of `part` on the search's device, limit and lowering."""
         return CostModel(part, self.priced_on, memory_limit=self.memory_limit, backend=self.backend,
-                         donate_argnums=self.donate_argnums)
+                         donate_argnums=self.donate_argnums, grad_accum=self.grad_accum)
 
     def _exact(self, part, costs: dict):
         """The exact cost of `part` (with the buffers live at its peak, for an error),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 import partir
-from tactics import FSDP, ContextParallel, DataParallel, Megatron, Pipeline, Remat, SequenceParallel
+from tactics import FSDP, ContextParallel, DataParallel, Megatron, Pipeline, Remat, SequenceParallel, ZeRO
 
 #: The rematerialization policies the search may apply to every layer (`Remat`).
 REMAT_MACROS = ("dots", "full")
@@ -25,27 +25,31 @@ REMAT_MACROS = ("dots", "full")
 #: Llama 3.1 70B, one micro-batch of 2 sequences on 64 GPUs, splits its tokens 16 ways).
 ONCE = ("tensor", "pipeline")
 #: The role each macro tactic gives its axis in a composition.
-ROLE = {DataParallel: "data", FSDP: "fsdp", Megatron: "tensor", ContextParallel: "context", Pipeline: "pipeline"}
+ROLE = {DataParallel: "data", FSDP: "fsdp", Megatron: "tensor", ContextParallel: "context", Pipeline: "pipeline",
+        ZeRO: "zero"}
 #: The order a composition's tactics apply in, by role: what splits weights by their
 #: blocks first, then the sequence, FSDP last (it shards what the others left whole),
-#: pipeline stages over the layer scan and remat over what all of them made.
-ORDER = ("data", "tensor", "context", "fsdp", "pipeline", "remat")
+#: pipeline stages over the layer scan and remat over what all of them made. ZeRO-1
+#: shards the optimizer state of what the others left (it keeps a Megatron's splits).
+ORDER = ("data", "tensor", "context", "fsdp", "zero", "pipeline", "remat")
 #: The circular schedule's repeats the search offers beside GPipe: 2 halves the bubble
 #: of small microbatch counts; more repeats exchange the same weights for less bubble
 #: still, at the price of a search twice as wide per count offered.
 CIRCULAR_REPEATS = 2
 
 
-def macros(part, axes, pipelines, *, ring: bool = False) -> tuple:
+def macros(part, axes, pipelines, *, ring: bool = False, zero: bool = False) -> tuple:
     """The tactics the search may apply as one action on `part`'s program: on each
     searched axis of more than one device data parallelism, Megatron, sequence
-    parallelism and FSDP, context parallelism where there is self-attention (as a ring
+    parallelism and FSDP (with `zero`, ZeRO-1 too: `part` is detached for it,
+    `search._zero_root`), context parallelism where there is self-attention (as a ring
     too with `ring`, for a plan the shard_map lowering runs), pipeline stages with each
     microbatch count of `pipelines` where there is a layer scan (GPipe, and the circular
     schedule and 1F1B where they can run: `_schedules`); and each remat policy where
     there are layers to recompute."""
+    zero1 = (lambda a: (ZeRO(a, stage=1),)) if zero else (lambda a: ())
     out = tuple(m for a in _split(part, axes)
-                for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False)))
+                for m in (DataParallel(a), Megatron(a), SequenceParallel(a), FSDP(a, leave_room=False), *zero1(a)))
     if partir.remat_layers(part.program):
         out += tuple(Remat(p) for p in REMAT_MACROS)
     out += context_macros(part, axes, ring=ring)
@@ -86,17 +90,23 @@ def compositions(offered) -> tuple[tuple, ...]:
     each (`ONCE`), then each remat policy offered or none; where a plan has an FSDP
     role, FSDP on its context axes too (`_sharded_context`). Plans of fewer than three
     tactics are left out (the search seeds every pair anyway); the tactics of each
-    apply in `ORDER`."""
+    apply in `ORDER`. ZeRO-1 (where offered) is a data-parallel role with the optimizer
+    state sharded, and shards over the plan's context axes too, as Megatron's
+    distributed optimizer does over its data and context ranks (where the plan has no
+    FSDP role, which shards them already)."""
     axes = dict.fromkeys(m.axis for m in offered if not isinstance(m, Remat))
     by_axis = [[(), *_roles(a, offered)] for a in axes]
     remats = [()] + [(("remat", m),) for m in offered if isinstance(m, Remat)]
     fsdp = {m.axis: m for m in offered if isinstance(m, FSDP)}
+    zero = {m.axis: m for m in offered if isinstance(m, ZeRO)}
     out = []
     for per_axis in itertools.product(*by_axis):
         kinds = [k for role in per_axis for k, _ in role[:1]]
         if any(kinds.count(k) > 1 for k in ONCE):
             continue
-        sharded = _sharded_context(per_axis, fsdp) if "fsdp" in kinds else ()
+        kept = {k for role in per_axis for k, _ in role}
+        sharded = _sharded_context(per_axis, fsdp, "fsdp") if "fsdp" in kept else \
+            _sharded_context(per_axis, zero, "zero") if "zero" in kept else ()
         for remat in remats:
             plan = sorted((t for role in (*per_axis, sharded, remat) for t in role), key=lambda t: ORDER.index(t[0]))
             if len(plan) >= 3:
@@ -104,13 +114,14 @@ def compositions(offered) -> tuple[tuple, ...]:
     return tuple(out)
 
 
-def _sharded_context(per_axis, fsdp: dict) -> tuple:
-    """The FSDP roles a plan that shards its parameters (an FSDP role) adds on its
-    context axes (`fsdp`: the FSDP macro offered per axis): the parameters and optimizer
-    state sharded over every axis that splits the tokens, the batch or the sequence, as
-    Megatron's distributed optimizer shards over its data and context ranks and
-    MaxText's FSDP over its context axis."""
-    return tuple(("fsdp", fsdp[t.axis]) for role in per_axis for k, t in role[:1] if k == "context" and t.axis in fsdp)
+def _sharded_context(per_axis, sharding: dict, kind: str) -> tuple:
+    """The `kind` roles ('fsdp' or 'zero') a plan with such a role adds on its context
+    axes (`sharding`: the macro of that kind offered per axis): the parameters (FSDP) or
+    the optimizer state (ZeRO-1) sharded over every axis that splits the tokens, the
+    batch or the sequence, as Megatron's distributed optimizer shards over its data and
+    context ranks and MaxText's FSDP over its context axis."""
+    return tuple((kind, sharding[t.axis]) for role in per_axis for k, t in role[:1]
+                 if k == "context" and t.axis in sharding)
 
 
 def variant_key(tactic) -> tuple:
@@ -149,13 +160,17 @@ def dead_end(seq, dead) -> bool:
 def _roles(axis, offered) -> list[tuple]:
     """The roles `axis` may take among the `offered` macros, each a tuple of
     `(kind, tactic)` pairs: one per macro on it (`ROLE`), and Megatron with sequence
-    parallelism after it."""
+    parallelism after it, and ZeRO-1 after data parallelism (it shards the optimizer
+    state of a batch split over the axis)."""
     mine = [m for m in offered if getattr(m, "axis", None) == axis]
     out = []
     for m in mine:
         kind = ROLE.get(type(m))
         if kind is None:
             continue  # sequence parallelism: a role only beside its Megatron
+        if isinstance(m, ZeRO):
+            out += [(("data", d), (kind, m)) for d in mine if isinstance(d, DataParallel)]
+            continue
         out.append(((kind, m),))
         if isinstance(m, Megatron):
             out += [((kind, m), (kind, s)) for s in mine if isinstance(s, SequenceParallel)]

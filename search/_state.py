@@ -113,6 +113,14 @@ class SearchState:
             peak = self.model.exact_peak()
         return parts, peak
 
+    def accumulation_parts(self):
+        """`evaluate_parts` with, between them, the `TimeParts` of the collectives run
+        again every micro-batch of an accumulated step (`CostModel.accumulation_parts`)."""
+        parts, again, peak = self.model.accumulation_parts()
+        if doubtful(peak, self.model.memory_limit):
+            peak = self.model.exact_peak()
+        return parts, again, peak
+
     @property
     def device(self):
         """The device the state is priced on (its cost model's)."""

@@ -223,11 +223,24 @@ class TwinState(PairedStates):
         program, extrapolated term by term; where the twins' computations differ, the
         extrapolated step alone (as compute: overlap is already in it)."""
         (t0, p0), (t1, p1) = (t.model.evaluate_parts() for t in self._both())
-        peak = self._peak(p0, p1)
-        if t0.parents != t1.parents:
-            return TimeParts(self._step(t0, t1), 0.0), peak
+        return self._deep_parts(t0, t1), self._peak(p0, p1)
+
+    def accumulation_parts(self):
+        """`evaluate_parts` with, between them, the deep program's `TimeParts` of the
+        collectives run again every micro-batch (`CostModel.accumulation_parts`),
+        extrapolated alike; where the twins' computations differ, their time as exposed."""
+        (t0, r0, p0), (t1, r1, p1) = (t.model.accumulation_parts() for t in self._both())
+        return self._deep_parts(t0, t1), self._deep_parts(r0, r1, comm_only=True), self._peak(p0, p1)
+
+    def _deep_parts(self, shallow, deeper, *, comm_only: bool = False):
+        """The deep program's `TimeParts` from the twins', term by term; where their
+        computations differ, the extrapolated step alone (as compute, or with
+        `comm_only`, parts of communication alone, as exposed: overlap is already in it)."""
+        if shallow.parents != deeper.parents:
+            step = self._step(shallow, deeper)
+            return TimeParts(0.0, step) if comm_only else TimeParts(step, 0.0)
         d0, d1 = self.depths
-        return t0.extrapolate(t1, (self.layers - d0) / (d1 - d0)), peak
+        return shallow.extrapolate(deeper, (self.layers - d0) / (d1 - d0))
 
     def _step(self, shallow, deeper) -> float:
         """The deep program's step time: each term of the twins' `TimeParts`

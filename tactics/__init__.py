@@ -24,9 +24,9 @@ from ._pipeline import Pipeline
 from ._remat import Remat
 from ._roles import Roles, roles, weight_dims, weight_root
 from ._sequence import SequenceParallel
-from ._zero import FSDP, ZeRO
+from ._zero import FSDP, ZeRO, zero_whole
 from ._registry import TACTICS, WORDS, tactic_names
 
 __all__ = ["check", "ContextParallel", "AmbiguousPatternWarning", "Group", "input_groups", "FSDP", "Block", "Context", "LeftOut", "Use", "WHY", "DataParallel", "ExpertParallel", "Megatron", "Partitioned", "Pipeline", "Remat", "Replicate",
            "Roles", "SequenceParallel", "Shard", "Specs", "Step", "Tactic", "TacticError", "TACTICS", "WORDS", "ZeRO", "applied_order", "apply_schedule", "tactic_names",
-           "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses"]
+           "batch_inputs", "expert_activations", "expert_weights", "roles", "weight_dims", "weight_root", "weight_uses", "zero_whole"]

@@ -97,7 +97,7 @@ class ZeRO(Tactic):
                               f"put DataParallel({self.axis!r}) earlier in the schedule")
         avoid = self._tensor_parallel_dims(part) if self.leave_room else frozenset()
         if self.stage < 3:
-            part = self._keep_whole(part, r)
+            part = self._keep_whole(part)
         sharded, skipped = [], []
         targets = r.params if self.stage == 3 else r.opt_state
         for v in targets:
@@ -141,25 +141,39 @@ class ZeRO(Tactic):
                              if other in axes)
         return frozenset()
 
-    def _keep_whole(self, part, r):
+    def _keep_whole(self, part):
         """Detach the parameters, their updated outputs and (stage 1) their gradients from
-        the update they share a tiling class with, and pin them as they are."""
-        prog = part.program
-        cls = prog.classes
-        by_class = {}
-        for v in prog.outputs:
-            if v >= 0:
-                by_class.setdefault(cls.of[v], []).append(v)
-        keep = set(r.params)
-        for p in r.params:
-            keep.update(o for o in by_class.get(cls.of[p], ()) if prog.values[o].shape == prog.values[p].shape
-                        and o not in prog.input_set and _updates(prog, o, p))
-        if self.stage == 1:
-            keep.update(_gradients(prog, r))
-        part = part.detach(keep)
+        the update they share a tiling class with (`zero_whole`), and pin them as they
+        are. Where they are detached already (a search that offers ZeRO as a macro
+        starts from such a partitioning), in place."""
+        keep = zero_whole(part.program, self.stage)
+        if not keep <= part.detached:
+            part = part.detach(keep)
         for v in sorted(keep):
             part.pin(v, axes=(self.axis,), source=str(self))
         return part
+
+
+def zero_whole(prog, stage: int) -> frozenset[int]:
+    """The values ZeRO of `stage` (1 or 2) keeps whole over its axis, detached from the
+    update they share a tiling class with: the parameters, their updated outputs and,
+    at stage 1, their gradients."""
+    if stage not in (1, 2):
+        raise TacticError(f"zero_whole: stage {stage!r} keeps nothing whole: give 1 or 2 (stage 3 shards "
+                          "the parameters)")
+    r = roles(prog)
+    cls = prog.classes
+    by_class: dict = {}
+    for v in prog.outputs:
+        if v >= 0:
+            by_class.setdefault(cls.of[v], []).append(v)
+    keep = set(r.params)
+    for p in r.params:
+        keep.update(o for o in by_class.get(cls.of[p], ()) if prog.values[o].shape == prog.values[p].shape
+                    and o not in prog.input_set and _updates(prog, o, p))
+    if stage == 1:
+        keep.update(_gradients(prog, r))
+    return frozenset(prog.resolve(v) for v in keep)
 
 
 def _updates(prog, out: int, param: int) -> bool:

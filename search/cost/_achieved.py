@@ -101,6 +101,26 @@ def overlappable(col, value: int, weights, device) -> bool:
             or device.overlap_activations)
 
 
+def repeated_per_micro_batch(moves, weights) -> list[bool]:
+    """Per (collective, value) of `moves`: whether it still runs every micro-batch of a
+    step that accumulates gradients though the batch does not grow it (`search._accum`).
+    So run an all-gather of a weight (FSDP's and ZeRO-3's parameter gathers: over
+    scanned layers XLA gathers each layer's slice in every trip of every micro-batch,
+    as MaxText's accumulation scan runs it), and a gradient's reduce-scatter over an
+    axis the plan gathers weights over (the parameter is sharded there, and so is the
+    accumulator, as in XLA's accumulation loop and MaxText's FSDP: each micro-batch's
+    gradient is reduced before it is added). A gradient reduction where the parameters
+    stay whole (data parallelism, ZeRO-1's reduce-scatter to its sharded update) runs
+    once a step on the summed gradient, and so does ZeRO's all-gather of the updated
+    parameters (the batch reaches it: no weight)."""
+    def gathers(c, v) -> bool:
+        return c.kind == Kind.ALL_GATHER and bool(weights[v]) and not c.gradient
+
+    sharded = {a for c, v in moves if gathers(c, v) for a in c.axes}
+    return [gathers(c, v) or (bool(c.gradient) and c.kind == Kind.REDUCE_SCATTER and bool(sharded & set(c.axes)))
+            for c, v in moves]
+
+
 @dataclass(frozen=True)
 class TimeParts:
     """A step's time before overlap: `compute`, the communication on the critical path
@@ -124,6 +144,12 @@ class TimeParts:
             if parent is not None:
                 window[parent] += max(0.0, room - comm)
         return self.compute + exposed, exposed
+
+    def plus(self, other: "TimeParts", k: float) -> "TimeParts":
+        """`self + k * other`, term by term (`other` has the same computations)."""
+        return TimeParts(self.compute + k * other.compute, self.exposed + k * other.exposed,
+                         tuple(a + k * b for a, b in zip(self.windows, other.windows)),
+                         tuple(a + k * b for a, b in zip(self.hidden, other.hidden)), self.parents)
 
     def extrapolate(self, deeper: "TimeParts", k: float) -> "TimeParts":
         """`self + k * (deeper - self)`, term by term (the twins' affine extrapolation;

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -78,13 +79,20 @@ class CostModel(CostTime, CostMemory):
     defaults to the device's HBM; `donate_argnums` lists donated (non-static) arguments;
     `links` overrides the link level ('intra'/'inter') of mesh axes; `while_trips` is
     the trip count assumed for `while` loops (unknown statically); `backend` is the
-    lowering the plan runs under (`BACKENDS`).
+    lowering the plan runs under (`BACKENDS`); `grad_accum` the micro-batches a step the
+    program (the train step of one) runs with: above 1, the peak holds a gradient
+    accumulator beside the step's own buffers (`CostMemory`).
     """
 
     def __init__(self, part, device=DEFAULT_DEVICE, *, memory_limit: float | None = None, donate_argnums=(),
-                 links: dict[str, str] | None = None, while_trips: int = 1, backend: str = "jit"):
+                 links: dict[str, str] | None = None, while_trips: int = 1, backend: str = "jit",
+                 grad_accum: int = 1):
         if backend not in BACKENDS:
             raise ValueError(f"CostModel backend={backend!r}: choose one of {BACKENDS}")
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
+            raise ValueError(f"CostModel grad_accum={grad_accum!r}: give the micro-batches a step as a positive "
+                             "integer, e.g. grad_accum=32 (1: no gradient accumulation)")
+        self.grad_accum = grad_accum
         prog = part.program
         self.part, self.program, self.backend = part, prog, backend
         self._device_and_links(device, memory_limit, links)
@@ -389,13 +397,25 @@ class CostModel(CostTime, CostMemory):
     def evaluate_parts(self):
         """(the step's `TimeParts`, fast estimate of the peak memory): `evaluate` before
         overlap is applied, for shallow twins to extrapolate term by term."""
+        parts, _, peak = self._evaluate(repeated=False)
+        return parts, peak
+
+    def accumulation_parts(self):
+        """`evaluate_parts` with, between them, the `TimeParts` (no compute) of the
+        collectives that do not grow with the batch yet run every micro-batch of a step
+        that accumulates gradients: FSDP's parameter gathers and its gradients'
+        reduce-scatters (`_achieved.repeated_per_micro_batch`, `search._accum`)."""
+        return self._evaluate(repeated=True)
+
+    def _evaluate(self, *, repeated: bool):
         self._sync()
         times, _, extra = self._op_times()
         again, again_cols = self._recomputed(times)
         compute = float(times.sum()) + again + float(extra.sum())
-        parts = self._parts(times, self._again_ops(extra), compute, again_cols + self._order_cols())
+        cols_again = again_cols + self._order_cols()
+        parts = self._parts(times, self._again_ops(extra), compute, cols_again)
         peak = self._memory(self._value_bytes(), exact=False)[0]
-        return parts, peak
+        return parts, self._repeated_parts(cols_again) if repeated else None, peak
 
     def cost(self, *, top: int = 10) -> Cost:
         """The full breakdown of the current partitioning."""

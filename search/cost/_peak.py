@@ -77,7 +77,7 @@ class CostMemory:
             carried = ticks.stacked_elsewhere(carried)
         for kind, entries in (("remat", view.extra if view is not None else ()), ("stacked", carried),
                               ("tick", ticks.entries(liveness.virtual, self._value_div, self.materialization.attention)
-                               if ticks else ())):
+                               if ticks else ()), ("accumulated", self._accumulator(liveness.length))):
             if self._pipeline is not None and kind != "tick":
                 entries = self._pipeline.stacks(entries, self._value_div)
             vs, ve, vz = extra_buffers(entries, value_bytes)
@@ -85,6 +85,20 @@ class CostMemory:
             keys = keys + [(kind, v) for _, _, v, _ in entries]
         peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact)
         return peak, t, buf, liveness, (starts, ends, sizes, keys)
+
+    def _accumulator(self, length: int) -> list:
+        """The gradient accumulator of a step of several micro-batches (`grad_accum`), as
+        `(start, end, value, scale)` entries: each parameter's gradient summed over the
+        micro-batches, laid out as the parameter is (whole for data parallelism and
+        ZeRO-1, sharded for FSDP, as XLA's accumulation loop and MaxText keep it), live
+        through every micro-batch's forward and backward pass (a pipeline's tick loops
+        accumulate within a micro-batch, and this sum is across them). None with one
+        micro-batch; `length` is the liveness schedule's (the entries span it)."""
+        if self.grad_accum <= 1:
+            return []
+        from tactics import roles
+
+        return [(0, length - 1, p, 1.0) for p in roles(self.program).params]
 
     def exact_peak(self) -> float:
         """The peak memory as `cost()` gives it (XLA's buffer assignment emulated)."""
@@ -102,6 +116,8 @@ class CostMemory:
                 return f"{self.program.name(key[1])} stacked"
             if key[0] == "tick":
                 return f"{self.program.name(key[1])} in the tick loop"
+            if key[0] == "accumulated":
+                return f"{self.program.name(key[1])}'s gradient accumulated"
             return f"{op_label(self.program, key[1])} as computed"
         cache = self._buffer_name.setdefault(id(liveness), {})
         name = cache.get(b)

@@ -8,7 +8,7 @@ import numpy as np
 
 from partir import computations, depended_on
 
-from ._achieved import TimeParts, batch_free, dot_efficiency, overlappable, time_parts
+from ._achieved import TimeParts, batch_free, dot_efficiency, overlappable, repeated_per_micro_batch, time_parts
 from ._attention import causal_imbalance
 
 
@@ -84,7 +84,7 @@ class CostTime:
     def _parts(self, times, again_ops, compute: float, cols_again) -> TimeParts:
         """The step's `TimeParts` in the current state (`_achieved`)."""
         if not self.device.overlap:
-            cols = [c for _, e in self._moves() for c in e[min(e)][1]] + [c for _, c, _ in cols_again]
+            cols = [c for _, c, _, _ in self._move_list(cols_again)]
             return time_parts(self.device, self.links, compute, {}, [(None, c, False) for c in cols])
         buckets = np.bincount(self._bucket, weights=times, minlength=self._n_buckets)
         redo, skipped, extra = again_ops
@@ -92,13 +92,32 @@ class CostTime:
         if redo is not None:
             buckets += np.bincount(self._bucket_bwd[redo], weights=times[redo], minlength=self._n_buckets)
             buckets -= np.bincount(self._bucket[skipped], weights=times[skipped], minlength=self._n_buckets)
-        moves = []
+        moves = [(k, c, over) for k, c, over, _ in self._move_list(cols_again)]
+        return time_parts(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
+                          self._bucket_parents)
+
+    def _move_list(self, cols_again) -> list:
+        """(computation, collective, overlappable, value) of every collective of the
+        step: each reshard's, then the recomputed ops' and the others of `cols_again`."""
+        out = []
         for _, e in self._moves():
             first = min(e)
             v, cs, _ = e[first]
-            moves += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device)) for c in cs]
-        moves += [(int(self._bucket_bwd[o]), c, overlappable(c, v, self._weights, self.device)) for o, c, v in cols_again]
-        return time_parts(self.device, self.links, compute, dict(enumerate(buckets.tolist())), moves,
+            out += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device), v) for c in cs]
+        out += [(int(self._bucket_bwd[o]), c, overlappable(c, v, self._weights, self.device), v)
+                for o, c, v in cols_again]
+        return out
+
+    def _repeated_parts(self, cols_again) -> TimeParts:
+        """The `TimeParts` of the collectives that do not grow with the batch but run
+        again every micro-batch of an accumulated step (`repeated_per_micro_batch`),
+        with no compute: what `search._accum` adds once per further micro-batch."""
+        every = self._move_list(cols_again)
+        again = repeated_per_micro_batch([(c, v) for _, c, _, v in every], self._weights)
+        moves = [(k, c, over and self.device.overlap) for (k, c, over, _), r in zip(every, again) if r]
+        if not self.device.overlap:
+            return time_parts(self.device, self.links, 0.0, {}, moves)
+        return time_parts(self.device, self.links, 0.0, dict.fromkeys(range(self._n_buckets), 0.0), moves,
                           self._bucket_parents)
 
     def _recomputed(self, times) -> tuple[float, list]:
