@@ -39,7 +39,12 @@ it chooses its plan by the same accumulated step, from the step on one and on tw
 micro-batches (`search._accum`); that plan, taken again on two (`replayed`), is
 accumulated the same way for the table. With GA above 1 the search offers ZeRO-1
 (Megatron's distributed optimizer: parameters whole, gathered once a step) beside FSDP
-(gathered every micro-batch), and chooses between them by that step.
+(gathered every micro-batch), and chooses between them by that step. A row of GA > 1 is
+also searched on the train step of its whole batch, offering pipelines of GA/2, GA and
+2 GA microbatches (`pipeline_counts`: the pipeline's microbatches are then the
+accumulation, as in the published pipelined runs) and ZeRO-1; the row keeps the faster
+plan that fits (`_search`), and says which form it is (`Searched.form`, the table's
+`searched as`).
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
@@ -190,9 +195,8 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
                r.grad_accum, r.master_weights, r.mesh_axes, device, episodes)
         if key not in searches:
             searches[key] = _search(r, mesh, device, episodes)
-        found, out["plan"] = searches[key]
-        two = replayed(found, program(r, scan=True, micro_batches=2)) if r.grad_accum > 1 else None
-        out["searched"] = summary(found, r, device, two)
+        found = searches[key]
+        out["plan"], out["searched_form"], out["searched"] = found.plan, found.form, found.summary(r, device)
         out["searched_over_published"] = out["searched"]["step_s"] / out["published"]["step_s"]
     return out
 
@@ -218,18 +222,87 @@ def _apply(prog, mesh, tactic_list):
     return tactics.apply_schedule(prog, mesh, tactic_list).partitioning
 
 
-def _search(r: Row, mesh, device, episodes: int):
-    """(partitioning, plan) the search finds for the row's model on its devices: on
-    the scanned program, whose plans are the unrolled one's (layer by layer alike), by
-    the step of the row's micro-batches a step, its memory with the arguments the run
-    donates (`donated_args`) donated, as its published configuration's is judged."""
+#: The microbatch counts a pipelined search offers, as multiples of the row's GA: the
+#: run's own count (its accumulation as the pipeline's microbatches, as Megatron runs it)
+#: and its neighbours by a factor of two, as a practitioner tunes M around it.
+PIPELINE_FACTORS = (0.5, 1, 2)
+
+
+#: The pipelined search's episodes, as a multiple of the row's: its pipelines add up to
+#: three schedules of each microbatch count on each axis to the macros (36 on NeMo's
+#: Llama 3.1 70B's four axes, 66 macros in all with ZeRO-1), whose ordered pairs the
+#: search seeds first. At the row's 1000 episodes that search returns FSDP over all four
+#: axes with Remat (62.6 s a step, 226 GiB); at 4000 DP + ZeRO-1 over data, FSDP over the
+#: rest, Remat (15.81 s, 58 GiB), as at 10000.
+PIPELINED_EPISODES = 4
+
+
+def pipeline_counts(r: Row) -> tuple[int, ...]:
+    """The microbatch counts the row's pipelined search offers (`PIPELINE_FACTORS` of its
+    GA), those of at least 2 that divide its global batch."""
+    counts = (int(r.grad_accum * f) for f in PIPELINE_FACTORS)
+    return tuple(m for m in counts if m >= 2 and r.global_batch % m == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Searched:
+    """A plan a row's search found: its partitioning (of the scanned train step of one
+    micro-batch, or with `whole` of the step's whole global batch), the plan's actions
+    as the search describes them, and its `form`."""
+
+    part: Any
+    plan: list
+    whole: bool
+
+    @property
+    def form(self) -> str:
+        """What the plan runs a step as, said in the table and the JSON (`searched_form`):
+        'micro-batches' (the train step of one micro-batch GA times, one update; for GA 1
+        the step itself), 'pipelined' (the whole batch's step over pipeline stages, its
+        microbatches the accumulation) or 'whole batch' (the whole batch's step in one
+        pass: the pipelined search's plan without a pipeline)."""
+        if not self.whole:
+            return "micro-batches"
+        return "pipelined" if self.part.pipelines else "whole batch"
+
+    def summary(self, r: Row, device) -> dict:
+        """The plan's `summary` (the step of the row's global batch, its peak and fit)."""
+        if self.whole or r.grad_accum == 1:
+            return summary(self.part, r, device, whole=self.whole)
+        return summary(self.part, r, device, replayed(self.part, program(r, scan=True, micro_batches=2)))
+
+
+def _search(r: Row, mesh, device, episodes: int) -> Searched:
+    """The plan the search finds for the row's model on its devices, on the scanned
+    program, whose plans are the unrolled one's (layer by layer alike), its memory with
+    the arguments the run donates (`donated_args`) donated, as its published
+    configuration's is judged. For GA 1, the search of the train step. For GA > 1 two
+    searches: of the step of one micro-batch by the accumulated step of GA, and of the
+    step of the whole batch offering pipelines of `pipeline_counts` microbatches (the
+    pipeline's microbatches then run the accumulation, as the published pipelined
+    runs'); of their plans the faster that fits (else the faster), both being the step
+    of the same global batch with one optimizer update."""
+    found = [_searched(r, mesh, device, episodes, program(r, scan=True), grad_accum=r.grad_accum)]
+    if r.grad_accum > 1:
+        found.append(_searched(r, mesh, device, PIPELINED_EPISODES * episodes,
+                               program(r, scan=True, micro_batches=r.grad_accum), pipelines=pipeline_counts(r)))
+    steps = [f.summary(r, device) for f in found]
+    return min(zip(found, steps), key=lambda fs: (not fs[1]["fits"], fs[1]["step_s"]))[0]
+
+
+def _searched(r: Row, mesh, device, episodes: int, prog, *, grad_accum: int = 1, pipelines=()) -> Searched:
+    import partir
     import search
     import tactics
 
     auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True,
-                                     grad_accum=r.grad_accum, donate_argnums=donated_args(r))
-    found = tactics.apply_schedule(program(r, scan=True), mesh, [auto])
-    return found.partitioning, [a.describe(res.groups) for res in found.context.search for a in res.actions]
+                                     grad_accum=grad_accum, pipelines=pipelines, donate_argnums=donated_args(r))
+    start = partir.Partitioning(prog, mesh)
+    if pipelines:  # ZeRO-1 offered (`search._zero_root`), as with grad_accum: the microbatches accumulate
+        start = start.detach(tactics.zero_whole(prog, 1))
+    found = tactics.apply_schedule(prog, mesh, [auto], start=start)
+    plan = [a.describe(res.groups) for res in found.context.search for a in res.actions]
+    return Searched(found.partitioning, plan, whole=bool(pipelines))
 
 
 def run_of(r: Row) -> tuple:
@@ -308,7 +381,7 @@ def _table(rows: list[Row], results: dict) -> None:
     for split in SPLITS:
         table = Table(title=f"published runs, {split} rows (MFU by each source's formula)")
         for col in ("run", "device", "mesh", "remat", "published MFU", "modeled MFU", "error", "peak", "searched MFU",
-                    "searched/published step"):
+                    "searched/published step", "searched as"):
             table.add_column(col, justify="left" if col in ("run", "mesh") else "right")
         for r in rows:
             if r.split != split:
@@ -316,14 +389,14 @@ def _table(rows: list[Row], results: dict) -> None:
             res = results.get(r.id)
             if res is None:
                 table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, _published(r), "-",
-                              f"not expressible: {r.why_not}", "", "", "")
+                              f"not expressible: {r.why_not}", "", "", "", "")
                 continue
             p, s = res["published"], res.get("searched")
             table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, f"{res['published_mfu']:.1%}",
                           f"{p['mfu']:.1%}", f"{res['error']:+.1%}", f"{p['peak_gib']:.0f} GiB"
                           + ("" if p["fits"] else " (no fit)"),
                           f"{s['mfu']:.1%}" + ("" if s["fits"] else " (no fit)") if s else "-",
-                          f"{res['searched_over_published']:.2f}" if s else "-")
+                          f"{res['searched_over_published']:.2f}" if s else "-", res.get("searched_form", "-"))
         Console(width=200).print(table)
 
 
