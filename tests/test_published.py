@@ -33,11 +33,12 @@ GPU_ROWS = [r for r in ROWS if r.expressible and r.device in published.GPUS]
 _MODELED: dict = {}
 
 
-def _modeled(row) -> dict:
-    """The row's published configuration, modeled (no search), once per session."""
-    if row.id not in _MODELED:
-        _MODELED[row.id] = published.model_row(row, episodes=0)
-    return _MODELED[row.id]
+def _modeled(row, episodes: int = 0) -> dict:
+    """The row's published configuration, modeled, and with `episodes` its searched plan,
+    once per session."""
+    if (row.id, episodes) not in _MODELED:
+        _MODELED[row.id, episodes] = published.model_row(row, episodes=episodes)
+    return _MODELED[row.id, episodes]
 
 
 def test_data_file_has_the_rows_the_benchmark_needs():
@@ -197,10 +198,32 @@ def test_the_search_chooses_its_plan_by_the_accumulated_step():
     assert searched["fits"] and searched["step_s"] <= _modeled(row)["published"]["step_s"]
 
 
+#: The step over the published configuration's that the NeMo 70B row's searched plan
+#: stays under: 1.085x as measured (15.81 s against 14.56 s: the whole batch's step, DP
+#: and ZeRO-1 over data, FSDP over stage, context and model, Remat; 58 GiB), with the
+#: margin of a plan whose step moves a little with the cost model; the search of the
+#: micro-batch step alone returns 3.14x.
+NEMO_70B_SEARCHED = 1.10
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="priced with FSDP's gathers every micro-batch and the gradient accumulator in "
-                   "the peak, no plan this row's search reaches (no pipelines) fits at <= 1.00x: it finds 3.14x; "
-                   "ZeRO-1 without stages peaks at 90 GiB (docs/design.md, 'Published runs')")
+def test_the_nemo_70b_search_also_searches_the_whole_batch_and_keeps_the_faster_plan_that_fits():
+    # NeMo's Llama 3.1 70B runs 64 micro-batches a step as its pipeline's microbatches.
+    # The search of one micro-batch accumulated 64 times finds nothing fast that fits
+    # (3.14x: FSDP's gathers every micro-batch, or ZeRO-1 with a 33 GiB accumulator, 90
+    # GiB); the search of the whole batch's step, offering pipelines of 32, 64 and 128
+    # microbatches and ZeRO-1, finds a plan that fits at 1.085x, and the row keeps it.
+    row = next(r for r in ROWS if r.id == "nemo-llama31-70b-h100-64")
+    out = _modeled(row, row.episodes)
+    assert out["searched"]["fits"] and out["searched_over_published"] <= NEMO_70B_SEARCHED, (out["plan"], out["searched"])
+    assert out["searched_form"] == "whole batch", out["plan"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="no plan the search reaches fits at <= 1.00x: it finds 1.085x (the whole batch's "
+                   "step with Remat, 58 GiB); the fitting pipelines model >= 17.6 s (GPipe with Remat: 1F1B refuses "
+                   "Remat, and without it peaks at 376 GiB), the accumulated forms 3.14x (docs/design.md, "
+                   "'Published runs')")
 def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configuration():
     # NeMo's Llama 3.1 70B on 64 H100s (stage 4 x data 2 x context 2 x model 4, one
     # micro-batch of 2 sequences of 8192, 64 a step): the batch splits over one axis
@@ -210,7 +233,7 @@ def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configurat
     # gathers priced once a step with a one-micro-batch peak, and at 0.91x by ZeRO-1
     # without its gradient accumulator.
     row = next(r for r in ROWS if r.id == "nemo-llama31-70b-h100-64")
-    out = published.model_row(row, row.episodes)
+    out = _modeled(row, row.episodes)
     assert out["searched"]["fits"] and out["searched_over_published"] <= 1.0, (out["plan"], out["searched"])
 
 
