@@ -285,24 +285,27 @@ def _search(r: Row, mesh, device, episodes: int) -> Searched:
     found = [_searched(r, mesh, device, episodes, program(r, scan=True), grad_accum=r.grad_accum)]
     if r.grad_accum > 1:
         found.append(_searched(r, mesh, device, PIPELINED_EPISODES * episodes,
-                               program(r, scan=True, micro_batches=r.grad_accum), pipelines=pipeline_counts(r)))
+                               program(r, scan=True, micro_batches=r.grad_accum), whole=True))
     steps = [f.summary(r, device) for f in found]
     return min(zip(found, steps), key=lambda fs: (not fs[1]["fits"], fs[1]["step_s"]))[0]
 
 
-def _searched(r: Row, mesh, device, episodes: int, prog, *, grad_accum: int = 1, pipelines=()) -> Searched:
+def _searched(r: Row, mesh, device, episodes: int, prog, *, grad_accum: int = 1, whole: bool = False) -> Searched:
+    """The search of `prog` (`whole`: the whole batch's step, offering `pipeline_counts`
+    and, from a partitioning detached for it as `search._zero_root` detaches one for
+    `grad_accum`, ZeRO-1: the pipeline's microbatches accumulate the gradients)."""
     import partir
     import search
     import tactics
 
     auto = search.AutomaticPartition(budget_s=600, max_episodes=episodes, device=device, best_effort=True,
-                                     grad_accum=grad_accum, pipelines=pipelines, donate_argnums=donated_args(r))
+                                     grad_accum=grad_accum, pipelines=pipeline_counts(r) if whole else (),
+                                     donate_argnums=donated_args(r))
     start = partir.Partitioning(prog, mesh)
-    if pipelines:  # ZeRO-1 offered (`search._zero_root`), as with grad_accum: the microbatches accumulate
-        start = start.detach(tactics.zero_whole(prog, 1))
-    found = tactics.apply_schedule(prog, mesh, [auto], start=start)
+    found = tactics.apply_schedule(prog, mesh, [auto], start=start.detach(tactics.zero_whole(prog, 1)) if whole
+                                   else start)
     plan = [a.describe(res.groups) for res in found.context.search for a in res.actions]
-    return Searched(found.partitioning, plan, whole=bool(pipelines))
+    return Searched(found.partitioning, plan, whole=whole)
 
 
 def run_of(r: Row) -> tuple:
