@@ -256,7 +256,8 @@ class Searched:
 
     @property
     def form(self) -> str:
-        """What the plan runs a step as, said in the table and the JSON (`searched_form`):
+        """What the plan runs a step as, said in the JSON (`searched_form`) and, where not
+        'micro-batches', in the table:
         'micro-batches' (the train step of one micro-batch GA times, one update; for GA 1
         the step itself), 'pipelined' (the whole batch's step over pipeline stages, its
         microbatches the accumulation) or 'whole batch' (the whole batch's step in one
@@ -384,7 +385,7 @@ def _table(rows: list[Row], results: dict) -> None:
     for split in SPLITS:
         table = Table(title=f"published runs, {split} rows (MFU by each source's formula)")
         for col in ("run", "device", "mesh", "remat", "published MFU", "modeled MFU", "error", "peak", "searched MFU",
-                    "searched/published step", "searched as"):
+                    "searched/published step"):
             table.add_column(col, justify="left" if col in ("run", "mesh") else "right")
         for r in rows:
             if r.split != split:
@@ -392,15 +393,22 @@ def _table(rows: list[Row], results: dict) -> None:
             res = results.get(r.id)
             if res is None:
                 table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, _published(r), "-",
-                              f"not expressible: {r.why_not}", "", "", "", "")
+                              f"not expressible: {r.why_not}", "", "", "")
                 continue
             p, s = res["published"], res.get("searched")
             table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, f"{res['published_mfu']:.1%}",
                           f"{p['mfu']:.1%}", f"{res['error']:+.1%}", f"{p['peak_gib']:.0f} GiB"
                           + ("" if p["fits"] else " (no fit)"),
                           f"{s['mfu']:.1%}" + ("" if s["fits"] else " (no fit)") if s else "-",
-                          f"{res['searched_over_published']:.2f}" if s else "-", res.get("searched_form", "-"))
+                          _searched_step(res) if s else "-")
         Console(width=200).print(table)
+
+
+def _searched_step(res: dict) -> str:
+    """The searched step over the published one, with the searched plan's form where it
+    is not the micro-batch step the row runs (`Searched.form`)."""
+    form = res["searched_form"]
+    return f"{res['searched_over_published']:.2f}" + ("" if form == "micro-batches" else f" ({form})")
 
 
 def _ranking_table(pairs: list[dict]) -> None:
