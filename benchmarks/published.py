@@ -43,8 +43,7 @@ accumulated the same way for the table. With GA above 1 the search offers ZeRO-1
 also searched on the train step of its whole batch, offering pipelines of GA/2, GA and
 2 GA microbatches (`pipeline_counts`: the pipeline's microbatches are then the
 accumulation, as in the published pipelined runs) and ZeRO-1; the row keeps the faster
-plan that fits (`_search`), and says which form it is (`Searched.form`, the table's
-`searched as`).
+plan that fits (`_search`), and says which form it is (`Searched.form`).
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
