@@ -118,15 +118,18 @@ def _check_op(program, op, reads, makes) -> None:
     per operand) and makes (`makes`, per result)."""
     if op.link:
         return  # a value crossing a region boundary, the same on both sides
-    where = program.name(next(v for v in (*op.results, *op.operands) if v >= 0))
+
+    def where() -> str:  # named only for an error: naming every op of a deep program takes long
+        return program.name(next(v for v in (*op.results, *op.operands) if v >= 0))
+
     if op.primitive in ORDER_SENSITIVE:
         raise PartitioningError(f"a balanced token order cannot permute the sequence through {op.primitive} "
-                                f"making {where}: its numbers depend on positions along it; leave balance=None")
+                                f"making {where()}: its numbers depend on positions along it; leave balance=None")
     if op.rule.fixed is not None:
-        raise PartitioningError(f"a balanced token order cannot permute the sequence through {where}, a region "
+        raise PartitioningError(f"a balanced token order cannot permute the sequence through {where()}, a region "
                                 "partitioned by hand (shard_map); leave balance=None")
     if not any(reads) and op.primitive not in SOURCES:
-        raise PartitioningError(f"a balanced token order cannot permute {where}: {op.primitive} makes a dim along "
+        raise PartitioningError(f"a balanced token order cannot permute {where()}: {op.primitive} makes a dim along "
                                 "the sequence from nothing along it; leave balance=None")
     rule = op.rule
     seq = set()
@@ -135,14 +138,15 @@ def _check_op(program, op, reads, makes) -> None:
             for d in ds:
                 if len(spec[d]) != 1 or spec[d][0] in rule.blocked:
                     raise PartitioningError(
-                        f"a balanced token order cannot permute the sequence through {op.primitive} making {where} "
+                        f"a balanced token order cannot permute the sequence through {op.primitive} making {where()} "
                         "(it slices, shifts, pads or merges the sequence dim); leave balance=None")
                 seq.add(spec[d][0])
     for specs in (rule.operands, rule.results):
         for spec in specs:
             if any(len(fs) > 1 and seq & set(fs) for fs in spec):
                 raise PartitioningError(f"a balanced token order cannot permute the sequence through {op.primitive} "
-                                        f"making {where}: it merges the sequence dim with another; leave balance=None")
+                                        f"making {where()}: it merges the sequence dim with another; leave "
+                                        "balance=None")
 
 
 class Orders:

@@ -245,19 +245,27 @@ def _last_weight_reads(program, backward, taint, derived) -> dict:
 def _dominators(program, backward, derived) -> dict:
     """Immediate dominators of the forward ops in the dataflow of activations: what is
     made from layer parameters alone is left out, and the other inputs feed their
-    readers from the start."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    g.add_node(-1)
+    readers from the start (-1, not in the result). An op reads only values made before
+    it, so the graph is acyclic with the ops in program order, and one pass in that
+    order finds each op's immediate dominator as the meeting point of its readers'
+    (Cooper, Harvey and Kennedy's walk): on an unrolled 70B step, a general graph
+    library's took seconds."""
+    idom = {-1: -1}
     for op in program.ops:
         if backward[op.id] or (op.results and all(r < 0 or derived[r] for r in op.results)):
             continue
-        g.add_node(op.id)
         made = [program.producer[u] for u in op.operands if u >= 0 and not derived[u] and program.producer[u] >= 0]
-        for p in [p for p in made if p in g] or [-1]:
-            g.add_edge(p, op.id)
-    return nx.immediate_dominators(g, -1)
+        preds = [p for p in made if p in idom] or [-1]
+        d = preds[0]
+        for p in preds[1:]:
+            while d != p:  # up the dominator tree from the later of the two until they meet
+                if d > p:
+                    d = idom[d]
+                else:
+                    p = idom[p]
+        idom[op.id] = d
+    del idom[-1]
+    return idom
 
 
 def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]:

@@ -181,9 +181,11 @@ def _pass(eqns, params, count: int, begin: int, *, reverse: bool, outvars) -> Lo
         _refuse(f"the {what} pass reads every layer's parameters in one equation ({eqns[starts[0]].primitive}), "
                 "not one layer after another")
     found, problem = [], "no cut"
+    # Where each variable is made, once for every cut tried (most fail within a few equations).
+    where = {v: (i, o) for i in range(begin, len(eqns)) for o, v in enumerate(eqns[i].outvars)}
     for shift in range(min(period, starts[0] - begin + 1)):
         try:
-            found.append(_loop(eqns, tuple(s - shift for s in starts), period, tuple(order), outvars))
+            found.append(_loop(eqns, tuple(s - shift for s in starts), period, tuple(order), outvars, where))
         except _Mismatch as e:
             problem = problem if shift else str(e)
     if not found:
@@ -197,10 +199,29 @@ class _Mismatch(Exception):
     """A cut whose regions are not isomorphic (the reason)."""
 
 
-def _loop(eqns, starts, period, layers, outvars) -> Loop:
+class _Defs:
+    """Where the regions at `starts` make each variable: `get(r, v)` is the (equation,
+    result) position of `v` in region r, None when another equation makes it; `where`
+    maps each variable to the (equation, result) that makes it."""
+
+    def __init__(self, where: dict, starts, period: int):
+        self.where, self.starts, self.period = where, starts, period
+
+    def get(self, r: int, v):
+        at = self.where.get(v)
+        if at is None or not self.starts[r] <= at[0] < self.starts[r] + self.period:
+            return None
+        return at[0] - self.starts[r], at[1]
+
+    def anywhere(self, v) -> bool:
+        """Does one of the regions make `v`?"""
+        return any(self.get(r, v) is not None for r in range(len(self.starts)))
+
+
+def _loop(eqns, starts, period, layers, outvars, where) -> Loop:
     """The `Loop` of regions at `starts`, or `_Mismatch`."""
     regions = [eqns[s:s + period] for s in starts]
-    defs = [{v: (t, o) for t, e in enumerate(reg) for o, v in enumerate(e.outvars)} for reg in regions]
+    defs = _Defs(where, starts, period)
     template = regions[0]
     ext: dict = {}  # template var -> per-region vars
     for t, e in enumerate(template):
@@ -211,8 +232,8 @@ def _loop(eqns, starts, period, layers, outvars) -> Loop:
                 if not all(isinstance(y, Literal) and y.aval == x.aval and _same(y.val, x.val) for y in ins):
                     raise _Mismatch(f"equation {t} ({_show(e)}) reads a different constant in another layer")
                 continue
-            if x in defs[0]:
-                if any(defs[r].get(v) != defs[0][x] for r, v in enumerate(ins)):
+            if defs.get(0, x) is not None:
+                if any(defs.get(r, v) != defs.get(0, x) for r, v in enumerate(ins)):
                     raise _Mismatch(f"equation {t} ({_show(e)}) reads different values of its layer in different "
                                     "layers")
                 continue
@@ -224,18 +245,19 @@ def _loop(eqns, starts, period, layers, outvars) -> Loop:
     inside = {id(e) for reg in regions for e in reg}
     used = _used_outside(eqns, inside, outvars)
     # The last region's carries leave as the scan's final carry, not stacked.
-    outs = tuple(sorted({d[v] for r, d in enumerate(defs) for v in d
-                         if v in used and not (r == len(defs) - 1 and d[v] in carries)}))
+    outs = tuple(sorted({(t, o) for r, reg in enumerate(regions) for t, e in enumerate(reg)
+                         for o, v in enumerate(e.outvars)
+                         if v in used and not (r == len(regions) - 1 and (t, o) in carries)}))
     return Loop(tuple(starts), period, layers, slots, carries, outs)
 
 
 def _slot(x, vals, defs) -> Slot:
     if all(v is vals[0] for v in vals):
         return Slot(x, CONST, tuple(vals))
-    made = {defs[r - 1].get(v) for r, v in enumerate(vals) if r}
-    if len(made) == 1 and None not in made and all(vals[0] not in d for d in defs):
+    made = {defs.get(r - 1, v) for r, v in enumerate(vals) if r}
+    if len(made) == 1 and None not in made and not defs.anywhere(vals[0]):
         return Slot(x, CARRY, tuple(vals), made.pop())
-    if any(v in d for v in vals for d in defs):
+    if any(defs.anywhere(v) for v in vals):
         raise _Mismatch(f"a layer reads a value another layer made ({x.aval}) other than as the previous "
                         "layer's output")
     return Slot(x, STACK, tuple(vals))

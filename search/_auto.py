@@ -179,7 +179,7 @@ class AutomaticPartition(Tactic):
             why = f"the twins' plan splits {differs} differently in the program"
             state, start = self._program_state(part, groups, axes, ctx, two), None
         result = dataclasses.replace(result, groups=tuple(groups), twins=state.depths, why=why or "")
-        costs: dict = {}  # exact costs by state key: each plan on the program is costed once
+        costs = _ExactCosts(self._model)  # each plan on the program is costed once
         result, said = self._fitting(part, groups, result, ctx, said, (mark, ctx_mark), costs)
         self._check_fits(part, result, costs)
         ctx.search.append(result)
@@ -284,13 +284,13 @@ class AutomaticPartition(Tactic):
         else the first runner-up that does (the search's peaks are estimates, extrapolated
         on twins), else the searched one again; `fits` is the exact verdict, against the
         device's HBM where no `memory_limit` was given (the limit the search held)."""
-        if self._exact(part, costs).fits:
+        if costs.fits(part):
             return dataclasses.replace(result, fits=True), said
         for actions, step, peak in result.alternatives:
             part.rollback(marks[0])
             ctx.rollback(marks[1])
             alt_said = self._apply_plan(part, groups, actions, ctx)
-            if self._exact(part, costs).fits:
+            if costs.fits(part):
                 return dataclasses.replace(result, actions=actions, step_time=step, memory_peak=peak, fits=True), \
                     alt_said
         part.rollback(marks[0])
@@ -307,7 +307,7 @@ class AutomaticPartition(Tactic):
         trial = part.copy()
         self._apply_plan(trial, groups, actions, Context())
         split = self._model(trial).cost(top=0)
-        whole = self._exact(part, costs)
+        whole = costs.cost(part)
         what = ", ".join(a.describe(groups) for a in actions)
         head = (f"kept everything replicated: the best split found ({what}) models {time_str(split.step_time)} "
                 f"against {time_str(whole.step_time)} replicated")
@@ -336,21 +336,13 @@ class AutomaticPartition(Tactic):
         return CostModel(part, self.priced_on, memory_limit=self.memory_limit, backend=self.backend,
                          donate_argnums=self.donate_argnums, grad_accum=self.grad_accum)
 
-    def _exact(self, part, costs: dict):
-        """The exact cost of `part` (with the buffers live at its peak, for an error),
-        kept in `costs` by its key: a deep program's takes seconds."""
-        key = part.key()
-        if key not in costs:
-            costs[key] = self._model(part.copy()).cost(top=PEAK_BUFFERS)
-        return costs[key]
-
     def _check_fits(self, part, result, costs) -> None:
         """A plan over the memory limit is an error, unless the caller asked for the best
         effort. The search scores memory fast (`CostModel.evaluate`); the verdict is the
-        exact one (`CostModel.cost`, XLA's buffer assignment emulated)."""
-        cost = self._exact(part, costs)
-        if cost.fits or self.best_effort:
+        exact one (`CostModel.exact_peak`, XLA's buffer assignment emulated)."""
+        if costs.fits(part) or self.best_effort:
             return
+        cost = costs.cost(part)
         live = ", ".join(f"{n} ({bytes_str(b)})" for n, b in cost.memory_at_peak[:PEAK_BUFFERS])
         raise TacticError(
             f"no plan found fits {bytes_str(cost.memory_limit)} per device: the best one peaks at "
@@ -375,6 +367,38 @@ class AutomaticPartition(Tactic):
         accum = f", grad_accum={self.grad_accum}" if self.grad_accum > 1 else ""
         donated = f", donate_argnums={self.donate_argnums}" if self.donate_argnums else ""
         return f"AutomaticPartition({axes}, seed={self.seed}{accum}{donated})"
+
+
+class _ExactCosts:
+    """The exact costs of plans on the program, each state's once (a deep program's
+    take a second): `fits`, the verdict, from its exact peak alone (`CostModel.exact_peak`:
+    the step's time is not needed for it), and the whole `Cost` (what is live at the
+    peak, the step's time) only where it is asked for, on the same model. `model` makes
+    the cost model of a partitioning."""
+
+    def __init__(self, model: Callable):
+        self._model = model
+        self._by_key: dict = {}  # state key -> {"model": CostModel, "peak": bytes, "cost": Cost}
+
+    def _entry(self, part) -> dict:
+        key = part.key()
+        if key not in self._by_key:
+            self._by_key[key] = {"model": self._model(part.copy())}
+        return self._by_key[key]
+
+    def fits(self, part) -> bool:
+        """Does `part`'s exact peak fit the memory limit (`Cost.fits`)?"""
+        entry = self._entry(part)
+        if "peak" not in entry:
+            entry["peak"] = entry["model"].exact_peak()
+        return entry["peak"] <= entry["model"].memory_limit
+
+    def cost(self, part):
+        """`part`'s exact `Cost`, with the buffers live at its peak (for an error)."""
+        entry = self._entry(part)
+        if "cost" not in entry:
+            entry["cost"] = entry["model"].cost(top=PEAK_BUFFERS)
+        return entry["cost"]
 
 
 def _positions(value) -> tuple[int, ...]:

@@ -16,6 +16,8 @@ and packs the temporaries into them and into one arena:
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 #: XLA aligns every buffer in the arena to this many bytes.
@@ -28,17 +30,37 @@ def arena(starts, ends, sizes, out_defs, out_sizes) -> float:
     bytes (their allocations are free before that)."""
     order = np.lexsort((starts, -(ends - starts), -sizes))
     spare = _output_slots(out_defs, out_sizes)
-    placed_s, placed_e, placed_o, placed_z = [], [], [], []
+    spare_sizes = [slot[0] for slot in spare]
+    # The buffers placed so far, their first `count` rows: filled in place (a deep
+    # program places thousands, each against all placed before it).
+    placed = _Placed(len(order))
     top = 0.0
     for i in order:
         s, e, z = int(starts[i]), int(ends[i]), float(sizes[i])
-        if z <= 0 or _host(spare, s, e, z):
+        if z <= 0 or _host(spare, spare_sizes, s, e, z):
             continue
         z = -(-z // ALIGNMENT) * ALIGNMENT
-        off = _best_fit(placed_s, placed_e, placed_o, placed_z, s, e, z)
-        placed_s.append(s), placed_e.append(e), placed_o.append(off), placed_z.append(z)
+        off = _best_fit(placed, s, e, z)
+        placed.add(s, e, off, z)
         top = max(top, off + z)
     return top
+
+
+class _Placed:
+    """The buffers placed in the arena: live intervals, offsets and sizes."""
+
+    def __init__(self, capacity: int):
+        self.start = np.zeros(capacity, dtype=np.int64)
+        self.end = np.zeros(capacity, dtype=np.int64)
+        self.offset = np.zeros(capacity, dtype=float)
+        self.size = np.zeros(capacity, dtype=float)
+        self.count = 0
+
+    def add(self, s: int, e: int, off: float, z: float) -> None:
+        """Place one more buffer."""
+        k = self.count
+        self.start[k], self.end[k], self.offset[k], self.size[k] = s, e, off, z
+        self.count = k + 1
 
 
 def _output_slots(out_defs, out_sizes) -> list:
@@ -48,34 +70,32 @@ def _output_slots(out_defs, out_sizes) -> list:
     return slots
 
 
-def _host(slots, s, e, z) -> bool:
-    """Put a temporary into the smallest output allocation free over [s, e]."""
-    for slot in slots:
-        if slot[0] < z:
-            continue
+def _host(slots, sizes, s, e, z) -> bool:
+    """Put a temporary into the smallest output allocation free over [s, e] (`sizes`:
+    the slots' sizes, ascending)."""
+    for slot in slots[bisect.bisect_left(sizes, z):]:
         if all(e < a or s > b for a, b in slot[1]):
             slot[1].append((s, e))
             return True
     return False
 
 
-def _best_fit(ps, pe, po, pz, s, e, z) -> float:
+def _best_fit(placed: _Placed, s, e, z) -> float:
     """The offset of the smallest gap of at least z bytes among placed buffers live
-    during [s, e] (the end of the highest one when none fits)."""
-    if not ps:
-        return 0.0
-    ps_, pe_ = np.asarray(ps), np.asarray(pe)
-    busy = np.nonzero((ps_ <= e) & (pe_ >= s))[0]
+    during [s, e] (the end of the highest one when none fits); the first such gap from
+    the bottom where several are as small."""
+    k = placed.count
+    busy = np.nonzero((placed.start[:k] <= e) & (placed.end[:k] >= s))[0]
     if not len(busy):
         return 0.0
-    lo = np.asarray(po)[busy]
-    hi = lo + np.asarray(pz)[busy]
+    lo = placed.offset[busy]
+    hi = lo + placed.size[busy]
     idx = np.argsort(lo, kind="stable")
     lo, hi = lo[idx], hi[idx]
-    best, best_gap, cursor = None, None, 0.0
-    for a, b in zip(lo, hi):
-        gap = a - cursor
-        if gap >= z and (best_gap is None or gap < best_gap):
-            best, best_gap = cursor, gap
-        cursor = max(cursor, b)
-    return cursor if best is None else best
+    # Below each buffer (in offset order), the gap from the highest end under it.
+    below = np.maximum.accumulate(np.concatenate(([0.0], hi[:-1])))
+    gaps = lo - below
+    fits = np.nonzero(gaps >= z)[0]
+    if not len(fits):
+        return float(max(below[-1], hi[-1]))
+    return float(below[fits[np.argmin(gaps[fits])]])
