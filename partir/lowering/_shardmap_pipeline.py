@@ -292,6 +292,19 @@ def _initial(interp, pipe, call, carry, d, drop, extra, waits: bool) -> tuple:
     return recv, back, kept, ys_kept, made_kept
 
 
+def _unit_xs(xs, d, held, mc, M: int, recomputing: tuple, real, start, chunk: int) -> tuple:
+    """A unit's per-layer inputs (what its layer scan slices): the stage's stacked inputs
+    at microbatch `mc` (a recomputed residual's placeholder `held` as it is), the
+    recomputing inputs `recomputing`, the padding mask `real` (None: even stages), and,
+    under the circular schedule, only the unit's chunk of them, from slot `start` (None:
+    one chunk)."""
+    out = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
+    out += recomputing + ((real,) if real is not None else ())
+    if start is None:
+        return out
+    return tuple(jax.lax.dynamic_slice_in_dim(a, start, chunk, 0) for a in out)
+
+
 def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, drop):
     """The stage's M*R + S - 1 ticks: (the final carries kept by the last position, the
     per-layer outputs kept over the microbatches). `held[k]`: stacked input k is a
@@ -333,12 +346,9 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         c_in = tuple(jnp.where(first, _first_input(_micro(a, i, mc, M), r, b if waits else None, k, mc, ticks), r)
                      for a, i, r, b in zip(carry, d.carry, recv, back or recv))
         consts_m = [micro_const(c, i, mc, M) for c, i in zip(consts, d.consts)]
-        xs_m = tuple(a if h else _micro(a, None if i is None else i + 1, mc, M) for a, i, h in zip(xs, d.xs, held))
         more = remat.per_tick(mc, M, _micro) if reading else {}
-        xs_m += remat.per_layer(mc, M, _micro) if reading else ()
-        xs_m += (real,) if real is not None else ()
-        if pipe.repeats > 1:  # the circular schedule: this unit's chunk of the stage's layers (and of its mask)
-            xs_m = tuple(jax.lax.dynamic_slice_in_dim(a, slot * chunk, chunk, 0) for a in xs_m)
+        xs_m = _unit_xs(xs, d, held, mc, M, remat.per_layer(mc, M, _micro) if reading else (), real,
+                        slot * chunk if pipe.repeats > 1 else None, chunk)
         c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
                                          reverse=not forward)
         done = valid & last & (k == pipe.repeats - 1)
