@@ -59,7 +59,7 @@ class DeviceError(ValueError):
 _FLOAT_FIELDS = ("hbm_bytes", "hbm_bandwidth", "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
 #: Backend behaviours (true or false), optional in a device description.
 _FLAGS = ("reduce_scatter", "breadth_first", "gather_copies", "fused_attention", "overlap", "overlap_activations",
-          "priority_fusion")
+          "priority_fusion", "reassociate")
 #: Time-model fractions in (0, 1], optional (default 1: the datasheet figure).
 _FRACTIONS = ("matmul_efficiency", "attention_efficiency", "collective_efficiency")
 #: Time-model figures >= 0, optional (default 0: none).
@@ -106,6 +106,9 @@ class DeviceSpec:
     `priority_fusion` is True for a backend that fuses a cheap elementwise producer into
     all its readers, reductions included, whenever that moves fewer bytes (XLA:GPU's
     priority fusion; `search._fusion`): XLA:CPU makes a buffer of one a reduction reads.
+    `reassociate` is True for a backend that reduces a sum of reduced values once,
+    `add(all-reduce(a), all-reduce(b)) -> all-reduce(add(a, b))` (XLA:GPU's
+    `AllReduceReassociate` and `ReduceScatterReassociate`; `search.cost._reassociate`).
     The time-model fields (module docstring) default to the ideal machine.
     """
 
@@ -125,6 +128,7 @@ class DeviceSpec:
     overlap: bool = False
     overlap_activations: bool = False
     priority_fusion: bool = False
+    reassociate: bool = False
     matmul_efficiency: float = 1.0
     attention_efficiency: float = 1.0
     collective_efficiency: float = 1.0
@@ -188,7 +192,7 @@ class DeviceSpec:
     def from_dict(cls, d: Mapping) -> DeviceSpec:
         """Inverse of `to_dict`; the backend flags (`reduce_scatter`, `breadth_first`,
         `gather_copies`, `fused_attention`, `overlap`, `overlap_activations`,
-        `priority_fusion`: defaults True, then False) and the
+        `priority_fusion`, `reassociate`: defaults True, then False) and the
         time-model fields (defaults: the ideal machine) may be left out.
 
         Unknown or missing keys raise `DeviceError` naming them and the allowed keys.
@@ -269,14 +273,16 @@ OVERLAP_SLOWDOWN = 0.10
 GPU_OP_OVERHEAD = 4e-6
 #: Estimate: a TPU op's fixed cost (program step, DMA set-up).
 TPU_OP_OVERHEAD = 2e-6
-_GPU_TIME = dict(fused_attention=True, overlap=True, priority_fusion=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY,
+_GPU_TIME = dict(fused_attention=True, overlap=True, priority_fusion=True, reassociate=True,
+                 matmul_efficiency=GPU_MATMUL_EFFICIENCY,
                  matmul_knee=MATMUL_KNEE, attention_efficiency=ATTENTION_EFFICIENCY,
                  collective_efficiency=COLLECTIVE_EFFICIENCY, overlap_slowdown=OVERLAP_SLOWDOWN,
                  op_overhead=GPU_OP_OVERHEAD)
-# XLA:TPU's fusion passes are not public: its presets keep XLA:CPU's rule for cheap ops
-# with several readers (`priority_fusion` off).
+# XLA:TPU's fusion and collective passes are not public: its presets keep XLA:CPU's rule
+# for cheap ops with several readers (`priority_fusion` off) and its reductions of sums
+# (`reassociate` off).
 _TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead=TPU_OP_OVERHEAD,
-                 overlap_activations=True, priority_fusion=False)
+                 overlap_activations=True, priority_fusion=False, reassociate=False)
 
 
 # Figures per device. GPU sources are the NVIDIA datasheets of the named SKU; dense flops

@@ -49,6 +49,7 @@ from ._breakdown import Cost, bytes_str, time_str
 from ._comm import CollectiveCost, LinkModel, per_contracted_dim
 from ._peak import CostMemory, op_label
 from ._pipeline import PipelinePricing
+from ._reassociate import sum_parents
 from ._time import WEIGHT_GRADIENT_OPS, CostTime, feeds_backward, op_dtype
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._flops import op_work
@@ -166,6 +167,8 @@ class CostModel(CostTime, CostMemory):
         # Values made from scalars alone (a broadcast constant, an iota, a causal mask) can
         # be made in any layout where they are needed: XLA makes them, never moves them.
         self._free = set(np.nonzero(mat.from_scalars)[0].tolist())
+        # Values whose one reader is an add (what `DeviceSpec.reassociate` merges).
+        self._sum_parents = sum_parents(prog)
 
     def _price_pipelines(self, n_ops: int) -> np.ndarray:
         """Ops of pipelined layers are priced on microbatches, (M+S-1)/S as often
@@ -426,7 +429,7 @@ class CostModel(CostTime, CostMemory):
         again_cols += self._order_cols()
         compute = float(times.sum()) + again + float(kernel_again.sum())
         step, exposed = self._step(times, self._again_ops(kernel_again), compute, again_cols)
-        firsts = sorted(((min(e), e[min(e)]) for _, e in self._moves()), key=lambda t: (t[0], t[1][0]))
+        firsts = sorted(((min(e), e[min(e)]) for _, e in self._timed_moves()), key=lambda t: (t[0], t[1][0]))
         cols = tuple(dataclasses.replace(c, op=o, value=v) for o, (v, cs, _) in firsts for c in cs) + tuple(
             c for _, c, _ in again_cols)
         value_bytes = self._value_bytes()

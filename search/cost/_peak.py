@@ -9,6 +9,7 @@ import numpy as np
 from partir import Kind, Tiling
 
 from ._comm import gradient_groups
+from ._reassociate import absorbed
 from ._remat import RematView, carried_buffers, extra_buffers
 
 
@@ -64,6 +65,16 @@ class CostMemory:
         ops that run (a relaxed checkpoint's skipped ops move nothing)."""
         view = self._view()
         return list(self._dedup.items()) if view is None else view.running(self._dedup)
+
+    def _timed_moves(self) -> list:
+        """`_moves` as the step's time sees them: on a backend that reduces a sum of
+        reductions once (`DeviceSpec.reassociate`), the reductions it merges into
+        another's move nothing (`_reassociate`); the buffers stay, for `_memory`."""
+        moves = self._moves()
+        if not self.device.reassociate:
+            return moves
+        gone = absorbed(self.program, moves, self._sum_parents)
+        return [(k, {o: (v, (), b) for o, (v, _, b) in e.items()}) if k in gone else (k, e) for k, e in moves]
 
     def _memory(self, value_bytes, *, exact: bool):
         """(peak, op index, buffer bytes, liveness, keys of the extra buffers): the

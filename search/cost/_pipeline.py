@@ -440,7 +440,7 @@ class PipelinePricing:
         """Per pipeline, the seconds of one tick of each pass (`TickTimes`), from `model`'s
         seconds per op per step `times`: each pipelined scan's ops and their moves over
         its M + S - 1 ticks, plus one send of its carries."""
-        firsts = [(min(e), e[min(e)][1]) for key, e in model._moves() if key[0] != "pipeline"]
+        firsts = [(min(e), e[min(e)][1]) for key, e in model._timed_moves() if key[0] != "pipeline"]
         view = model._view()
         again = set(view.ops.tolist()) if view is not None else set()
         again_cols = model._recomputed(times)[1] if view is not None else []

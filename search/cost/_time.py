@@ -100,7 +100,7 @@ class CostTime:
         """(computation, collective, overlappable, value) of every collective of the
         step: each reshard's, then the recomputed ops' and the others of `cols_again`."""
         out = []
-        for _, e in self._moves():
+        for _, e in self._timed_moves():
             first = min(e)
             v, cs, _ = e[first]
             out += [(int(self._bucket[first]), c, overlappable(c, v, self._weights, self.device), v) for c in cs]
