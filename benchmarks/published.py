@@ -98,10 +98,11 @@ def schedule(r: Row) -> list:
     """The published configuration as the project's tactics: context parallelism first
     (it holds its axis on the attention's path), in Megatron-LM's token order for a
     causal sequence ('zigzag': each device two chunks from opposite ends); the batch
-    over `data`; FSDP over `fsdp`, or where the mesh has none, the optimizer state
-    sharded over the data-parallel and context ranks (Megatron's distributed optimizer,
-    ZeRO-1); then the row's `pipeline` over `STAGE_AXIS` (its microbatches are the run's
-    gradient accumulation: `pipelined`)."""
+    over `data`; Megatron over `model`, with Megatron's sequence parallelism where the
+    row's run has it (`Row.sequence_parallel`); FSDP over `fsdp`, or where the mesh has
+    none, the optimizer state sharded over the data-parallel and context ranks
+    (Megatron's distributed optimizer, ZeRO-1); then the row's `pipeline` over
+    `STAGE_AXIS` (its microbatches are the run's gradient accumulation: `pipelined`)."""
     import tactics
 
     axes = dict(r.mesh_axes)
@@ -109,7 +110,8 @@ def schedule(r: Row) -> list:
     out += [tactics.DataParallel("data")] if "data" in axes else []
     zero1 = [tactics.ZeRO(a, stage=1) for a in ("data", "context") if a in axes]
     if "model" in axes:
-        out += [tactics.Megatron("model")] + ([tactics.FSDP("fsdp")] if "fsdp" in axes else zero1)
+        out += [tactics.Megatron("model")] + ([tactics.SequenceParallel("model")] if r.sequence_parallel else [])
+        out += [tactics.FSDP("fsdp")] if "fsdp" in axes else zero1
     elif "fsdp" in axes:
         out += [tactics.FSDP("fsdp", leave_room=False)]
     else:

@@ -62,6 +62,7 @@ class Row:
     why_not: str = ""
     master_weights: bool = False
     tp_comm_overlap: bool = False
+    sequence_parallel: bool = False
     pipeline: dict = dataclasses.field(default_factory=dict)
     pipeline_note: str = ""
     episodes: int = EPISODES
