@@ -198,11 +198,12 @@ def test_the_search_chooses_its_plan_by_the_accumulated_step():
 
 
 #: The step over the published configuration's that the NeMo 70B row's searched plan
-#: stays under: 1.085x as measured (15.81 s against 14.56 s: the whole batch's step, DP
-#: and ZeRO-1 over data, FSDP over stage, context and model, Remat; 58 GiB), with the
+#: stays under: 1.12x as measured (15.81 s against 14.11 s: the whole batch's step, DP
+#: and ZeRO-1 over data, FSDP over stage, context and model, Remat; 58 GiB; 1.085x
+#: before the published configuration had its recipe's sequence parallelism), with the
 #: margin of a plan whose step moves a little with the cost model; the search of the
 #: micro-batch step alone returns 3.14x.
-NEMO_70B_SEARCHED = 1.10
+NEMO_70B_SEARCHED = 1.14
 
 
 @pytest.mark.slow
@@ -211,7 +212,7 @@ def test_the_nemo_70b_search_also_searches_the_whole_batch_and_keeps_the_faster_
     # The search of one micro-batch accumulated 64 times finds nothing fast that fits
     # (3.14x: FSDP's gathers every micro-batch, or ZeRO-1 with a 33 GiB accumulator, 90
     # GiB); the search of the whole batch's step, offering pipelines of 32, 64 and 128
-    # microbatches and ZeRO-1, finds a plan that fits at 1.085x, and the row keeps it.
+    # microbatches and ZeRO-1, finds a plan that fits at 1.12x, and the row keeps it.
     row = next(r for r in ROWS if r.id == "nemo-llama31-70b-h100-64")
     out = _modeled(row, row.episodes)
     assert out["searched"]["fits"] and out["searched_over_published"] <= NEMO_70B_SEARCHED, (out["plan"], out["searched"])
@@ -219,9 +220,9 @@ def test_the_nemo_70b_search_also_searches_the_whole_batch_and_keeps_the_faster_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="no plan the search reaches fits at <= 1.00x: it finds 1.085x (the whole batch's "
+@pytest.mark.xfail(strict=True, reason="no plan the search reaches fits at <= 1.00x: it finds 1.12x (the whole batch's "
                    "step with Remat, 58 GiB); the fitting pipelines model >= 17.6 s (GPipe with Remat: 1F1B refuses "
-                   "Remat, and without it peaks at 376 GiB), the accumulated forms 3.14x (docs/design.md, "
+                   "Remat, and without it peaks at 202 GiB), the accumulated forms 3.14x (docs/design.md, "
                    "'Published runs')")
 def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configuration():
     # NeMo's Llama 3.1 70B on 64 H100s (stage 4 x data 2 x context 2 x model 4, one

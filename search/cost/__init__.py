@@ -8,7 +8,8 @@ and nothing of the search around it, which scores its plans with `CostModel`.
   the step's time (`_time`, with what a real device achieves, `_achieved`: matmul
   throughput, overlap) and peak (`_peak`) assembled from per-op prices; `Cost`
   (`_breakdown`) and its tables (`_report`).
-- Work (`_flops`, from the op traits), communication (`_comm`), what XLA materializes
+- Work (`_flops`, from the op traits), communication (`_comm`; sums of reductions
+  reduced once on XLA:GPU, `_reassociate`), what XLA materializes
   (`_fusion`, `_stacks`, `_attention`), buffer lifetimes (`_memory`, `_arena`,
   `_move_buffers`, `_remat`), hand-partitioned regions (`_manual`), pipeline stages (`_pipeline`: `pipeline_cost`,
   `gpipe_timeline`).
