@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all demo bench bench-scale bench-published fuzz clean
+.PHONY: install test test-slow test-all demo bench bench-scale bench-published fuzz clean
 
 # make fuzz N=2000: generated cases against jax.jit (tests/fuzz.py; docs/testing.md)
 N ?= 2000
@@ -20,6 +20,10 @@ install: $(STAMP)
 # Test workers: one per core, at most 4 (each simulates 8 devices and compiles on its own).
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --maxprocesses=4
+
+# The `slow` tests alone (CI runs them after `make test`: .ci/run).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n auto --maxprocesses=4 -m slow
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n auto --maxprocesses=4 -m "" --hypothesis-profile=thorough

@@ -115,6 +115,7 @@ def test_bfloat16_activations_with_float32_master_weights():
     np.testing.assert_allclose(loss, loss32, rtol=2e-2)
 
 
+@pytest.mark.slow  # 9 s; the master-weights step without ZeRO runs in `make test`
 def test_master_weights_step_under_zero1_matches_jit():
     """Megatron's mixed precision (bfloat16 parameters, a float32 master copy and the adam
     moments in the optimizer state) under ZeRO-1: the master copy and moments sharded,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from examples import gpt
 
@@ -45,6 +46,8 @@ def _launch(tmp_path, timeout: float = 240.0) -> None:
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
 
 
+# Slow (14 s: two processes compile both lowerings): `make test-slow`, which CI runs.
+@pytest.mark.slow
 def test_two_processes_train_the_plan_of_one(tmp_path):
     _launch(tmp_path)
     for lowering in ("jit", "shard_map"):

@@ -448,6 +448,7 @@ def test_a_saved_plan_file_shows_its_pipeline(tmp_path):
     assert "in stages over 'stage', 4 microbatches, schedule gpipe" in out.file.getvalue()
 
 
+@pytest.mark.slow  # 7 s: two compiled pipelines
 def test_the_head_runs_per_microbatch_so_its_logits_leave_the_peak():
     """The region between the layer scans (final norm, head, loss and their backward)
     runs one microbatch at a time: with a vocabulary whose logits dominate, XLA's peak
