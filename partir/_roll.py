@@ -72,10 +72,20 @@ class Loop:
         return eqns[self.starts[r] + pos[0]].outvars[pos[1]]
 
 
+class UnlikeLayers(PartitioningError):
+    """The unrolled layers are not alike where rolling them (or stacking them,
+    `partir.stack_layers`, which finds their passes with this module's helpers) needs
+    them to be: `why` names the first difference, and the message says what to do."""
+
+    def __init__(self, why: str):
+        super().__init__(f"cannot roll the unrolled layers into a layer scan: {why}; write the layers as a "
+                         "jax.lax.scan over stacked parameters (scan_layers=True in the examples), or leave the "
+                         "pipeline out")
+        self.why = why
+
+
 def _refuse(why: str):
-    raise PartitioningError(f"cannot roll the unrolled layers into a layer scan: {why}; write the layers as a "
-                            "jax.lax.scan over stacked parameters (scan_layers=True in the examples), or leave the "
-                            "pipeline out")
+    raise UnlikeLayers(why)
 
 
 def roll_layers(program):

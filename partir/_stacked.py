@@ -29,16 +29,20 @@ from jax.extend.core import Literal, jaxpr_as_fun
 
 from ._errors import PartitioningError
 from ._layers import is_layers, layer_positions
-from ._roll import CARRY, CONST, STACK, _closed, _dropped, _feeds, _pass, _read, _reads, _run, _same, _scan, \
+from ._roll import CARRY, CONST, STACK, UnlikeLayers, _closed, _dropped, _feeds, _pass, _read, _reads, _run, _same, _scan, \
     _show, _used_outside, _weight_copies
 
 #: Fewest alike layers a sequence holds to be stacked (as `roll_layers` rolls).
 MIN_LAYERS = 2
 
 
+def _refusal(why: str) -> str:
+    return (f"cannot stack the unrolled layers: {why}; write the layers as a jax.lax.scan over stacked parameters "
+            "(scan_layers=True in the examples)")
+
+
 def _refuse(why: str):
-    raise PartitioningError(f"cannot stack the unrolled layers: {why}; write the layers as a jax.lax.scan over "
-                            "stacked parameters (scan_layers=True in the examples)")
+    raise PartitioningError(_refusal(why))
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,10 @@ def stack_layers(program) -> Stacked:
                 "structure)")
     if len(counts) > 1:
         _refuse(f"its sequences of alike layers are of different lengths ({sorted(counts)})")
-    closed = _stacked_jaxpr(program.closed_jaxpr, ins, outs, avals)
+    try:
+        closed = _stacked_jaxpr(program.closed_jaxpr, ins, outs, avals)
+    except UnlikeLayers as e:  # found by the pass-finding helpers it shares with rolling
+        raise PartitioningError(_refusal(e.why)) from e
     prog = _build(closed, in_tree, out_tree, [leaf.name for leaf in ins], [leaf.arg for leaf in ins],
                   [leaf.name for leaf in outs], None)
     return Stacked(prog, ins, outs)

@@ -96,6 +96,25 @@ def test_a_sum_over_layers_outside_their_passes_is_refused_naming_it():
         partir.stack_layers(partir.lift(clipped, *args))
 
 
+def test_layers_whose_passes_differ_are_refused_as_a_stacking():
+    # The passes are found with the helpers rolling uses: the refusal still speaks of
+    # stacking (not of rolling, nor of a pipeline to leave out).
+    def mixed(params, state, x):
+        def loss(params):
+            h = x * params["scale"]
+            for i, p in enumerate(params["layers"]):
+                h = (jnp.tanh if i == 1 else jnp.sin)(h @ p["w"] + p["b"])
+            return jnp.mean(h ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), state, value
+
+    params = {"layers": [{"w": jnp.ones((4, 4)), "b": jnp.zeros((4,))}] * 3, "scale": jnp.ones((4,))}
+    with pytest.raises(PartitioningError, match=r"^cannot stack the unrolled layers: the layers' forward passes "
+                                                r"differ.*\(scan_layers=True in the examples\)$"):
+        partir.stack_layers(partir.lift(mixed, params, {}, jnp.ones((2, 4))))
+
+
 def _deep():
     step, args = llama.make_train_step(DEEP, abstract=True)
     return partir.lift(step, *args)
