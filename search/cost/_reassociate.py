@@ -49,14 +49,16 @@ def sum_parents(prog) -> dict[int, int]:
 def absorbed(prog, moves, parents: dict[int, int]) -> set:
     """Keys of `moves` ((key, {op: (value, collectives, buffer)})) whose one collective
     another's takes over: per tree of adds whose leaves are all reductions made alike
-    (kind, axes, bytes, trips), every leaf's but the first's (in program order)."""
+    (kind, axes, bytes, trips) of dots' partial sums, every leaf's but the first's (in
+    program order)."""
     sig: dict[int, tuple] = {}  # a value reduced once -> its collective's (kind, axes, bytes, trips)
     first: dict[int, tuple] = {}  # such a value -> (op, key) of the reduction it keeps
     for key, e in moves:
         if key[0] != "made":
             continue
         v, cols, _ = e[min(e)]
-        if len(cols) == 1 and cols[0].kind in MERGED and v in parents:
+        # A dot's partial result is a sum (a reduce's may be a max, which no add merges).
+        if len(cols) == 1 and cols[0].kind in MERGED and v in parents and prog.ops[min(e)].primitive == "dot_general":
             c = cols[0]
             sig[v], first[v] = (c.kind, c.axes, c.bytes, c.count), (min(e), key)
     sums: dict[int, list] = {}
