@@ -46,8 +46,10 @@ accumulation, as in the published pipelined runs) and ZeRO-1; the row keeps the 
 plan that fits (`_search`), and says which form it is (`Searched.form`).
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
-[--episodes N] [--json out.json] [--fit]`. `--fit` re-derives the time model's fitted
-constants (`search.cost._device`) on the `fit` rows only, by least squares on log step time.
+[--episodes N] [--json out.json] [--fit] [--ablate]`. `--fit` re-derives the time model's
+fitted constants (`search.cost._device`) on the `fit` rows only, by least squares on log
+step time; `--ablate` prints each row's modeled error with each mechanism of the time
+model switched off in turn (`published_ablate`), what moved which row.
 """
 
 from __future__ import annotations
@@ -443,6 +445,8 @@ def main(argv=None) -> None:
                         help=f"search episodes per row (0: no search; default: the row's, {EPISODES} unless it says)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--fit", action="store_true", help="re-derive the fitted constants on the fit rows")
+    parser.add_argument("--ablate", action="store_true",
+                        help="each row's modeled error with each mechanism of the time model off (no search)")
     args = parser.parse_args(argv)
     rows = load()
     if args.fit:
@@ -450,6 +454,11 @@ def main(argv=None) -> None:
             print(f"{name} = {value:.3f}")
         return
     chosen = [r for r in rows if args.rows is None or r.id in args.rows]
+    if args.ablate:
+        from benchmarks.published_ablate import ablate, print_table
+
+        print_table(ablate(sys.modules[__name__], chosen))
+        return
     results: dict[str, Any] = {}
     searches: dict = {}
     for r in chosen:

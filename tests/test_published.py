@@ -237,6 +237,20 @@ def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configurat
     assert out["searched"]["fits"] and out["searched_over_published"] <= 1.0, (out["plan"], out["searched"])
 
 
+def test_the_ablation_says_which_mechanism_moves_a_row():
+    # `published.py --ablate`: torchtitan's Llama 3 70B (FSDP over 64 A100s) runs its
+    # attention as the fused kernel, slower without it; it has no tensor parallelism, so
+    # XLA:GPU's reassociation of reductions moves nothing.
+    from benchmarks.published_ablate import ablate
+
+    row = next(r for r in ROWS if r.id == "torchtitan-llama3-70b-a100-64")
+    (errors,) = ablate(published, [row], names=("fused attention", "reassociation")).values()
+    assert errors["all"] == pytest.approx(_modeled(row)["error"])
+    assert errors["fused attention"] < errors["all"] - 0.1 and errors["reassociation"] == errors["all"]
+    with pytest.raises(ValueError, match=r"unknown mechanisms \['fusion'\]; allowed: \['matmul rate'"):
+        ablate(published, [row], names=("fusion",))
+
+
 def _tiny_llama():
     config = llama.LlamaConfig(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab=512, seq_len=512,
                                batch=8, dtype=jnp.bfloat16, scan_layers=True)
