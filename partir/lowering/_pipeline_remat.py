@@ -101,12 +101,16 @@ class StageRemat:
         self.saved.update(zip(self.extra, stacks))
 
     # -- the backward scan -----------------------------------------------------------------
-    def per_layer(self, mc, count: int, micro) -> tuple:
+    def per_layer(self, mc, count: int, micro, made=None) -> tuple:
         """Microbatch `mc`'s part of the saved stacks (`micro(a, dim, mc, count)` cuts it),
-        to scan over with the stage's layers."""
-        stacked = self.extra + [s for s, _ in self.more]
-        return tuple(micro(self.saved[s], None if self.dims[s] is None else self.dims[s] + 1, mc, count)
-                     for s in stacked)
+        to scan over with the stage's layers. `made`: (the stacks of `extra` holding it,
+        its slot in them, their slots) where the tick loop holds those instead of
+        `saved` (1F1B's ring of the microbatches in flight: `_onef`)."""
+        stacks, at, slots = (tuple(self.saved[s] for s in self.extra), mc, count) if made is None else made
+        out = tuple(micro(a, None if self.dims[s] is None else self.dims[s] + 1, at, slots)
+                    for s, a in zip(self.extra, stacks))
+        return out + tuple(micro(self.saved[s], None if self.dims[s] is None else self.dims[s] + 1, mc, count)
+                           for s, _ in self.more)
 
     def per_tick(self, mc, count: int, micro) -> dict:
         """Microbatch `mc`'s part of the saved constants (one saved as a row broadcast)."""
