@@ -16,7 +16,8 @@ import partir
 import search
 import tactics as T
 from partir import MeshSpec
-from test_pipeline import TINY, TINY_LLAMA, _gpt, _mesh, peaks
+from examples import gpt
+from test_pipeline import DEEP, TINY, TINY_LLAMA, _gpt, _mesh, peaks
 
 
 def _plan(stages: int, microbatches: int, policy: str | None, config=TINY, others=None, mesh=None):
@@ -144,3 +145,16 @@ def test_the_search_composes_remat_with_1f1b():
     plan = next(p for p in paired if T.DataParallel("data") in p)
     applied = T.apply_schedule(prog, _mesh(2), list(plan)).partitioning
     assert applied.rematerialized and applied.pipelines[0].schedule == "1f1b"
+
+
+def test_the_search_rematerializes_a_1f1b_pipeline_where_only_that_fits():
+    """The deep GPT of tests/test_pipeline.py on data=4 x stage=2 (H100), M=16: with
+    10.2 GB no plan without a pipeline fits (10.3 GB at best, Remat included), nor GPipe
+    with Remat (its layer inputs of all 16 microbatches: 10.3 GB), nor 1F1B without it
+    (16.0 GB); 1F1B with Remat does (a ring of 3: 9.9 to 10.0 GB), and the search takes it."""
+    step, args = gpt.make_train_step(DEEP, abstract=True)
+    prog = partir.lift(step, *args)
+    auto = search.AutomaticPartition(axes=("stage",), pipelines=(16,), memory_limit=10.2e9, max_episodes=30,
+                                     device="h100")
+    part = T.apply_schedule(prog, MeshSpec.of(stage=2, data=4), [T.DataParallel("data"), auto]).partitioning
+    assert [p.schedule for p in part.pipelines] == ["1f1b"] and part.rematerialized
