@@ -40,7 +40,8 @@ def _same_step_and_collectives(part, config, backend):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
     text = lowered.lower(*args).compile().as_text()
     compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
-    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
+    cost = search.CostModel(part, "cpu").cost()
+    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
     assert compiled == modeled
 
 

@@ -19,7 +19,11 @@ A stage keeps the residuals of the microbatches between their forward and backwa
 at most 2(S-1-s)+1 of them, in a ring of min(M, 2S-1) microbatch slots instead of all
 M of GPipe. (The S-s of an asynchronous 1F1B needs ticks of one unit each, which in a
 lockstep loop last max(F, B): 2(M+S-1) max(F, B) a step, more than GPipe's when the
-backward is twice the forward.) What the head sums (the loss, the head's weight
+backward is twice the forward.) Where the layers recompute (`Remat`), the ring keeps,
+per microbatch in flight, what recomputing needs (`StageRemat.extra`: the layer input
+for 'full') instead of the residuals the policy drops, and the backward unit recomputes
+them from its slot, as GPipe's backward ticks do from their stacks
+(`_pipeline_remat`). What the head sums (the loss, the head's weight
 gradients) is accumulated on the last stage and reaches every stage by one all-reduce
 over the stage axis each (with the axes a deferred reduction left, `HeadLayout.deferred`).
 """
@@ -115,7 +119,8 @@ class _Loop:
         self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd.g.xs]
         # Those the plan recomputes are placeholders (a scalar per layer: `StageRemat`),
         # kept by no ring; the ring keeps what recomputing needs instead (`extra`).
-        self.dropped = {j for j, v in enumerate(fcall.ys) if remat is not None and v >= 0 and remat.placeholder(v)}
+        self.dropped = {j for j, v in enumerate(fcall.ys)
+                        if remat is not None and v >= 0 and remat.placeholder(v)}
         self.ringed = [j for j in self.kept if j is not None and j not in self.dropped]
         self.extra = list(remat.extra) if remat is not None else []
         whole = {v: frame.whole[v] for v, d in zip(head.inputs, head.in_dims) if d is None and v in frame.whole}
@@ -182,9 +187,8 @@ class _Loop:
 
     def _forward_zeros(self, per: int) -> tuple:
         """Zeros shaped as the forward unit's per-layer outputs (see `_layers`)."""
-        outs = self.fwd.body.outvars[len(self.fwd.call.carry):]
-        dtype = self.inner.prog.values
-        return tuple(jnp.zeros((per,), dtype[v].dtype) if j in self.dropped else self._micro_block(v, per)
+        outs, values = self.fwd.body.outvars[len(self.fwd.call.carry):], self.inner.prog.values
+        return tuple(jnp.zeros((per,), values[v].dtype) if j in self.dropped else self._micro_block(v, per)
                      for j, v in enumerate(outs)) + tuple(self._micro_block(s, per) for s in self.extra)
 
     def tick(self, state, t):

@@ -14,7 +14,10 @@ blocks, kept as the trace goes, as `ScanRemat.stacks` is): what the forward body
 (`ScanRemat.extra`), the stage's block of a stacked input the backward loop does not
 read, and the forward scan's constants the recomputation reads. Under the jit lowering
 each pipelined scan is a `shard_map` region of its own, so the forward region returns
-them and the backward one takes them (`saved_layouts`).
+them and the backward one takes them (`saved_layouts`). Under 1F1B (`_onef`) both
+scans are one tick loop: what the forward body makes is kept in the ring of the
+microbatches in flight, in the loop's state, rather than in `saved`, and the backward
+unit hands `per_layer` its slot.
 """
 
 from __future__ import annotations
