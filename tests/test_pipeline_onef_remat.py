@@ -5,19 +5,17 @@ The step computes what plain `jax.jit` computes in both lowerings, XLA's collect
 the modeled ones, the modeled ring and peak shrink as XLA's peak does, and the search
 takes the pair where it is what fits."""
 
-import collections
 import dataclasses
 
-import jax
-import numpy as np
 import pytest
 
 import partir
 import search
 import tactics as T
-from partir import MeshSpec
 from examples import gpt
+from partir import MeshSpec
 from test_pipeline import DEEP, TINY, TINY_LLAMA, _gpt, _mesh, peaks
+from test_pipeline_onef import _same_step_and_collectives  # (the collectives' check: the recomputation's included)
 
 
 def _plan(stages: int, microbatches: int, policy: str | None, config=TINY, others=None, mesh=None):
@@ -28,21 +26,6 @@ def _plan(stages: int, microbatches: int, policy: str | None, config=TINY, other
     remat = [T.Remat(policy)] if policy else []
     pipe = T.Pipeline("stage", microbatches=microbatches, schedule="1f1b")
     return T.apply_schedule(prog, mesh or _mesh(stages), others + remat + [pipe]).partitioning
-
-
-def _same_step_and_collectives(part, config, backend):
-    """The step equals plain jax.jit's on every output, and XLA's collectives are the
-    modeled ones (the recomputation's included)."""
-    step, args, prog = _gpt(config)
-    lowered = partir.lower(part, backend=backend)
-    ours, theirs = lowered(*args), jax.jit(step)(*args)
-    for name, a, b in zip(prog.output_names, jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
-    text = lowered.lower(*args).compile().as_text()
-    compiled = partir.collective_buffers(partir.collectives(text, part.mesh.jax_mesh()), reduce_scatter=False)
-    cost = search.CostModel(part, "cpu").cost()
-    modeled = collections.Counter((c.kind, c.axes, int(c.bytes)) for c in cost.collectives)
-    assert compiled == modeled
 
 
 def test_1f1b_rematerializing_its_stages_computes_what_jit_computes():
