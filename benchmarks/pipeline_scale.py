@@ -37,8 +37,9 @@ DEVICE = "h100"
 MICROBATCHES = (8, 16, 32, 128)
 #: Pipeline schedules priced for the pipelined configuration.
 SCHEDULES = ("gpipe", "1f1b")
-#: Remat policies priced with the GPipe configurations (1F1B runs no Remat): GPipe keeps
-#: every microbatch's residuals of the stage's layers, which Remat cuts to what it keeps.
+#: Remat policies priced with the pipelined configurations: GPipe keeps every
+#: microbatch's residuals of the stage's layers (1F1B those in flight), which Remat cuts
+#: to what it keeps.
 REMAT_POLICIES = ("full", "dots")
 #: Microbatch counts the search may pipeline with.
 SEARCH_MICROBATCHES = (8, 16, 32)
@@ -76,16 +77,15 @@ def _pipelined(batch_per_replica: int) -> dict:
     """The published pipelined configuration at each microbatch count that divides a
     replica's batch, under GPipe and under 1F1B (`SCHEDULES`): data parallel, and with
     the parameters and optimizer state sharded over the data axis instead (FSDP, as
-    Megatron's distributed optimizer shards the optimizer state); under GPipe also with
-    each of `REMAT_POLICIES` inside the stages."""
+    Megatron's distributed optimizer shards the optimizer state); each also with each of
+    `REMAT_POLICIES` inside the stages."""
     import tactics as T
 
     data = {"dp": lambda: [T.DataParallel("data"), T.Megatron("model")],
             "fsdp": lambda: [T.Megatron("model"), T.FSDP("data")]}
-    remats = {"gpipe": (None, *REMAT_POLICIES)}
     return {f"{d}+tp+pp {s} M={m}{'' if r is None else f' remat {r}'}":
             make() + [T.Pipeline("stage", m, s)] + ([] if r is None else [T.Remat(r)])
-            for d, make in data.items() for s in SCHEDULES for r in remats.get(s, (None,))
+            for d, make in data.items() for s in SCHEDULES for r in (None, *REMAT_POLICIES)
             for m in MICROBATCHES if batch_per_replica % m == 0}
 
 

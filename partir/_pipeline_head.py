@@ -177,8 +177,10 @@ def _read_after(region, ids, end: int) -> list[int]:
 def check_onef(part, pipe, head: HeadLayout | None) -> None:
     """The 1F1B schedule's conditions (`lowering/_onef`), refused before any work: a
     backward scan in the region of the forward one with the head between them, one
-    repeat, no recomputed layers, and the forward scan's results read by the head (its
-    final carry) and the backward scan (its residuals) alone."""
+    repeat, even stages of layers written as a scan, and the forward scan's results
+    read by the head (its final carry) and the backward scan (its residuals) alone.
+    (Recomputed layers run: the ring keeps what recomputing needs instead of the
+    residuals the `Remat` policy drops, `lowering/_onef`.)"""
     fix = "or use schedule='gpipe'"
     if head is None:
         raise PartitioningError("the 1f1b schedule interleaves the forward and backward layer scans of a train "
@@ -195,9 +197,6 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
     if split.rolled:
         raise PartitioningError("the 1f1b schedule does not run layers rolled from unrolled ones (their stages "
                                 f"exchange the layers as gpipe does): write the layers as a scan, {fix}")
-    if part.rematerialized or part.reused:
-        raise PartitioningError("Remat inside pipelined layers runs only with the gpipe schedule (the 1f1b tick "
-                                f"loop does not keep the recomputing inputs yet): leave Remat out, {fix}")
     prog, fwd, bwd = part.program, pipe.scans.forward, pipe.scans.backward
     region, ids = prog.regions[fwd.parent], var_ids(prog, fwd.parent)
     mine = set(range(head.start, head.end)) - set(head.hoisted)

@@ -68,7 +68,8 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     microbatches than the 2S-1 a stage keeps in flight), the stages are even and the
     step differentiates the layers where it scans them (a backward scan in the
     forward's region, the head between them) from a scan, not layers rolled from
-    unrolled ones (`partir.roll_layers`)."""
+    unrolled ones (`partir.roll_layers`). Each runs with every remat policy
+    (`compositions` pairs them; 1F1B's ring then keeps what recomputing needs)."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
     rolled = scans.forward.rolled  # (its stages exchange their layers: 1F1B does not run so)

@@ -46,8 +46,9 @@ class Pipeline(Tactic):
     With `schedule` "1f1b" the forward layers, the head and the backward layers run as
     one tick loop: a stage runs one microbatch's forward and an earlier one's backward
     each tick, so it keeps the residuals of at most 2S-1 microbatches instead of all
-    of them, at GPipe's bubble (docs/pipeline.md). Needs a train step differentiated
-    where it scans the layers, one repeat, even stages and no Remat.
+    of them, at GPipe's bubble (docs/pipeline.md); with `Remat`, of what the policy
+    keeps (and the layer inputs it recomputes from). Needs a train step differentiated
+    where it scans the layers, one repeat and even stages.
     """
 
     axis: str

@@ -97,8 +97,9 @@ def test_the_modeled_peak_of_1f1b_is_xlas_within_a_fifth():
     """The tick loop's own buffers are in the modeled peak (`search/cost/_tick_buffers`):
     GPT, data=4 x stage=2, M=4, two layers a stage: the ring of kept residuals held twice
     (a microbatch is one sequence a device: XLA:CPU copies the ring for the forward
-    unit's write), a tick's stacks of one microbatch, the mask made once before the loop. Modeled 299 KB against XLA's 300 KB
-    (temp + arguments + outputs - alias); 175 KB (0.58) without them."""
+    unit's write), a tick's stacks of one microbatch, the mask made once before the loop,
+    the forward's initial carry through the backward ticks. Modeled 300 KB against XLA's
+    299 KB (temp + arguments + outputs - alias); 175 KB (0.58) without them."""
     _, args, _ = _gpt(TINY)
     model, xla = peaks(_plan(2, 4), args)
     assert 0.8 < model / xla < 1.2
@@ -140,13 +141,18 @@ def test_1f1b_has_gpipes_bubble_and_one_tick_loop():
     assert cost.bubble == pytest.approx(3 / 7) and cost.ticks == 4 + 2 * 4 - 2
 
 
-@pytest.mark.parametrize("tactics,match,layers", [
-    ([T.Pipeline("stage", microbatches=4, schedule="1f1b", repeats=2)], "repeats=2.*give repeats=1", 8),
-    ([T.Remat("full"), T.Pipeline("stage", microbatches=2, schedule="1f1b")], "Remat.*gpipe schedule.*leave Remat out", 8),
-    ([T.Pipeline("stage", microbatches=4, schedule="1f1b")], "1f1b schedule runs even stages.*3 layers.*divides", 3),
+@pytest.mark.parametrize("tactics,match,config", [
+    ([T.Pipeline("stage", microbatches=4, schedule="1f1b", repeats=2)], "repeats=2.*give repeats=1",
+     dataclasses.replace(TINY, n_layers=8)),
+    ([T.Pipeline("stage", microbatches=4, schedule="1f1b")], "1f1b schedule runs even stages.*3 layers.*divides",
+     dataclasses.replace(TINY, n_layers=3)),
+    # (Remat runs under 1F1B, tests/test_pipeline_onef_remat.py, but for a policy keeping
+    # more than the user's jax.checkpoint, which no pipeline runs yet.)
+    ([T.Remat("dots"), T.Pipeline("stage", microbatches=4, schedule="1f1b")],
+     "relaxes the user's jax.checkpoint.*keeps no more than the user's", dataclasses.replace(TINY, remat=True)),
 ])
-def test_what_1f1b_cannot_run_is_refused_naming_it(tactics, match, layers):
-    _, _, prog = _gpt(dataclasses.replace(TINY, n_layers=layers))
+def test_what_1f1b_cannot_run_is_refused_naming_it(tactics, match, config):
+    _, _, prog = _gpt(config)
     with pytest.raises(T.TacticError, match=match):
         T.apply_schedule(prog, _mesh(2), [T.DataParallel("data")] + tactics)
 

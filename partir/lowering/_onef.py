@@ -19,7 +19,11 @@ A stage keeps the residuals of the microbatches between their forward and backwa
 at most 2(S-1-s)+1 of them, in a ring of min(M, 2S-1) microbatch slots instead of all
 M of GPipe. (The S-s of an asynchronous 1F1B needs ticks of one unit each, which in a
 lockstep loop last max(F, B): 2(M+S-1) max(F, B) a step, more than GPipe's when the
-backward is twice the forward.) What the head sums (the loss, the head's weight
+backward is twice the forward.) Where the layers recompute (`Remat`), the ring keeps,
+per microbatch in flight, what recomputing needs (`StageRemat.extra`: the layer input
+for 'full') instead of the residuals the policy drops, and the backward unit recomputes
+them from its slot, as GPipe's backward ticks do from their stacks
+(`_pipeline_remat`). What the head sums (the loss, the head's weight
 gradients) is accumulated on the last stage and reaches every stage by one all-reduce
 over the stage axis each (with the axes a deferred reduction left, `HeadLayout.deferred`).
 """
@@ -43,18 +47,19 @@ from ._shardmap_pipeline import _block, _keep, _micro, gather_once, micro_const,
 from ._spmd import move
 
 
-def run_onef(interp, pipe, layouts, inner, head, frame) -> None:
+def run_onef(interp, pipe, layouts, inner, head, remat, frame) -> None:
     """Run equations [forward scan, backward scan] of their region as the 1F1B tick loop
     on the blocks of `frame` (see the module docstring), putting the backward scan's
-    results and what the head gives the rest of the step in `frame`."""
+    results and what the head gives the rest of the step in `frame`; `remat`: the
+    pipeline's `StageRemat` (None when its layers recompute nothing)."""
     prog, (fcall, bcall) = interp.prog, pipe.scans.calls
     region, ids = prog.regions[fcall.parent], var_ids(prog, fcall.parent)
     for i in head.hoisted:
         interp.eqn(frame, fcall.parent, i, region.jaxpr.eqns[i])
-    fwd = _stage_side(interp, pipe, layouts[0], region.jaxpr.eqns[fcall.index], ids, frame, ())
-    bwd = _stage_side(interp, pipe, layouts[1], region.jaxpr.eqns[bcall.index], ids, frame, fcall.ys)
+    fwd = _stage_side(interp, pipe, layouts[0], region.jaxpr.eqns[fcall.index], ids, frame, (), remat)
+    bwd = _stage_side(interp, pipe, layouts[1], region.jaxpr.eqns[bcall.index], ids, frame, fcall.ys, remat)
     after = onef_outputs(prog, pipe, head)
-    loop = _Loop(interp, pipe, layouts, inner, head, frame, fwd, bwd, after)
+    loop = _Loop(interp, pipe, layouts, inner, head, frame, fwd, bwd, after, remat)
     state = jax.lax.scan(loop.tick, loop.initial(), jnp.arange(loop.ticks))[0]
     _leave(interp, pipe, layouts[1], bcall, region, frame, state, loop, after)
 
@@ -76,10 +81,12 @@ class _Side:
     xs: list
 
 
-def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> _Side:
+def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals, remat) -> _Side:
     """One scan's operands in its body's layouts: constants and the initial carry on the
     replica batch (none for the backward scan: the head makes it), the stage's blocks
-    of its stacked inputs (None for a residual, which the ring holds)."""
+    of its stacked inputs (None for a residual, which the ring holds). The forward
+    scan's stacked inputs and constants that recomputing reads are saved in `remat`
+    (`StageRemat.keep_inputs`), as GPipe's forward scan saves them."""
     call, body = layout.call, interp.prog.regions[layout.call.body]
     ins = [-1 if isinstance(x, Literal) else ids[x] for x in eqn.invars]
     g, w = split_operands(eqn, ins), split_operands(eqn, list(body.invars))
@@ -92,6 +99,8 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> _Side:
                                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(x.xs, g.xs, w.xs)]
     xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
+    if remat is not None and not residuals:
+        remat.keep_inputs(g, w, xs, consts)
     d = split_operands(eqn, list(layout.in_dims))
     return _Side(call, body, g, w, d, thin_consts(interp.prog, call, consts, d.consts, pipe.microbatches), carry, xs)
 
@@ -99,15 +108,21 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals) -> _Side:
 class _Loop:
     """The tick loop's state and one tick (see the module docstring)."""
 
-    def __init__(self, interp, pipe, layouts, inner, head, frame, fwd, bwd, after):
+    def __init__(self, interp, pipe, layouts, inner, head, frame, fwd, bwd, after, remat):
         self.interp, self.pipe, self.layouts, self.inner, self.head = interp, pipe, layouts, inner, head
-        self.fwd, self.bwd, self.after = fwd, bwd, after
+        self.fwd, self.bwd, self.after, self.remat = fwd, bwd, after, remat
         self.S, self.M = interp.mesh.size(pipe.axis), pipe.microbatches
         self.ticks, self.ring = pipe.ticks(self.S), pipe.in_flight(self.S)  # the ring: one slot per microbatch in flight
         self.stage = jax.lax.axis_index(pipe.axis)
         fcall = pipe.scans.forward
         # The residuals the backward scan reads, as positions in the forward's per-layer outputs.
         self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd.g.xs]
+        # Those the plan recomputes are placeholders (a scalar per layer: `StageRemat`),
+        # kept by no ring; the ring keeps what recomputing needs instead (`extra`).
+        self.dropped = {j for j, v in enumerate(fcall.ys)
+                        if remat is not None and v >= 0 and remat.placeholder(v)}
+        self.ringed = [j for j in self.kept if j is not None and j not in self.dropped]
+        self.extra = list(remat.extra) if remat is not None else []
         whole = {v: frame.whole[v] for v, d in zip(head.inputs, head.in_dims) if d is None and v in frame.whole}
         self.head_whole = whole
         self.head_blocks = {v: frame.read(v) for v in head.inputs if v not in whole and v not in fcall.carry_out}
@@ -127,15 +142,16 @@ class _Loop:
         recv_f = tuple(self._micro_block(w) for w in self.fwd.w.carry)
         recv_b = tuple(self._micro_block(w) for w in self.bwd.w.carry)
         outs = fbody.outvars[nf:]
-        rings = tuple(self._ring(outs[j], per) for j in self.kept if j is not None)
+        rings = tuple(self._ring(outs[j], per, self._slot_dim(j)) for j in self.ringed)
+        rings += tuple(self._ring(s, per, self.remat.dims[s]) for s in self.extra)
         kept = tuple(_block(self.interp, v) for v in bbody.outvars[:nb])
         ys = tuple(_block(self.interp, v, self.bwd.call.length, self.pipe.axis) for v in bbody.outvars[nb:])
         heads = tuple(_block(self.interp, v) for v in self.after)
         return recv_f, recv_b, rings, kept, ys, heads
 
-    def _ring(self, v: int, layers: int):
+    def _ring(self, v: int, layers: int, d):
+        """Zeros shaped as the ring of value `v` (stacked on `layers`; `d`: its microbatch dim)."""
         block = self._micro_block(v, layers)
-        d = self.layouts[0].out_dims[list(self.fwd.body.outvars).index(v)]
         if d is None:
             return block
         shape = list(block.shape)
@@ -149,15 +165,31 @@ class _Loop:
                 (b >= 0) & (b < self.M), jnp.clip(b, 0, self.M - 1))
 
     def _layers(self, side, c_in, m, xs_m, reverse: bool):
-        """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs)."""
-        inner, call, nk = self.inner, side.call, len(side.call.carry)
+        """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs).
+        Where they recompute (`remat`), the forward layers give a scalar for each
+        recomputed residual and, after their outputs, what recomputing needs
+        (`StageRemat.made`); the backward layers take that after their stacked inputs
+        (`xs_m`), and the constants recomputing reads (`StageRemat.per_tick`)."""
+        inner, call, nk, remat, nx = self.inner, side.call, len(side.call.carry), self.remat, len(side.xs)
         consts_m = [micro_const(c, i, m, self.M) for c, i in zip(side.consts, side.d.consts)]
+        more = remat.per_tick(m, self.M, _micro) if remat is not None and reverse else {}
 
         def layer(c, xl):
-            outs = inner.region(call.body, list(consts_m) + list(c) + list(xl))
-            return tuple(outs[:nk]), tuple(outs[nk:])
+            if remat is not None and reverse:
+                remat.enter(xl[nx:], more)
+            outs = inner.region(call.body, list(consts_m) + list(c) + list(xl[:nx]))
+            if remat is None or reverse:
+                return tuple(outs[:nk]), tuple(outs[nk:])
+            ys = tuple(jnp.zeros((), y.dtype) if j in self.dropped else y for j, y in enumerate(outs[nk:]))
+            return tuple(outs[:nk]), ys + remat.made()
 
         return jax.lax.scan(layer, c_in, xs_m, reverse=reverse)
+
+    def _forward_zeros(self, per: int) -> tuple:
+        """Zeros shaped as the forward unit's per-layer outputs (see `_layers`)."""
+        outs, values = self.fwd.body.outvars[len(self.fwd.call.carry):], self.inner.prog.values
+        return tuple(jnp.zeros((per,), values[v].dtype) if j in self.dropped else self._micro_block(v, per)
+                     for j, v in enumerate(outs)) + tuple(self._micro_block(s, per) for s in self.extra)
 
     def tick(self, state, t):
         recv_f, recv_b, rings, kept, ys_kept, heads = state
@@ -167,8 +199,8 @@ class _Loop:
         c0 = tuple(_micro(a, i, mf, self.M) for a, i in zip(fwd.carry, fwd.d.carry))
         c_in = tuple(jnp.where(first, a, r) for a, r in zip(c0, recv_f))
         xs_f = tuple(_micro(a, None if i is None else i + 1, mf, self.M) for a, i in zip(fwd.xs, fwd.d.xs))
-        zeros_f = (c_in, tuple(self._micro_block(v, fcall.length // self.S)
-                               for v in fwd.body.outvars[len(fcall.carry):]))
+        per = fcall.length // self.S
+        zeros_f = (c_in, self._forward_zeros(per))
         c_f, ys_f = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
         rings = self._store(rings, ys_f, mf, fv)
         grad, heads = self._head(c_f, mf, fv & last, heads)
@@ -176,6 +208,9 @@ class _Loop:
         xs_b = tuple(self._read(rings, j, mb) if j is not None else
                      _micro(a, None if i is None else i + 1, mb, self.M)
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
+        if self.remat is not None:  # (what recomputing reads, after the stacked inputs)
+            extra = (rings[len(self.ringed):], mb % self.ring, self.ring)
+            xs_b += self.remat.per_layer(mb, self.M, _micro, made=extra)
         nb = len(bwd.call.carry)
         zeros_b = (c_b_in, tuple(self._micro_block(v, bwd.call.length // self.S)
                                  for v in bwd.body.outvars[nb:]))
@@ -194,22 +229,22 @@ class _Loop:
         return self.layouts[0].out_dims[len(self.fwd.call.carry) + j]
 
     def _store(self, rings, ys, m, valid):
-        """The rings with microbatch `m`'s residuals written in its slot."""
-        out, k = [], 0
-        for j in self.kept:
-            if j is None:
-                continue
-            d = self._slot_dim(j)
-            out.append(_keep(rings[k], ys[j], SPLIT if d is not None else SAME,
-                             None if d is None else d + 1, m % self.ring, valid))
-            k += 1
-        return tuple(out)
+        """The rings with microbatch `m`'s residuals (and what recomputing needs: `_layers`)
+        written in its slot."""
+        n = len(self.fwd.body.outvars) - len(self.fwd.call.carry)
+        made = [(ys[j], self._slot_dim(j)) for j in self.ringed]
+        made += [(ys[n + k], self.remat.dims[s]) for k, s in enumerate(self.extra)]
+        return tuple(_keep(r, y, SPLIT if d is not None else SAME, None if d is None else d + 1, m % self.ring, valid)
+                     for r, (y, d) in zip(rings, made))
 
     def _read(self, rings, j: int, m):
-        """Microbatch `m`'s residuals of forward output `j`, from its ring slot."""
-        k = [i for i in self.kept if i is not None].index(j)
+        """Microbatch `m`'s residuals of forward output `j`, from its ring slot (a
+        recomputed one's placeholder: zeros, which the backward layers do not read)."""
+        per = self.fwd.call.length // self.S
+        if j in self.dropped:
+            return jnp.zeros((per,), self.inner.prog.values[self.fwd.call.ys[j]].dtype)
         d = self._slot_dim(j)
-        return _micro(rings[k], None if d is None else d + 1, m % self.ring, self.ring)
+        return _micro(rings[self.ringed.index(j)], None if d is None else d + 1, m % self.ring, self.ring)
 
     def _head(self, c_f, m, run, heads):
         """The head on microbatch `m` where `run` (the last stage with a forward unit):

@@ -14,7 +14,10 @@ blocks, kept as the trace goes, as `ScanRemat.stacks` is): what the forward body
 (`ScanRemat.extra`), the stage's block of a stacked input the backward loop does not
 read, and the forward scan's constants the recomputation reads. Under the jit lowering
 each pipelined scan is a `shard_map` region of its own, so the forward region returns
-them and the backward one takes them (`saved_layouts`).
+them and the backward one takes them (`saved_layouts`). Under 1F1B (`_onef`) both
+scans are one tick loop: what the forward body makes is kept in the ring of the
+microbatches in flight, in the loop's state, rather than in `saved`, and the backward
+unit hands `per_layer` its slot.
 """
 
 from __future__ import annotations
@@ -101,12 +104,16 @@ class StageRemat:
         self.saved.update(zip(self.extra, stacks))
 
     # -- the backward scan -----------------------------------------------------------------
-    def per_layer(self, mc, count: int, micro) -> tuple:
+    def per_layer(self, mc, count: int, micro, made=None) -> tuple:
         """Microbatch `mc`'s part of the saved stacks (`micro(a, dim, mc, count)` cuts it),
-        to scan over with the stage's layers."""
-        stacked = self.extra + [s for s, _ in self.more]
-        return tuple(micro(self.saved[s], None if self.dims[s] is None else self.dims[s] + 1, mc, count)
-                     for s in stacked)
+        to scan over with the stage's layers. `made`: (the stacks of `extra` holding it,
+        its slot in them, their slots) where the tick loop holds those instead of
+        `saved` (1F1B's ring of the microbatches in flight: `_onef`)."""
+        stacks, at, slots = (tuple(self.saved[s] for s in self.extra), mc, count) if made is None else made
+        out = tuple(micro(a, None if self.dims[s] is None else self.dims[s] + 1, at, slots)
+                    for s, a in zip(self.extra, stacks))
+        return out + tuple(micro(self.saved[s], None if self.dims[s] is None else self.dims[s] + 1, mc, count)
+                           for s, _ in self.more)
 
     def per_tick(self, mc, count: int, micro) -> dict:
         """Microbatch `mc`'s part of the saved constants (one saved as a row broadcast)."""

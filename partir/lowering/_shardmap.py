@@ -113,8 +113,8 @@ def _pipelined(interp) -> dict:
         if head is not None:
             inner.left_partial.update(head.deferred)
             if pipe.schedule == "1f1b":  # both scans and the head between them: one tick loop
-                interp.heads[(head.region, pipe.scans.forward.index)] = (run_onef, (pipe, layouts, inner, head),
-                                                                          pipe.scans.backward.index + 1)
+                interp.heads[(head.region, pipe.scans.forward.index)] = (
+                    run_onef, (pipe, layouts, inner, head, remat), pipe.scans.backward.index + 1)
             else:
                 interp.heads[(head.region, head.start)] = (run_head, (inner, head), head.end)
     return out
