@@ -50,6 +50,8 @@ def cross(interp, x, src: int, dst: int, *, to_made: bool = False):
     layer dim first, never split)."""
     if src < 0 or dst < 0 or _placeholder(interp, x, src):
         return x
+    if src in interp.held and dst in interp.held:
+        return x  # (a pipeline holds both alike: a weight gathered once, a gradient accumulated whole)
     part, rank, mesh = interp.part, jnp.ndim(x), interp.move_mesh
     o = interp.link(src, dst)
     if o is None:
