@@ -274,9 +274,28 @@ def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microb
     _moves_once(_plan(4, 4, config, others, mesh), config, mesh)
 
 
+#: The Llama example with each layer under the user's `jax.checkpoint` (as its LLAMA3
+#: configs run): the backward scan reads the weights in the checkpoint's recomputation
+#: and makes their gradients there, a region nested in its body.
+TINY_LLAMA_REMAT = dataclasses.replace(TINY_LLAMA, remat=True)
+
+
+def test_a_stage_moves_its_weights_and_gradients_once_a_step_through_the_users_checkpoint():
+    """With the layers under the user's `jax.checkpoint`, the stage still gathers its
+    weights once before each tick loop (handed into the checkpoint's region as
+    gathered, the norm scales broadcast there once too) and reduce-scatters their
+    gradients, made inside it, once after, as without the checkpoint (`_moves_once`:
+    two layers a stage, so XLA would not hoist a per-tick gather itself)."""
+    mesh = _mesh(2)
+    _, _, prog = _gpt(TINY_LLAMA_REMAT)
+    part = T.apply_schedule(prog, mesh, [T.FSDP("data"), T.Pipeline("stage", microbatches=4)]).partitioning
+    _moves_once(part, TINY_LLAMA_REMAT, mesh)
+
+
 #: (backend, the tactics on `data`, schedule, config, stages) of the slow cases of
 #: `_moves_once`: "uneven-fsdp", 3 layers over 2 stages; the Llama cases two layers a
-#: stage, their RMSNorm scales broadcast and gathered once before each tick loop.
+#: stage, their RMSNorm scales broadcast and gathered once before each tick loop (the
+#: "remat" ones under the user's `jax.checkpoint`, as the default test's).
 MOVED_ONCE = {
     "jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY, 4),
     "zero1-dp": ("shard_map", [T.DataParallel("data"), T.ZeRO("data", stage=1)], "gpipe", TINY, 4),
@@ -284,6 +303,8 @@ MOVED_ONCE = {
     "uneven-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", dataclasses.replace(TINY, n_layers=3), 2),
     "llama-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
     "llama-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
+    "llama-remat-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA_REMAT, 2),
+    "llama-remat-fsdp-1f1b": ("shard_map", [T.FSDP("data")], "1f1b", TINY_LLAMA_REMAT, 2),
 }
 
 
