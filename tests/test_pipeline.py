@@ -319,20 +319,23 @@ def test_stages_move_weights_and_gradients_once_a_step_in_each_lowering_and_sche
 
 
 @pytest.mark.slow
-def test_a_stage_casts_and_gathers_its_weights_once_a_step_where_its_layers_cast_them():
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_stage_casts_and_gathers_its_weights_once_a_step_where_its_layers_cast_them(remat):
     """Llama computing in bfloat16 casts its float32 weights inside each layer and
     gathers the cast: the stage casts and gathers them once before each tick loop (the
     model charges each gather once), keeps them for the backward pass cut from the
-    gathered block, and the step equals jax.jit's to bfloat16's precision. (XLA:CPU
+    gathered block, and the step equals jax.jit's to bfloat16's precision; under the
+    user's `jax.checkpoint` (`remat`) too, where the backward scan hands the cast weights
+    into the checkpoint's region and broadcasts the norm scales inside it. (XLA:CPU
     moves bfloat16 in float32, so its collectives' bytes are not the model's here: the
     float32 cases check those; with one layer a stage XLA would hoist the per-tick
     gathers out of the loop itself, so the model's count is what shows the change.)"""
-    config, mesh = dataclasses.replace(TINY_LLAMA, dtype=jax.numpy.bfloat16), _mesh(4)
+    config, mesh = dataclasses.replace(TINY_LLAMA, dtype=jax.numpy.bfloat16, remat=remat), _mesh(4)
     step, args, prog = _gpt(config)
     part = _plan(4, 4, config, [T.FSDP("data")], mesh)
-    fwd = prog.regions[part.pipelines[0].scans.forward.body]
-    casts = {r for v in fwd.invars for o in prog.users[v] if prog.ops[o].primitive == "convert_element_type"
-             for r in prog.ops[o].results}
+    bodies = [prog.regions[call.body] for call in part.pipelines[0].scans.calls]
+    casts = {r for body in bodies for v in body.invars for o in prog.users[v]
+             if prog.ops[o].primitive == "convert_element_type" for r in prog.ops[o].results}
     gathers = [c for c in search.CostModel(part, "cpu").cost().collectives
                if c.value in casts and c.kind == partir.Kind.ALL_GATHER]
     assert gathers and all(c.count == 1 for c in gathers)  # (not once per microbatch and layer)
