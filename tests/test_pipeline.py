@@ -274,9 +274,8 @@ def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microb
     _moves_once(_plan(4, 4, config, others, mesh), config, mesh)
 
 
-#: The Llama example with each layer under the user's `jax.checkpoint` (as its LLAMA3
-#: configs run): the backward scan reads the weights in the checkpoint's recomputation
-#: and makes their gradients there, a region nested in its body.
+#: Llama with each layer under the user's `jax.checkpoint` (as its LLAMA3 configs): the
+#: backward scan's weights are read, and their gradients made, in a nested region.
 TINY_LLAMA_REMAT = dataclasses.replace(TINY_LLAMA, remat=True)
 
 
@@ -286,10 +285,7 @@ def test_a_stage_moves_its_weights_and_gradients_once_a_step_through_the_users_c
     gathered, the norm scales broadcast there once too) and reduce-scatters their
     gradients, made inside it, once after, as without the checkpoint (`_moves_once`:
     two layers a stage, so XLA would not hoist a per-tick gather itself)."""
-    mesh = _mesh(2)
-    _, _, prog = _gpt(TINY_LLAMA_REMAT)
-    part = T.apply_schedule(prog, mesh, [T.FSDP("data"), T.Pipeline("stage", microbatches=4)]).partitioning
-    _moves_once(part, TINY_LLAMA_REMAT, mesh)
+    _moves_once(_plan(2, 4, TINY_LLAMA_REMAT, [T.FSDP("data")]), TINY_LLAMA_REMAT, _mesh(2))
 
 
 #: (backend, the tactics on `data`, schedule, config, stages) of the slow cases of
