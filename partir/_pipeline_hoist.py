@@ -74,6 +74,8 @@ def call_link(ext, op) -> bool:
     if not op.link or op.primitive not in (Link.CALL_IN, Link.CALL_OUT):
         return False
     (u,), (w,) = op.operands, op.results
+    if u < 0 or w < 0:
+        return False
     have = ext.tiling(u)
     if ext.tiling(w) != have:
         return False
