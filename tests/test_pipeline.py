@@ -289,9 +289,10 @@ def test_a_stage_moves_its_weights_and_gradients_once_a_step_through_the_users_c
 
 
 #: (backend, the tactics on `data`, schedule, config, stages) of the slow cases of
-#: `_moves_once`: "uneven-fsdp", 3 layers over 2 stages; the Llama cases two layers a
-#: stage, their RMSNorm scales broadcast and gathered once before each tick loop (the
-#: "remat" ones under the user's `jax.checkpoint`, as the default test's).
+#: `_moves_once`: "uneven-fsdp" and "llama-remat-uneven-fsdp", 3 layers over 2 stages
+#: (the 405B-shaped rows' uneven stages); the other Llama cases two layers a stage,
+#: their RMSNorm scales broadcast and gathered once before each tick loop (the "remat"
+#: ones under the user's `jax.checkpoint`, as the default test's).
 MOVED_ONCE = {
     "jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY, 4),
     "zero1-dp": ("shard_map", [T.DataParallel("data"), T.ZeRO("data", stage=1)], "gpipe", TINY, 4),
@@ -301,6 +302,8 @@ MOVED_ONCE = {
     "llama-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
     "llama-remat-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA_REMAT, 2),
     "llama-remat-fsdp-1f1b": ("shard_map", [T.FSDP("data")], "1f1b", TINY_LLAMA_REMAT, 2),
+    "llama-remat-uneven-fsdp": ("shard_map", [T.FSDP("data")], "gpipe",
+                                dataclasses.replace(TINY_LLAMA_REMAT, n_layers=3), 2),
 }
 
 
