@@ -10,13 +10,17 @@ on those whole blocks (the axes taken off their layout: `widened` ops), accumula
 so over the microbatches, and the lowering reduce-scatters the accumulated sum once
 after the tick loop. Only where it is plainly right: every op after the reduction is
 `unary` or `additive` (`partir._pipeline.LINEARITY`) on such sums alone, makes nothing
-partial itself, is no region boundary, and adds only sums left partial over the same
-axes; otherwise `None`, and the all-reduce-only deferral (`_pipeline._deferred`) applies.
+partial itself, is no region boundary but a call's that moves nothing
+(`_pipeline_hoist.call_link`: the gradient of a layer under the user's
+`jax.checkpoint` leaves the checkpoint's region so, and a call runs once per tick like
+the ops around it), and adds only sums left partial over the same axes; otherwise
+`None`, and the all-reduce-only deferral (`_pipeline._deferred`) applies.
 """
 
 from __future__ import annotations
 
 from ._microbatch import LINEARITY, MICROBATCH as micro, SUM, _strip as strip
+from ._pipeline_hoist import call_link
 from ._tiling import Tiling
 
 #: How `LINEARITY` ops may run on blocks whole along the deferred axes: those taking
@@ -44,8 +48,10 @@ def deferred_scatters(ext, ops, kinds: dict):
             ins = [left.get(u, frozenset()) for u in op.operands if u >= 0 and kinds.get(u) == SUM]
             made, rest = ext.produced(v), ext.tiling(v)
             if op.link:
+                if any(ins) and not call_link(ext, op):
+                    return None  # (a deferred sum crossing a region boundary that moves it)
                 if any(ins):
-                    return None  # (a deferred sum crossing a region boundary)
+                    left[v] = ins[0]
                 continue
             if micro in made.partial:  # the reduction over the batch
                 axes = frozenset(made.partial) - {micro}

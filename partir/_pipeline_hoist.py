@@ -14,8 +14,16 @@ scan, a loop of its own, gathers its inputs again before it, as Megatron and Max
 re-gather for the backward pass rather than keep the forward's copy live across the
 head); the cost model charges that gather once a pass, on the stage's layers.
 
-Only where it is plainly right: every reader is an op of the body itself (not a nested
-region, whose boundary moves the value as its link says), all read it in one layout,
+The weight may reach its readers through a call inside the layers: the user's
+`jax.checkpoint` of a layer (whose backward scan reads the weights in the
+checkpoint's recomputation), a `jit`. A call runs once per tick as the ops around it
+do, so a `Link.CALL_IN` that moves nothing (`call_link`) hands the gathered copy on as
+it is (`Gathered.via`), and casts inside the callee are run once on the stage's block
+as those outside it are.
+
+Only where it is plainly right: every reader is an op of the region the chain of
+casts and calls ends in (not a nested region of another kind, whose boundary moves the
+value as its link says), all read it in one layout,
 that layout keeps a leading part of each dim's axes (the move is gathers alone), the
 plan recomputes nothing inside the layers (a recomputation reads forward values in the
 backward ticks), and the schedule is not the circular one (which exchanges the stacked
@@ -47,12 +55,32 @@ class Gathered:
     """A stacked input of a pipelined scan that its stage gathers once before the tick
     loop: body input `input`, cast or broadcast by `ops` (op ids, in order: `CASTS`,
     `BROADCASTS`) into `value`
-    (`input` itself when `ops` is empty), which the layers read in `layout`."""
+    (`input` itself when `ops` is empty), which the layers read in `layout`. `via`:
+    (the value handed to a call, the callee's input it enters) of each `Link.CALL_IN`
+    the chain crosses on the way (`call_link`), in order; both held in `layout` too."""
 
     input: int
     value: int
     layout: Tiling
     ops: tuple[int, ...] = ()
+    via: tuple[tuple[int, int], ...] = ()
+
+
+def call_link(ext, op) -> bool:
+    """Is `op` (an op of a pipelined body) a `Link.CALL_IN` or `Link.CALL_OUT` that
+    moves nothing: reads its operand at rest, makes its result at rest, in one layout?
+    The call runs once per tick like the ops around it, so what a stage holds once a
+    pass (a gathered weight, a gradient accumulated whole) crosses it as it is."""
+    if not op.link or op.primitive not in (Link.CALL_IN, Link.CALL_OUT):
+        return False
+    (u,), (w,) = op.operands, op.results
+    if u < 0 or w < 0:
+        return False
+    have = ext.tiling(u)
+    if ext.tiling(w) != have:
+        return False
+    slots, partial, _ = ext.op_layout(op.id)
+    return not partial and all(tuple(dims) == have.dims for _, _, _, dims in slots)
 
 
 def gathered_inputs(ext, call, in_dims, residuals, per_microbatch: bool) -> tuple:
@@ -70,27 +98,34 @@ def gathered_inputs(ext, call, in_dims, residuals, per_microbatch: bool) -> tupl
     for v, dim, outer in zip(body.invars[first:], in_dims[first:], call.xs):
         if v < 0 or dim is not None or outer in residuals:
             continue
-        u, ops = _cast(ext, v, call.body)
-        need = _read_layout(ext, u, call.body)
+        u, region, ops, via = _chain(ext, v, call.body)
+        need = _read_layout(ext, u, region)
         if need is not None and need != ext.tiling(u).dims and _gathers_only(ext.tiling(u).dims, need):
-            out.append(Gathered(v, u, Tiling(need), ops))
+            out.append(Gathered(v, u, Tiling(need), ops, via))
     return tuple(out)
 
 
-def _cast(ext, v: int, region: int) -> tuple[int, tuple[int, ...]]:
+def _chain(ext, v: int, region: int) -> tuple:
     """(the value `v` is made into by a chain of `CASTS` and `BROADCASTS`, each the one
-    reader of what the previous made, reading it at rest and keeping its layout, in
-    `region`; the chain's op ids)."""
-    prog, ops = ext.program, []
+    reader of what the previous made, reading it at rest and keeping its layout, and of
+    `Link.CALL_IN`s into calls that move nothing (`call_link`); the region it is in;
+    the chain's op ids, links aside; its links as `Gathered.via`)."""
+    prog, ops, via = ext.program, [], []
     while len(prog.users[v]) == 1:
         op = prog.ops[prog.users[v][0]]
+        if op.link:
+            if op.primitive != Link.CALL_IN or not call_link(ext, op):
+                break
+            via.append((v, op.results[0]))
+            v, region = op.results[0], prog.values[op.results[0]].region
+            continue
         outs = [r for r in op.results if r >= 0]
-        if (op.link or op.region != region or len(outs) != 1 or _read_layout(ext, v, region) != ext.tiling(v).dims
+        if (op.region != region or len(outs) != 1 or _read_layout(ext, v, region) != ext.tiling(v).dims
                 or not _keeps_layout(op, ext.tiling(v).dims, ext.tiling(outs[0]).dims)):
             break
         ops.append(op.id)
         v = outs[0]
-    return v, tuple(ops)
+    return v, region, tuple(ops), tuple(via)
 
 
 def _keeps_layout(op, have, made) -> bool:

@@ -274,9 +274,25 @@ def test_a_stage_moves_its_fsdp_weights_and_gradients_once_a_step_not_per_microb
     _moves_once(_plan(4, 4, config, others, mesh), config, mesh)
 
 
+#: Llama with each layer under the user's `jax.checkpoint` (as its LLAMA3 configs): the
+#: backward scan's weights are read, and their gradients made, in a nested region.
+TINY_LLAMA_REMAT = dataclasses.replace(TINY_LLAMA, remat=True)
+
+
+def test_a_stage_moves_its_weights_and_gradients_once_a_step_through_the_users_checkpoint():
+    """With the layers under the user's `jax.checkpoint`, the stage still gathers its
+    weights once before each tick loop (handed into the checkpoint's region as
+    gathered, the norm scales broadcast there once too) and reduce-scatters their
+    gradients, made inside it, once after, as without the checkpoint (`_moves_once`:
+    two layers a stage, so XLA would not hoist a per-tick gather itself)."""
+    _moves_once(_plan(2, 4, TINY_LLAMA_REMAT, [T.FSDP("data")]), TINY_LLAMA_REMAT, _mesh(2))
+
+
 #: (backend, the tactics on `data`, schedule, config, stages) of the slow cases of
-#: `_moves_once`: "uneven-fsdp", 3 layers over 2 stages; the Llama cases two layers a
-#: stage, their RMSNorm scales broadcast and gathered once before each tick loop.
+#: `_moves_once`: "uneven-fsdp" and "llama-remat-uneven-fsdp", 3 layers over 2 stages
+#: (the 405B-shaped rows' uneven stages); the other Llama cases two layers a stage,
+#: their RMSNorm scales broadcast and gathered once before each tick loop (the "remat"
+#: ones under the user's `jax.checkpoint`, as the default test's).
 MOVED_ONCE = {
     "jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY, 4),
     "zero1-dp": ("shard_map", [T.DataParallel("data"), T.ZeRO("data", stage=1)], "gpipe", TINY, 4),
@@ -284,6 +300,10 @@ MOVED_ONCE = {
     "uneven-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", dataclasses.replace(TINY, n_layers=3), 2),
     "llama-fsdp": ("shard_map", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
     "llama-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA, 2),
+    "llama-remat-jit-fsdp": ("jit", [T.FSDP("data")], "gpipe", TINY_LLAMA_REMAT, 2),
+    "llama-remat-fsdp-1f1b": ("shard_map", [T.FSDP("data")], "1f1b", TINY_LLAMA_REMAT, 2),
+    "llama-remat-uneven-fsdp": ("shard_map", [T.FSDP("data")], "gpipe",
+                                dataclasses.replace(TINY_LLAMA_REMAT, n_layers=3), 2),
 }
 
 
@@ -298,20 +318,23 @@ def test_stages_move_weights_and_gradients_once_a_step_in_each_lowering_and_sche
 
 
 @pytest.mark.slow
-def test_a_stage_casts_and_gathers_its_weights_once_a_step_where_its_layers_cast_them():
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_stage_casts_and_gathers_its_weights_once_a_step_where_its_layers_cast_them(remat):
     """Llama computing in bfloat16 casts its float32 weights inside each layer and
     gathers the cast: the stage casts and gathers them once before each tick loop (the
     model charges each gather once), keeps them for the backward pass cut from the
-    gathered block, and the step equals jax.jit's to bfloat16's precision. (XLA:CPU
+    gathered block, and the step equals jax.jit's to bfloat16's precision; under the
+    user's `jax.checkpoint` (`remat`) too, where the backward scan hands the cast weights
+    into the checkpoint's region and broadcasts the norm scales inside it. (XLA:CPU
     moves bfloat16 in float32, so its collectives' bytes are not the model's here: the
     float32 cases check those; with one layer a stage XLA would hoist the per-tick
     gathers out of the loop itself, so the model's count is what shows the change.)"""
-    config, mesh = dataclasses.replace(TINY_LLAMA, dtype=jax.numpy.bfloat16), _mesh(4)
+    config, mesh = dataclasses.replace(TINY_LLAMA, dtype=jax.numpy.bfloat16, remat=remat), _mesh(4)
     step, args, prog = _gpt(config)
     part = _plan(4, 4, config, [T.FSDP("data")], mesh)
-    fwd = prog.regions[part.pipelines[0].scans.forward.body]
-    casts = {r for v in fwd.invars for o in prog.users[v] if prog.ops[o].primitive == "convert_element_type"
-             for r in prog.ops[o].results}
+    bodies = [prog.regions[call.body] for call in part.pipelines[0].scans.calls]
+    casts = {r for body in bodies for v in body.invars for o in prog.users[v]
+             if prog.ops[o].primitive == "convert_element_type" for r in prog.ops[o].results}
     gathers = [c for c in search.CostModel(part, "cpu").cost().collectives
                if c.value in casts and c.kind == partir.Kind.ALL_GATHER]
     assert gathers and all(c.count == 1 for c in gathers)  # (not once per microbatch and layer)

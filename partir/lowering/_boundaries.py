@@ -47,9 +47,12 @@ def cross(interp, x, src: int, dst: int, *, to_made: bool = False):
     op between them says (a direct move without one). With `to_made`, stop at the layout
     the link makes (for a scan's per-iteration outputs, whose stacked value is moved to
     rest after the loop). Ranks are fitted to `x` (a stacked `[L, ...]` value has the
-    layer dim first, never split)."""
+    layer dim first, never split). Where a pipeline holds both in one layout
+    (`Interpreter.held`: the link is a call's that moves nothing), `x` as it is."""
     if src < 0 or dst < 0 or _placeholder(interp, x, src):
         return x
+    if src in interp.held and interp.held[src] == interp.held.get(dst):
+        return x  # (a pipeline holds both alike: a weight gathered once, a gradient accumulated whole)
     part, rank, mesh = interp.part, jnp.ndim(x), interp.move_mesh
     o = interp.link(src, dst)
     if o is None:

@@ -102,8 +102,7 @@ def _pipelined(interp) -> dict:
         for lay in layouts:
             inner.left_partial.update(lay.deferred)
             for g in lay.gathered:  # (gathered, and cast, before the tick loop: `gather_once`)
-                inner.held[g.value], inner.aliases[g.input] = g.layout, g.value
-                inner.skipped.update(g.ops)
+                _hold_gathered(inner, g)
             inner.held.update(lay.widened)
             inner.widened.update(lay.widened_ops)
             # (the stage program keeps and accumulates those it outputs so: `run_pipelined`)
@@ -118,6 +117,21 @@ def _pipelined(interp) -> dict:
             else:
                 interp.heads[(head.region, head.start)] = (run_head, (inner, head), head.end)
     return out
+
+
+def _hold_gathered(inner, g) -> None:
+    """Have `inner` (the microbatched plan's interpreter) read weight `g` (`Gathered`)
+    as its stage gathered it before the tick loop: each region the weight enters (the
+    body, a call's callee: `Gathered.via`) takes it as the last value of the chain in
+    that region (`aliases`: the casts before it not run again, `skipped`), held in the
+    gathered layout, which the call's link hands on as it is (`_boundaries.cross`)."""
+    entries = [g.input] + [w for _, w in g.via]
+    exits = [h for h, _ in g.via] + [g.value]
+    for e, x in zip(entries, exits):
+        inner.aliases[e] = x
+        inner.held[x] = g.layout
+    inner.held.update((w, g.layout) for _, w in g.via)
+    inner.skipped.update(g.ops)
 
 
 def _free_mask(prog, free) -> list[bool]:

@@ -26,7 +26,9 @@ def read_gathered(pricing, lay, pipe, split) -> None:
     """Record in `pricing` (`PipelinePricing`) the weights pipelined scan `lay` gathers
     before its loop: `gathered` (the value its layers read -> (that layout, `lay`,
     `pipe`)), and the casts before the gather priced once a step on all the stage's
-    layers (`scale`; `split`: the pipeline's `StageSplit`)."""
+    layers (`scale`; `split`: the pipeline's `StageSplit`). A weight handed into a call
+    inside the layers (the user's `jax.checkpoint`: `Gathered.via`) is recorded as the
+    value its readers in the callee read; the links on the way move nothing."""
     pricing.gathered.update((g.value, (g.layout, lay, pipe)) for g in lay.gathered)
     for o in (o for g in lay.gathered for o in g.ops):
         pricing.scale[o] = split.slots / split.length
