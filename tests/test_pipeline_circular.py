@@ -69,6 +69,31 @@ def test_circular_llama_composes_with_data_parallel_and_megatron(backend):
     _same_step(part, TINY_LLAMA, backend)
 
 
+def _megatron_over_the_stages():
+    """The plan the search returns for the 405B-shaped Llama on 16384 H100s
+    (benchmarks/pipeline_scale.py), small: Megatron + SP over model, FSDP over data, a
+    circular pipeline over stage, then Megatron over stage too (the head and the
+    embedding, which every stage runs, split over the stages)."""
+    mesh = MeshSpec.of(data=2, stage=2, model=2)
+    _, _, prog = _gpt(TINY_LLAMA)
+    schedule = [T.Megatron("model"), T.SequenceParallel("model"), T.FSDP("data"),
+                T.Pipeline("stage", microbatches=4, repeats=2), T.Megatron("stage")]
+    return T.apply_schedule(prog, mesh, schedule).partitioning
+
+
+def test_megatron_over_the_stage_axis_of_a_pipeline_is_costed_on_every_backend():
+    # XLA:CPU's gathered copies (`gather_copies`) were sized on the real mesh with the
+    # microbatched plan's layouts, whose microbatch axis is none of its axes: a crash.
+    part = _megatron_over_the_stages()
+    for device in ("cpu", "h100"):
+        assert search.CostModel(part.copy(), device).cost().step_time > 0
+
+
+@pytest.mark.slow
+def test_megatron_over_the_stage_axis_of_a_pipeline_computes_what_jit_computes():
+    _same_step(_megatron_over_the_stages(), TINY_LLAMA, "shard_map")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config,others", [(TINY, [T.FSDP("data")]), (dataclasses.replace(TINY, remat=True), None)],
                          ids=["fsdp", "user-checkpoint"])
