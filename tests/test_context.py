@@ -116,6 +116,7 @@ def test_context_parallel_matrix_matches_jit(model, causal, cp, rest):
     _check(model, mesh, schedule, "shard_map", causal=causal)
 
 
+@pytest.mark.slow
 def test_context_parallel_under_scan_matches_jit():
     _check("llama", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), tactics.ContextParallel("cp")],
            scan_layers=True)

@@ -366,7 +366,7 @@ BLOCKWISE_PEAK = 0.7
 #: The same with each layer checkpointed in the scan (measured 0.72): the program's
 #: softmax keeps no stacked weights there either, only the backward body's row.
 CHECKPOINTED_PEAK = 0.8
-PEAK_CASES = [({}, BLOCKWISE_PEAK),
+PEAK_CASES = [pytest.param({}, BLOCKWISE_PEAK, marks=pytest.mark.slow),
               pytest.param({"scan_layers": True}, BLOCKWISE_PEAK, marks=pytest.mark.slow),
               pytest.param({"scan_layers": True, "remat": True}, CHECKPOINTED_PEAK, marks=pytest.mark.slow)]
 

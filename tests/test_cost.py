@@ -55,7 +55,8 @@ def test_collectives_and_flops_match_xla(model, strategy, shape):
     assert f.args_model == f.args_xla
 
 
-@pytest.mark.parametrize("model", ["gpt", "moe", "convnet"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("moe", marks=pytest.mark.slow),
+                                   pytest.param("convnet", marks=pytest.mark.slow)])
 def test_searched_and_random_plans_match_xla(model):
     # The search is drawn to whatever the model gets wrong: hold it to XLA on the plans it
     # returns and on random valid plans, not only on hand-written ones.

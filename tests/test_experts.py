@@ -30,7 +30,7 @@ def _alone(prog, mesh, cand):
     return experts.Costed(cand.name, c.step_time, c.memory_peak, bool(c.fits))
 
 
-@pytest.mark.parametrize("case", ["gpt", "moe"])
+@pytest.mark.parametrize("case", ["gpt", pytest.param("moe", marks=pytest.mark.slow)])
 def test_each_candidate_costs_what_its_schedule_costs_alone(case):
     # Candidates share the partitionings of their common prefixes (and the tactics'
     # context: a SequenceParallel reads the blocks of the Megatron before it).

@@ -17,7 +17,7 @@ CONFIG = gpt.GPTConfig(n_layers=2, adam_eps=1e-3)
 SCHEDULE = [T.DataParallel("data"), T.Megatron("model")]
 
 
-@pytest.mark.parametrize("lowering", ["jit", "shard_map"])
+@pytest.mark.parametrize("lowering", ["jit", pytest.param("shard_map", marks=pytest.mark.slow)])
 def test_a_plan_runs_on_a_mesh_of_explicit_axes(tmp_path, lowering):
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     assert set(mesh.axis_types) == {AxisType.Explicit}

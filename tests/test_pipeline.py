@@ -63,7 +63,7 @@ def _same_step(part, config=TINY):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 4)])
+@pytest.mark.parametrize("stages,microbatches", [pytest.param(2, 2, marks=pytest.mark.slow), (4, 4)])
 def test_pipelined_gpt_computes_what_jit_computes(stages, microbatches):
     _same_step(_plan(stages, microbatches))
 

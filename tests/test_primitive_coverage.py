@@ -27,6 +27,7 @@ def lifted():
     return out
 
 
+@pytest.mark.slow  # (the corpus takes 13 s to lift: CI runs it, `make test-slow`)
 def test_the_corpus_is_broad(lifted):
     names = {n for n, _ in lifted}
     assert len(names) > 700  # hundreds of public functions, and their gradients
@@ -37,6 +38,7 @@ def test_the_corpus_is_broad(lifted):
     assert {"stack", "unstack", "dot_general", "cumsum", "sort", "random_bits", "scan", "custom_jvp_call"} <= seen
 
 
+@pytest.mark.slow
 def test_every_primitive_has_a_rule(lifted):
     missing = {}
     for name, prog in lifted:

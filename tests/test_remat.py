@@ -259,7 +259,8 @@ def test_remat_tightens_a_looser_user_checkpoint():
     assert 0.8 <= mem / xla_mem <= 1.2, (mem, xla_mem)
 
 
-@pytest.mark.parametrize("user,policy", [(None, "none"), (None, "dots"), ("dots", "none")])
+@pytest.mark.parametrize("user,policy", [pytest.param(None, "none", marks=pytest.mark.slow),
+                                         pytest.param(None, "dots", marks=pytest.mark.slow), ("dots", "none")])
 def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
     # The backward region reads the forward values instead of recomputing them: XLA runs
     # the work of the looser policy (no checkpoint at all for `none`) and holds the memory

@@ -98,6 +98,7 @@ def test_scan_and_unrolled_cost_the_same_under_the_searched_plan(forms):
     _close(_cost(plan), _cost(_as_scanned(plan, scanned)))
 
 
+@pytest.mark.slow  # (5 s: two deep programs costed)
 def test_the_layer_inputs_of_a_deep_unrolled_model_are_buffers_as_a_scans_carry():
     # Llama-3-70B's shapes, 24 layers, on 1024 devices under MaxText's FSDP + TP with
     # `dots` remat: each unrolled layer's input is a buffer, as the scan's carry is (fused
