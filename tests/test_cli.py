@@ -13,6 +13,7 @@ def _run(*args, timeout=300):
     return subprocess.run([*AUTOMAP, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # (7 s; test_search_with_a_schedule_json_and_module_target runs the CLI's search by default)
 def test_search_then_show(tmp_path):
     plan = tmp_path / "p.json"
     out = _run("search", "examples/gpt.py:factory", "--mesh", "model=8", "--budget", "3", "--device", "cpu",

@@ -68,7 +68,8 @@ def test_searched_and_random_plans_match_xla(model):
         _assert_matches_xla(search.compare_with_xla(part, args))
 
 
-@pytest.mark.parametrize("model,plan", [("gpt", "random 0"), ("moe", "searched"), ("gpt remat-dots scan", "random 2")])
+@pytest.mark.parametrize("model,plan", [pytest.param("gpt", "random 0", marks=pytest.mark.slow), ("moe", "searched"),
+                                        ("gpt remat-dots scan", "random 2")])
 def test_plans_that_move_activations_for_the_backward_match_xla(model, plan):
     # On one 8-way axis, the random GPT plan reduce-scatters each MLP hidden (split by its
     # bias): XLA:CPU all-reduces it whole and fuses the slice into its elementwise readers,
@@ -169,6 +170,7 @@ def test_scan_gradients_are_reduced_per_trip_under_fsdp():
     _assert_matches_xla(search.compare_with_xla(part, args))
 
 
+@pytest.mark.slow
 def test_loops_cost_their_trip_count():
     cfg = dict(d_model=128, d_ff=512, n_heads=8, seq_len=32, vocab=512, batch=8, n_layers=4)
     mesh = MeshSpec.of(data=2, model=4)

@@ -78,6 +78,7 @@ def test_the_best_is_the_fastest_that_fits_else_the_smallest():
     assert experts.best([skipped]) is None
 
 
+@pytest.mark.slow
 def test_ranked_on_another_form_the_best_is_costed_on_the_program():
     cfg = gpt.GPTConfig(n_layers=8)
     unrolled = _prog(gpt.make_train_step, cfg)

@@ -171,7 +171,7 @@ CASES = [
          {"params/embed": 0, "params/layers/[qkv]": 2, "params/layers/o": 1, "params/layers/gate": 2,
           "params/layers/up": 2, "params/layers/down": 1},
          # The scanned body's collectives appear once in the HLO text.
-         _collectives(2, 1 + 3 + 2), fast=True),
+         _collectives(2, 1 + 3 + 2)),
 ]
 BY_NAME = {c.name: c for c in CASES}
 

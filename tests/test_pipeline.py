@@ -357,6 +357,7 @@ def test_each_stage_stores_its_share_of_the_layer_stack():
     assert search.pipeline_cost(part, part.pipelines[0], "cpu").stage_bytes == layers / 4
 
 
+@pytest.mark.slow  # (the modeled share alone: test_each_stage_stores_its_share_of_the_layer_stack)
 def test_the_compiled_stage_holds_the_modeled_share_of_the_layer_stack():
     """XLA's per-device arguments: the modeled stage bytes of the layer stack plus the
     blocks of every other input."""
