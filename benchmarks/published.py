@@ -184,9 +184,7 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
 
     device = row_device(r, device)
     mesh = partir.MeshSpec(r.mesh_axes)
-    whole = pipelined(r)
-    part = _apply(program(r, micro_batches=r.grad_accum if whole else 1), mesh, schedule(r))
-    two = _apply(program(r, micro_batches=2), mesh, schedule(r)) if r.grad_accum > 1 and not whole else None
+    part, two, whole = published_plan(r)
     out = {"id": r.id, "split": r.split, "published_step_s": published_step(r),
            "published": summary(part, r, device, two, whole=whole)}
     peak = search.get_device(device).flops_for("bfloat16")
@@ -202,6 +200,17 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
         out["plan"], out["searched_form"], out["searched"] = found.plan, found.form, found.summary(r, device)
         out["searched_over_published"] = out["searched"]["step_s"] / out["published"]["step_s"]
     return out
+
+
+def published_plan(r: Row) -> tuple:
+    """(the published configuration's partitioning, the same on two micro-batches or
+    None, whether it is the whole batch's pipelined step): what `summary` takes."""
+    import partir
+
+    mesh, whole = partir.MeshSpec(r.mesh_axes), pipelined(r)
+    part = _apply(program(r, micro_batches=r.grad_accum if whole else 1), mesh, schedule(r))
+    two = _apply(program(r, micro_batches=2), mesh, schedule(r)) if r.grad_accum > 1 and not whole else None
+    return part, two, whole
 
 
 def replayed(part, prog):

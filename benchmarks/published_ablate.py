@@ -32,8 +32,6 @@ def ablate(published, rows, names=None) -> dict[str, dict[str, float]]:
     """Per expressible row of `rows` (the `published` benchmark module's `Row`s): the
     modeled error of its published configuration with every mechanism ('all') and with
     each of `names` (default: all of `MECHANISMS`) switched off."""
-    import partir
-
     chosen = [m for m in MECHANISMS if names is None or m[0] in names]
     unknown = sorted(set(names or ()) - {m[0] for m in MECHANISMS})
     if unknown:
@@ -41,11 +39,7 @@ def ablate(published, rows, names=None) -> dict[str, dict[str, float]]:
     out = {}
     for r in (r for r in rows if r.expressible):
         device = published.row_device(r)
-        mesh, whole = partir.MeshSpec(r.mesh_axes), published.pipelined(r)
-        part = published._apply(published.program(r, micro_batches=r.grad_accum if whole else 1), mesh,
-                                published.schedule(r))
-        two = published._apply(published.program(r, micro_batches=2), mesh, published.schedule(r)) \
-            if r.grad_accum > 1 and not whole else None
+        part, two, whole = published.published_plan(r)
         step = published.published_step(r)
 
         def error(spec):
