@@ -79,9 +79,9 @@ def test_1f1b_computes_what_jit_computes_more(stages, microbatches, config, case
 @pytest.mark.slow
 def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
     """With more microbatches than the 2S-1 a stage keeps in flight (S=2, M=8: a ring of
-    3), the stage's residuals fall to 3/8 of GPipe's: XLA's peak falls (1915 -> 1538 KB)
-    and the modeled one does (1862 -> 1501 KB; the ring held twice, as XLA holds it),
-    the modeled in-flight bytes by 3/8, both peaks XLA's within 20%."""
+    3), the stage's residuals fall to 3/8 of GPipe's: XLA's peak falls (1855 -> 1115 KB;
+    1423 KB while it copied the ring every tick) and the modeled one does (1803 -> 932
+    KB), the modeled in-flight bytes by 3/8, both peaks XLA's within 20%."""
     _, args, _ = _gpt(LONG)
     both, flight = {}, {}
     for schedule in ("gpipe", "1f1b"):
@@ -95,11 +95,12 @@ def test_the_modeled_peak_of_1f1b_is_below_gpipes_as_xlas_is():
 
 def test_the_modeled_peak_of_1f1b_is_xlas_within_a_fifth():
     """The tick loop's own buffers are in the modeled peak (`search/cost/_tick_buffers`):
-    GPT, data=4 x stage=2, M=4, two layers a stage: the ring of kept residuals held twice
-    (a microbatch is one sequence a device: XLA:CPU copies the ring for the forward
-    unit's write), a tick's stacks of one microbatch, the mask made once before the loop,
-    the forward's initial carry through the backward ticks. Modeled 300 KB against XLA's
-    299 KB (temp + arguments + outputs - alias); 175 KB (0.58) without them."""
+    GPT, data=4 x stage=2, M=4, two layers a stage: the ring of kept residuals held once,
+    updated in place (a microbatch is one sequence a device: before the backward unit
+    wrote back the slot it reads, XLA:CPU copied the ring every tick, 292 KB), a tick's
+    stacks of one microbatch, the mask made once before the loop, the forward's initial
+    carry through the backward ticks. Modeled 213 KB against XLA's 243 KB (temp +
+    arguments + outputs - alias): a copied ring would put XLA's at 0.73 of the model's."""
     _, args, _ = _gpt(TINY)
     model, xla = peaks(_plan(2, 4), args)
     assert 0.8 < model / xla < 1.2
@@ -124,11 +125,12 @@ def test_a_fused_attention_kernel_keeps_no_scores_in_the_tick_loops():
 
 @pytest.mark.slow
 def test_the_1f1b_ring_is_held_once_where_a_microbatch_has_two_rows():
-    """XLA:CPU copies the ring of kept residuals only where a microbatch is one row along
-    its split dim; with two (GPT of 8 layers, data=2 x stage=4, M=8: two sequences a
-    microbatch and device, a ring of 7) it holds it once, and so does the model: 3203
-    KB against XLA's 3395 KB (5754 KB, 1.70 of XLA's, when every ring of a stage of two
-    layers was taken as copied)."""
+    """With two rows a microbatch along its split dim (GPT of 8 layers, data=2 x stage=4,
+    M=8: two sequences a microbatch and device, a ring of 7) XLA:CPU holds the ring once
+    with the backward unit reading its slot after the forward unit's write, so the
+    lowering keeps that order there (taking the slots before the write, as for one row,
+    XLA held them beside the ring: 3472 KB), and so does the model: 3128 KB against
+    XLA's 3204 KB."""
     config = dataclasses.replace(LONG, n_layers=8)
     _, args, _ = _gpt(config)
     model, xla = peaks(_plan(4, 8, config), args)

@@ -202,15 +202,15 @@ class _Loop:
         per = fcall.length // self.S
         zeros_f = (c_in, self._forward_zeros(per))
         c_f, ys_f = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
+        taken, rings = self._take(rings, ys_f, mb, last)
         rings = self._store(rings, ys_f, mf, fv)
+        slots = self._slots(taken, rings, mb)
         grad, heads = self._head(c_f, mf, fv & last, heads)
         c_b_in = tuple(jnp.where(last, g, r) for g, r in zip(grad, recv_b))
-        xs_b = tuple(self._read(rings, j, mb) if j is not None else
-                     _micro(a, None if i is None else i + 1, mb, self.M)
+        xs_b = tuple(self._read(slots, j) if j is not None else _micro(a, None if i is None else i + 1, mb, self.M)
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
-        if self.remat is not None:  # (what recomputing reads, after the stacked inputs)
-            extra = (rings[len(self.ringed):], mb % self.ring, self.ring)
-            xs_b += self.remat.per_layer(mb, self.M, _micro, made=extra)
+        if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots)
+            xs_b += self.remat.per_layer(mb, self.M, _micro, made=(slots[len(self.ringed):], 0, 1))
         nb = len(bwd.call.carry)
         zeros_b = (c_b_in, tuple(self._micro_block(v, bwd.call.length // self.S)
                                  for v in bwd.body.outvars[nb:]))
@@ -231,20 +231,59 @@ class _Loop:
     def _store(self, rings, ys, m, valid):
         """The rings with microbatch `m`'s residuals (and what recomputing needs: `_layers`)
         written in its slot."""
-        n = len(self.fwd.body.outvars) - len(self.fwd.call.carry)
-        made = [(ys[j], self._slot_dim(j)) for j in self.ringed]
-        made += [(ys[n + k], self.remat.dims[s]) for k, s in enumerate(self.extra)]
         return tuple(_keep(r, y, SPLIT if d is not None else SAME, None if d is None else d + 1, m % self.ring, valid)
-                     for r, (y, d) in zip(rings, made))
+                     for r, (y, d) in zip(rings, self._made(ys)))
 
-    def _read(self, rings, j: int, m):
-        """Microbatch `m`'s residuals of forward output `j`, from its ring slot (a
-        recomputed one's placeholder: zeros, which the backward layers do not read)."""
-        per = self.fwd.call.length // self.S
+    def _take(self, rings, ys_f, m, last):
+        """Microbatch `m`'s slot of each ring whose slot is one row along its microbatch
+        dim (one sequence a device), read before this tick's write (None for the other
+        rings, read after it: `_slots`), and the rings with each such read written back
+        into its slot (the last stage's read is the forward unit's own output, `m` being
+        the microbatch it has just run there). Why: read after the write, XLA:CPU
+        copied such a ring every tick, holding it twice; written back, the write reads
+        what the read made, so XLA orders the read first and updates the ring in place.
+        Where a slot has more rows XLA holds the ring once as it is, and a slot taken
+        before the write would only add a buffer (docs/pipeline.md, "Cost model")."""
+        taken, out = [], []
+        for r, (y, d) in zip(rings, self._made(ys_f)):
+            if d is None or r.shape[d + 1] != self.ring:
+                taken.append(None)
+                out.append(r)
+                continue
+            t = jnp.where(last, y, self._slot(r, d, m))
+            taken.append(t)
+            out.append(_keep(r, t, SPLIT, d + 1, m % self.ring, True))
+        return taken, tuple(out)
+
+    def _slots(self, taken, rings, m) -> tuple:
+        """Microbatch `m`'s slot of every ring, for the backward unit: those `_take` read
+        before the write, the others from the written rings."""
+        made = self._made_dims()
+        return tuple(t if t is not None else self._slot(r, d, m) for t, r, d in zip(taken, rings, made))
+
+    def _slot(self, ring, d, m):
+        """Microbatch `m`'s slot of `ring` (`d`: its microbatch dim, None: the ring is one slot)."""
+        return _micro(ring, None if d is None else d + 1, m % self.ring, self.ring)
+
+    def _made(self, ys) -> list:
+        """(value, microbatch dim) of what the rings keep of the forward unit's outputs `ys`:
+        the ringed per-layer outputs, then what recomputing needs (`_layers`)."""
+        n = len(self.fwd.body.outvars) - len(self.fwd.call.carry)
+        values = [ys[j] for j in self.ringed] + [ys[n + k] for k in range(len(self.extra))]
+        return list(zip(values, self._made_dims()))
+
+    def _made_dims(self) -> list:
+        """The microbatch dim of each ring's values (None: one slot for every microbatch)."""
+        return [self._slot_dim(j) for j in self.ringed] + [self.remat.dims[s] for s in self.extra]
+
+    def _read(self, slots, j: int):
+        """The backward unit's residuals of forward output `j`: its ring's slot (`_slots`),
+        or for a recomputed one its placeholder: zeros, which the backward layers do not
+        read."""
         if j in self.dropped:
+            per = self.fwd.call.length // self.S
             return jnp.zeros((per,), self.inner.prog.values[self.fwd.call.ys[j]].dtype)
-        d = self._slot_dim(j)
-        return _micro(rings[self.ringed.index(j)], None if d is None else d + 1, m % self.ring, self.ring)
+        return slots[self.ringed.index(j)]
 
     def _head(self, c_f, m, run, heads):
         """The head on microbatch `m` where `run` (the last stage with a forward unit):

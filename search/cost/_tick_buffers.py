@@ -19,12 +19,11 @@ tick loop adds, per pass:
   through the tick, beside the kept stacks of all microbatches.
 - **1F1B's conds and ring.** Under 1F1B each unit runs under a `lax.cond`, whose
   operands and results are whole buffers: a tick's stacks are made even for a stage of
-  one layer. The backward unit reads its microbatch's slot of the ring the forward unit
-  has just written (the same slot on the last stage); XLA:CPU turns that read into a
-  select beside the in-place write, but where a microbatch is a single row along its
-  split dim (one sequence a device) it reads the ring before the write and copies the
-  ring for the write: the ring is held twice through the loop (measured at S=2 and
-  S=4, one or two layers a stage, M=8 and 16; with two rows a microbatch, never).
+  one layer. The ring is held once, updated in place: the backward unit takes its
+  slot before the forward unit's write and writes it back, so that the write reads
+  what the read made and XLA orders them (`lowering/_onef`, `_take`; read after the
+  write, XLA:CPU copied the whole ring every tick where a microbatch is one row along
+  its split dim).
 - **The loops' constants.** A constant of the layers the model takes as fused is an
   operand of the tick loops: XLA makes it once before them, whole, but for a broadcast
   of a scalar, which it sinks into the loops, and one the same along its microbatch dim
@@ -65,9 +64,8 @@ class _Pass:
     forward scan); the body values a tick slices from its stacked inputs (`inputs`) and
     stacks as its per-layer outputs (`outputs`); the layers a tick runs; its kept stacks
     (stacked outputs, the forward scan's only); whether it is 1F1B's (`ring`); its
-    constants (outer value, body value); the kept stacks a microbatch of which is one
-    row along its split dim (`single`: 1F1B's ring is copied for them); the constants
-    it takes as one row, broadcast per tick (`thin`: the lowering's `thin_consts`)."""
+    constants (outer value, body value); the constants it takes as one row, broadcast
+    per tick (`thin`: the lowering's `thin_consts`)."""
 
     start: int
     end: int
@@ -78,7 +76,6 @@ class _Pass:
     kept: tuple[int, ...]
     ring: bool
     consts: tuple[tuple[int, int], ...]
-    single: frozenset
     thin: frozenset = frozenset()
 
     def ticks(self, virtual, value_div) -> list:
@@ -92,10 +89,9 @@ class _Pass:
             out += [(self.start, self.end, w, float(self.layers)) for w in self.inputs if value_div[w] > 1]
             out += [(self.start, self.end, y, float(self.layers)) for y in self.outputs]
             out += [(self.start, self.end, w, 1.0) for o, w in self.consts if virtual[o] and value_div[w] > 1]
-        for v in self.kept:  # copies: the stack the model re-derives instead, and 1F1B's ring copied
-            again = self.ring and v in self.single
-            if virtual[v] or again:
-                out.append((self.start, self.read_until, v, float(virtual[v]) + float(again)))
+        for v in self.kept:  # copies: the stack the model re-derives instead
+            if virtual[v]:
+                out.append((self.start, self.read_until, v, 1.0))
         return out
 
 
@@ -208,10 +204,8 @@ def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
         consts += tuple((o, w) for o, w in zip(ahead.consts, prog.regions[ahead.body].invars) if o >= 0 and w >= 0)
         thin |= {o for o, d in zip(ahead.consts, _const_dims(ext, ahead)) if o >= 0 and d is not None
                  and d in partir.uniform_dims(prog, o)}  # (saved as one row for it too)
-    single = frozenset(v for v in kept if _single_row(ext, v))
     return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
-                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts,
-                 single, thin)
+                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts, thin)
 
 
 def _const_dims(ext, call) -> list:
@@ -220,14 +214,6 @@ def _const_dims(ext, call) -> list:
     body = ext.program.regions[call.body]
     return [None if w < 0 else next((d for d, axes in enumerate(ext.tiling(w).dims) if partir.MICROBATCH in axes),
                                     None) for w in body.invars[:len(call.consts)]]
-
-
-def _single_row(ext, v: int) -> bool:
-    """Whether a microbatch's block of stacked value `v` is one row along the dim the
-    microbatch axis splits (on the microbatched partitioning `ext`)."""
-    t = ext.tiling(v)
-    block = t.shard_shape(tuple(ext.program.values[v].shape), ext.mesh)
-    return any(partir.MICROBATCH in axes and block[d] == 1 for d, axes in enumerate(t.dims))
 
 
 def _padded_rows(part, pipe, layouts) -> list:
