@@ -13,7 +13,9 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
     full         keep nothing but the layer's inputs (the layer's input activation and
                  its parameters): the whole layer runs again
     dots         keep also the outputs of the matmuls with no batch dims (projections,
-                 MLP), as `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`
+                 MLP), as `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`:
+                 those the backward reads, and those a recomputation reads (a query
+                 projection the rotary embedding rotates), never running one again
     collectives  keep also every value an op makes after moving data between devices
                  (a reduced partial sum, a result computed from a gathered operand), so
                  that recomputing never repeats communication
@@ -293,10 +295,7 @@ def _plain_dot(program, v: int) -> bool:
     p = program.producer[v]
     while p >= 0 and program.ops[p].primitive in SEEN_THROUGH and program.ops[p].operands[0] >= 0:
         p = program.producer[program.ops[p].operands[0]]
-    if p < 0 or program.ops[p].primitive != "dot_general":
-        return False
-    (_, _), (lb, _) = program.ops[p].eqn.params["dimension_numbers"]
-    return not lb
+    return p >= 0 and _is_plain_dot_op(program, p)
 
 
 def _communicates(part, op: int) -> bool:
@@ -325,7 +324,7 @@ def _recompute(program, residuals: frozenset) -> Recompute:
     where = {r: b for b in residual_layers(program) for r in b.residuals}
     root = call_roots(program)
     kept = {root[v]: v for b in layers_of(program) for v in sorted(b.inputs)}  # every layer's input is kept
-    sources, ops, by_layer, in_layer = {}, set(), {}, {}
+    sources, ops, by_layer, in_layer, saveable = {}, set(), {}, {}, {}
     for r in sorted(residuals):
         b = where.get(r)
         if b is None:
@@ -333,15 +332,43 @@ def _recompute(program, residuals: frozenset) -> Recompute:
         by_layer.setdefault(b.index, []).append(r)
         if b.index not in in_layer:  # a layer's op set, once for all its residuals
             in_layer[b.index] = frozenset(b.ops)
-        sources[r] = tuple(sorted(_walk(program, b, in_layer[b.index], r, residuals, ops, kept, root)))
+            saveable[b.index] = _saveable_dots(program, b, residuals)
+        sources[r] = tuple(sorted(_walk(program, b, in_layer[b.index], r, residuals, ops, kept, root,
+                                        saveable[b.index])))
     return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_layer.items()})
 
 
+def _saveable_dots(program, layer: Layer, gone: frozenset) -> frozenset:
+    """The values of `layer` a recomputation reads instead of remaking, beside the kept
+    residuals and inputs: where the layer keeps its matmuls' outputs (it has residuals
+    made by matmuls with no batch dims and recomputes none of them: `dots`,
+    `collectives`), every output of such a matmul, as
+    `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` saves one the
+    recomputation reads (a projection feeding the rotary embedding, say) rather than
+    running the matmul again. Else none (`full`)."""
+    dots = [r for r in layer.residuals if _plain_dot(program, r)]
+    if not dots or any(r in gone for r in dots):
+        return frozenset()
+    # Only in the region the layer's residuals are made in (a scan's body): one made in a
+    # call nested there is remade with its call, as before.
+    home = layer.loop if layer.loop >= 0 else program.values[dots[0]].region
+    return frozenset(v for o in layer.ops for v in program.ops[o].results
+                     if v >= 0 and program.values[v].region == home and _is_plain_dot_op(program, o))
+
+
+def _is_plain_dot_op(program, o: int) -> bool:
+    op = program.ops[o]
+    if op.primitive != "dot_general":
+        return False
+    (_, _), (lb, _) = op.eqn.params["dimension_numbers"]
+    return not lb
+
+
 def _walk(program, layer: Layer, in_layer: frozenset, r: int, gone: frozenset, ops: set, kept: dict,
-          root) -> set[int]:
+          root, saveable: frozenset = frozenset()) -> set[int]:
     """The kept values `r` is recomputed from (made outside the layer, another layer's
-    input, or a residual kept), adding the ops that remake it (`in_layer`: the layer's
-    ops) to `ops`."""
+    input, a residual kept, or a matmul's output the policy saves: `saveable`), adding
+    the ops that remake it (`in_layer`: the layer's ops) to `ops`."""
     found, stack, seen = set(), [r], set()
     while stack:
         v = stack.pop()
@@ -352,7 +379,8 @@ def _walk(program, layer: Layer, in_layer: frozenset, r: int, gone: frozenset, o
         if v != r and root[v] in kept and v not in layer.residuals:
             found.add(kept[root[v]] if kept[root[v]] in layer.inputs else v)  # the input, not a call's copy
             continue
-        if p < 0 or p not in in_layer or (v != r and v in layer.residuals and v not in gone):
+        if p < 0 or p not in in_layer or (v != r and v in layer.residuals and v not in gone) or \
+                (v != r and v in saveable):
             found.add(v)
             continue
         ops.add(p)

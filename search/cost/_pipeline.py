@@ -37,7 +37,7 @@ from partir import Kind, Tiling
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
 from ._pipeline_once import head_sums, hoisted, read_gathered, scattered
-from ._remat import _is_invar
+from ._remat import stacked_for_it
 from ._tick_buffers import TickBuffers
 
 
@@ -291,7 +291,7 @@ def _recomputing(part, pipe) -> tuple[set, list]:
         return set(), []
     stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == partir.Link.SCAN_YS}
     mine = [r for r in rec.sources if prog.values[r].region == body]
-    extra = {s: None for r in mine for s in rec.sources[r] if s not in stacked and _is_invar(prog, s)}
+    extra = {s: None for r in mine for s in rec.sources[r] if s not in stacked and stacked_for_it(prog, s)}
     return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 

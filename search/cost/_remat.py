@@ -88,7 +88,7 @@ class RematView:
                         extra.append((min(users), max(users), sliced, 1))
             trips = program.regions[program.values[r].region].trip_count or 1
             for s in srcs:
-                if s not in stacked and _is_invar(program, s) and s not in added:
+                if s not in stacked and stacked_for_it(program, s) and s not in added:
                     added.add(s)
                     extra.append((_made(program, s), len(program.ops) - 1, s, trips))  # stacked for it
         _rederived_from_copies(sources, slices)
@@ -176,10 +176,19 @@ def _rederived_in_line(program, virtual, sources, copies: set, backward) -> None
                 changed.add(w)
 
 
-def _is_invar(program, v: int) -> bool:
-    """Is `v` a body's invar not stacked by the forward loop (its layer input, say)?"""
+def stacked_for_it(program, v: int) -> bool:
+    """Does the forward loop stack `v`, a source of a recomputation in a scan body, for
+    the backward loop to recompute from (`lowering/_recompute.ScanRemat.extra`)? Yes
+    for the body's carry in (the layer input) and for what the body makes (a matmul's
+    output the policy saves, `partir._remat`); not for its constants or its slices of
+    stacked inputs, which the backward loop has too."""
     p = program.producer[v]
-    return p >= 0 and program.ops[p].link and program.ops[p].primitive in (Link.SCAN_CARRY_IN, Link.SCAN_CARRY_LOOP)
+    if p < 0:
+        return False
+    op = program.ops[p]
+    if op.link:
+        return op.primitive in (Link.SCAN_CARRY_IN, Link.SCAN_CARRY_LOOP)
+    return program.regions[program.values[v].region].kind == "scan"
 
 
 def _reads_kept(program, reads: dict, virtual, sources: dict) -> list:
