@@ -97,7 +97,7 @@ CASES = [
          {"params/embed/weight": 0, "params/blocks/*/attn/[qkv]*_proj/weight": 0,
           "params/blocks/*/attn/output_proj/weight": 1, "params/blocks/*/up/*": 0, "params/blocks/*/down/weight": 1,
           "params/head/*": 0},
-         _collectives(4, 1 + 2 * (3 + 1)), fast=True),
+         _collectives(4, 1 + 2 * (3 + 1))),
     Case("bert_2d_bias", "2-D Q/K/V [embed, embed] with biases reshaped into heads; non-causal post-LN encoder",
          C.bert,
          {"params/embed": 0, "params/layers/*/w[qkv]": 1, "params/layers/*/b[qkv]": 0, "params/layers/*/wo": 0,
