@@ -37,8 +37,9 @@ CASES = [(m, s) for m in MODELS for s in STRATEGIES if s != "dp+megatron" or m.s
 # its DP + Megatron case; the remat form's DP + Megatron is tests/test_remat.py's subject,
 # the scanned one tests/test_megatron_corpus.py's (llama_scan), and FSDP on the GPT
 # tests/test_pipeline.py's and tests/test_llama.py's.
-# They run in `make test-all`.
-SLOW = {("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp"),
+# So do the convnet and the MoE under DP alone: their FSDP cases run by default, and the
+# MoE's DP + Megatron in tests/test_shardmap.py. They run in `make test-all`.
+SLOW = {("convnet", "dp"), ("moe", "dp"), ("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp"),
         ("gpt", "dp"), ("gpt", "megatron"), ("gpt-scan", "megatron"), ("gpt-remat", "megatron"),
         ("gpt-remat", "dp+megatron"), ("gpt-scan", "dp+megatron"), ("gpt", "fsdp")}
 

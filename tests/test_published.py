@@ -109,6 +109,9 @@ MISRANKED = {("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-1024"),
              ("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-2048")}
 
 
+# Models every row's published configuration (9 s): `make bench-published` prints the
+# same rankings, and `make test-slow` holds them.
+@pytest.mark.slow
 def test_configurations_of_one_model_rank_as_measured():
     # torchtitan's Llama 2 13B with and without checkpointing on 64 A100s, MaxText's
     # Llama 3 70B on 128 to 2048 H100s, MaxText's 32B on one and four v5e-256 slices:
