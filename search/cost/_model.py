@@ -249,7 +249,8 @@ class CostModel(CostTime, CostMemory):
                 if side == "ring":
                     dkey = ("ring", o, index)
                 elif side == "operand":
-                    dkey = ("read", v, dst, bool(self._backward[o]))
+                    # (a read in a pipeline's tick loops is not one outside them)
+                    dkey = ("read", v, dst, bool(self._backward[o]), bool(self._piped[o]))
                 elif side == "inside":  # a hand-partitioned region's own collectives
                     dkey = ("inside", o)
                 else:

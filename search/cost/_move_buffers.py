@@ -67,7 +67,5 @@ class MoveBuffers:
         """Does moving `v` to `dst` gather along a dim after one of more than one element?"""
         part = self.part
         src, shape = part.class_tilings[part.classes.of[v]], self.program.values[v].shape
-        # (A pipelined op's `dst` is the microbatched plan's: its microbatch axis is no
-        # mesh axis, one device's microbatches run one after the other.)
-        local = [n // part.mesh.devices_along(a for a in axes if a in part.mesh.names) for n, axes in zip(shape, dst)]
+        local = [n // part.mesh.devices_along(axes) for n, axes in zip(shape, dst)]
         return any(set(a) - set(b) and any(n > 1 for n in local[:d]) for d, (a, b) in enumerate(zip(src, dst)))

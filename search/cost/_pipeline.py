@@ -432,8 +432,9 @@ class PipelinePricing:
             shards = real.devices_along
             buf = full / shards(a for d in dst.dims for a in d) if r.side == "operand" else max(
                 0.0, full / shards(a for d in src.dims for a in d) - full / shards(a for d in dst.dims for a in d))
-            out.append((slot_of[(r.side, r.index)], r.side, r.index, r.dst.dims if r.side == "operand" else None,
-                        cols, buf))
+            # The move is keyed on the mesh's own axes: the microbatch axis is none.
+            key = _without(r.dst, (partir.MICROBATCH,)).dims if r.side == "operand" else None
+            out.append((slot_of[(r.side, r.index)], r.side, r.index, key, cols, buf))
         return div, moved, tuple(out), 1.0
 
     def tick_times(self, model, times) -> tuple[TickTimes, ...]:
