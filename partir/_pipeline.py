@@ -23,6 +23,7 @@ non-linear op, an accumulated carry) is a `PartitioningError` before lowering.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
@@ -32,6 +33,7 @@ from ._nested import Link
 from ._microbatch import LINEARITY, MICROBATCH, SAME, SPLIT, SUM, _strip
 from ._pipeline_defer import deferred_scatters
 from ._pipeline_hoist import gathered_inputs
+from ._remat import recompute
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans
 from ._stage_split import StageSplit
 from ._tiling import Tiling
@@ -134,6 +136,7 @@ class ScanLayout:
     gathered: tuple = ()  # `Gathered`: stacked inputs gathered (and cast) once before the tick loop
     widened: tuple = ()  # (value id, Tiling): a deferred sum held whole along its axes
     widened_ops: tuple = ()  # (op id, mesh axes): ops run on blocks whole along the axes
+    recomputed: tuple = ()  # (value id, Tiling): slices of recomputed residuals, held as remade
 
     def left_partial(self, v: int) -> tuple[str, ...]:
         """The mesh axes value `v` is left partial over (completed once the microbatches
@@ -158,7 +161,29 @@ def microbatched(part, pipe: Pipelining):
         ext.redo(d)
     for v in pipe.batch:
         ext.tile(v, 0, MICROBATCH, source="pipeline")
-    return ext, tuple(_scan_layout(part, ext, pipe, c) for c in pipe.scans.calls)
+    gone = _recomputed_stacks(part, pipe)
+    layouts = tuple(_scan_layout(part, ext, pipe, c, gone) for c in pipe.scans.calls)
+    return ext, _held_recomputed(part, layouts, gone)
+
+
+def _held_recomputed(part, layouts: tuple, gone: set) -> tuple:
+    """`layouts` with the backward scan's slices of recomputed residuals (stacked as
+    `gone`) that stand for the end of a weight's chain the forward gathers (a norm
+    scale's broadcast: `Gathered.value`) held gathered as that value is: the
+    recomputation remakes them from the gathered weight, so the backward ticks read them
+    without a move (`ScanLayout.recomputed`)."""
+    if len(layouts) < 2 or not gone:
+        return layouts
+    prog, (fwd, bwd) = part.program, layouts[:2]
+    held = {g.value: g.layout for g in fwd.gathered}
+    made = dict(zip(fwd.call.ys, prog.regions[fwd.call.body].outvars[len(fwd.call.carry):]))
+    body = prog.regions[bwd.call.body]
+    first = len(bwd.call.consts) + len(bwd.call.carry)
+    pairs = tuple((v, held[made[outer]]) for v, outer in zip(body.invars[first:], bwd.call.xs)
+                  if v >= 0 and outer in gone and made.get(outer) in held)
+    if not pairs:
+        return layouts
+    return (fwd, dataclasses.replace(bwd, recomputed=pairs)) + layouts[2:]
 
 
 def _check_circular(part, pipe: Pipelining) -> None:
@@ -261,7 +286,8 @@ def _micro_dim(t: Tiling, what: str):
     return dims[0]
 
 
-def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
+def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall, gone: set) -> ScanLayout:
+    """`call`'s `ScanLayout` (`gone`: the stacks of recomputed residuals, `_recomputed_stacks`)."""
     prog = part.program
     inside = set(body_regions(prog, call.body))
     _check_body(part, ext, pipe, inside)
@@ -279,16 +305,31 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall) -> ScanLayout:
         if k == SUM:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
-    # (Not where the layers recompute, or the circular schedule exchanges contiguous
-    # blocks around their moves: they keep moving per microbatch there. Exchanged rows,
-    # uneven or rolled, arrive in the circular schedule's order before the moves.)
-    ring = set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()  # (the residuals 1F1B keeps)
+    # (Not where a relaxed user checkpoint reads forward values in the backward ticks, or
+    # the circular schedule exchanges contiguous blocks around their moves: they keep
+    # moving per microbatch there. Exchanged rows, uneven or rolled, arrive in the
+    # circular schedule's order before the moves. The residuals 1F1B keeps in its ring,
+    # and those the layers recompute, a scalar per layer, are no stacked weights.)
+    ring = (set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()) | gone
     blocks = pipe.repeats > 1 and not pipe.split(part.mesh.size(pipe.axis)).exchanged
-    plain = bool(part.rematerialized or part.reused or blocks)
+    plain = bool(part.reused or blocks)
     gathered = gathered_inputs(ext, call, in_dims, ring, plain)
     scatters = None if plain else deferred_scatters(ext, ops, kinds)
     deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())
     return ScanLayout(call, in_dims, out_kinds, out_dims, deferred, gathered, widened, wide_ops)
+
+
+def _recomputed_stacks(part, pipe: Pipelining) -> set:
+    """The forward scan's stacked outputs that stand for residuals the plan recomputes
+    (`Partitioning.rematerialized`): the forward loop stacks a placeholder, a scalar per
+    layer, in their place, and the backward ticks remake them from the layer inputs."""
+    if not part.rematerialized:
+        return set()
+    prog = part.program
+    rec = recompute(prog, part.rematerialized)
+    body = pipe.scans.forward.body
+    stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == Link.SCAN_YS}
+    return {stacked[r] for r in rec.sources if prog.values[r].region == body and r in stacked}
 
 
 def _deferred(ext, ops, kinds: dict) -> tuple:

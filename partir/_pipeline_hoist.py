@@ -25,10 +25,17 @@ Only where it is plainly right: every reader is an op of the region the chain of
 casts and calls ends in (not a nested region of another kind, whose boundary moves the
 value as its link says), all read it in one layout,
 that layout keeps a leading part of each dim's axes (the move is gathers alone), the
-plan recomputes nothing inside the layers (a recomputation reads forward values in the
-backward ticks), and the schedule is not the circular one (which exchanges the stacked
-inputs for its chunks after their moves). Otherwise the value moves per microbatch as
-before.
+plan relaxes no user checkpoint inside the layers (reading forward values in the
+backward ticks), and the schedule is not the circular one over contiguous blocks
+(which exchanges the stacked inputs for its chunks after their moves). Otherwise the
+value moves per microbatch as before.
+
+Where the layers recompute (`Remat`), the backward ticks' recomputation reads the
+weights the stage gathered before the backward loop (its slice of the same stack, as
+the backward body holds it), or the forward's gathered block where the backward body
+reads none of that stack (a norm scale, broadcast once: `StageRemat` saves the block
+gathered), and a residual it remakes from such a chain is held as the chain's end is
+(`ScanLayout.recomputed`). A recomputed residual's stacked placeholder is no weight.
 """
 
 from __future__ import annotations

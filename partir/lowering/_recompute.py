@@ -190,22 +190,31 @@ class ScanRemat:
 
     def source(self, s: int, body: int, values):
         """The value of source `s` of a recomputation in backward body `body` (-1: none)."""
-        if body < 0:
-            return values[s]
-        if s in self.slices.get(body, {}):
+        if body >= 0 and s in self.slices.get(body, {}):
             return self.slices[body][s]
+        return values[self.origin(s, body)]
+
+    def origin(self, s: int, body: int) -> int | None:
+        """The value whose value `source` reads for source `s` in backward body `body`:
+        `s` itself, the backward body's slice of the stack `s` is a slice of, a loop
+        constant from outside both loops; None where it is the forward loop's stack of
+        it (`slices`)."""
+        if body < 0:
+            return s
+        if s in self.slices.get(body, {}):
+            return None
         stack = self.stacked.get(s)
         if stack is not None and (stack, body) in self.sliced:
-            return values[self.sliced[(stack, body)]]
+            return self.sliced[(stack, body)]
         op = self.prog.ops[self.prog.producer[s]] if self.prog.producer[s] >= 0 else None
         if op is not None and op.link and (op.operands[0], body) in self.sliced:
-            return values[self.sliced[(op.operands[0], body)]]  # a stacked parameter's slice
+            return self.sliced[(op.operands[0], body)]  # a stacked parameter's slice
         if op is not None and op.link and op.primitive == Link.SCAN_CONST:
-            return values[op.operands[0]]  # a loop constant, from outside both loops
+            return op.operands[0]  # a loop constant, from outside both loops
         if self.prog.values[s].region != self.bwd.get(body, -2) and self.prog.producer[s] >= 0:
             raise PartitioningError(f"recomputing in scan body #{body} needs {self.prog.name(s)}, which the forward "
                                     "loop neither stacks nor is asked to")
-        return values[s]
+        return s
 
     def evaluate(self, eqn, children, ins, run, values):
         """The scan `eqn` evaluated with its rematerialization, or None if it has none;

@@ -104,6 +104,7 @@ def _pipelined(interp) -> dict:
             for g in lay.gathered:  # (gathered, and cast, before the tick loop: `gather_once`)
                 _hold_gathered(inner, g)
             inner.held.update(lay.widened)
+            inner.held.update(lay.recomputed)  # (remade from a weight gathered once: `BlockRecomputation`)
             inner.widened.update(lay.widened_ops)
             # (the stage program keeps and accumulates those it outputs so: `run_pipelined`)
             interp.held.update(lay.widened)

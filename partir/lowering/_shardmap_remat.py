@@ -14,6 +14,8 @@ from jax.extend.core import Literal
 
 from ._boundaries import cross
 from ._frame import Frame
+from ._spmd import move
+from .._tiling import Tiling
 from ._recompute import Recomputation
 
 
@@ -39,6 +41,19 @@ class BlockRecomputation(Recomputation):
         """Forward value `v`'s block `x` moved to the layout of the value `u` it stands for."""
         return cross(self.interp, x, v, u)
 
+    def _kept(self, s: int, body: int):
+        """Source `s`'s block for a recomputation in backward body `body`, in the layout
+        the forward body holds `s` in (`Interpreter.rest`). A pipelined stage gathers a
+        weight once before each tick loop (`Interpreter.held`): the backward's slice of
+        it comes as the backward body holds it, which is the forward's layout where
+        both loops gather it alike (no move)."""
+        interp = self.interp
+        x, u = self.scans.source(s, body, interp.values), self.scans.origin(s, body)
+        need = interp.rest(interp.aliases.get(s, s))
+        if u is None or u == s or interp.rest(u) == need:
+            return x
+        return move(x, Tiling(interp.rest(u).dims), Tiling(need.dims), interp.move_mesh)
+
     def _block(self, b: int, anchor, rid: int = 0) -> dict:
         """The recomputed blocks of block `b`'s residuals (made on its first backward
         read; in a scan's backward body, from that body's slices)."""
@@ -47,14 +62,18 @@ class BlockRecomputation(Recomputation):
             return self.done[key]
         interp, prog = self.interp, self.prog
         sources = sorted({s for r in self.rec.by_layer[b] for s in self.rec.sources[r]})
-        kept = tuple(self.scans.source(s, key[1], interp.values) for s in sources)
+        kept = tuple(self._kept(s, key[1]) for s in sources)
         if anchor is not None:
             kept, _ = jax.lax.optimization_barrier((kept, anchor))
         frame = Frame(interp, record=False)
-        frame.env.update(zip(sources, kept))
-        by_root = {self.root[s]: s for s in sources}  # a kept input read through a call's copy
+        # (A weight its stage gathered, and cast or broadcast, once before the tick loop
+        # is read as the forward body read it: `Interpreter.aliases`, the chain not run.)
+        frame.env.update((interp.aliases.get(s, s), x) for s, x in zip(sources, kept))
+        by_root = {self.root[s]: interp.aliases.get(s, s) for s in sources}  # a kept input read through a call's copy
         for o in self.ops[b]:
             op = prog.ops[o]
+            if o in interp.skipped:
+                continue  # (run once before the tick loop: its result given, `aliases`)
             for u in op.operands:
                 if u >= 0 and not frame.has(u) and self.root[u] in by_root:
                     frame.env[u] = frame.env[by_root[self.root[u]]]

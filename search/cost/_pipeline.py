@@ -323,6 +323,7 @@ class PipelinePricing:
         self.slots: dict[int, int] = {}
         self.uneven: dict[int, float] = {}  # a stacked input of uneven stages -> slots / L
         self.gathered: dict[int, tuple] = {}  # a weight gathered before its tick loop: `read_gathered`
+        self.remade: set[int] = set()  # recomputed from a weight gathered so (`ScanLayout.recomputed`)
         prog = part.program
         for pipe in part.pipelines:
             ext, layouts = partir.microbatched(part, pipe)
@@ -337,6 +338,7 @@ class PipelinePricing:
                             pipe.repeats * split.length)
                         self.layouts[op.id] = (ext, lay, pipe)
                 read_gathered(self, lay, pipe, split)
+                self.remade.update(v for v, _ in lay.recomputed)
                 if split.exchanged:  # a stage moves its slots' rows of what it reads, all L of what it makes
                     self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
@@ -414,8 +416,9 @@ class PipelinePricing:
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         for r in ext.layout_reshards(o, layout):
-            if r.value in model._free and not r.src.partial or r.side == "operand" and r.value in self.gathered:
-                continue  # (a weight the stage gathered before its loop: `hoisted`)
+            if r.value in model._free and not r.src.partial or r.side == "operand" and (
+                    r.value in self.gathered or r.value in self.remade):
+                continue  # (a weight the stage gathered before its loop, or remade from one: `hoisted`)
             off = micro + ((self.stacked[r.value],) if r.value in self.stacked else ())
             off += lay.left_partial(r.value) if r.side == "result" and lay is not None else ()
             src, dst = _without(r.src, off), _without(r.dst, off)
