@@ -14,7 +14,8 @@ import partir
 import search
 import tactics as T
 from partir import MeshSpec
-from tests.test_pipeline import TINY, TINY_LLAMA, _gpt, _mesh
+from partir._hlo import reachable
+from tests.test_pipeline import TINY, TINY_LLAMA, _gpt, _mesh, _moves_once
 
 
 def _plan(stages: int, microbatches: int, policy: str | None, config=TINY, others=None, mesh=None, first=True):
@@ -154,3 +155,99 @@ def test_the_peak_counts_the_layer_inputs_a_stage_stacks_for_recomputing_as_in_f
     *_, (_, _, sizes, keys) = model._memory(model._value_bytes(), exact=True)
     stacks = [size for size, key in zip(sizes, keys) if key[0] == "remat" and key[1] in inputs]
     assert stacks and sum(stacks) == pytest.approx(search.pipeline_cost(part, part.pipelines[0], "cpu").in_flight_bytes)
+
+
+# -- weights gathered and gradients reduce-scattered once a step ---------------------------
+_ZERO1 = [T.DataParallel("data"), T.ZeRO("data", stage=1)]
+#: (tactics on `data`, Remat policy, schedule, config) of stages over data=4 x stage=2,
+#: M=4, whose layers recompute and whose FSDP or ZeRO weights and gradients move once a
+#: step (`tests.test_pipeline._moves_once`). "circular": GPipe with repeats=2, here over
+#: 4 chunks of unequal lengths (6 layers), whose rows are exchanged before the moves;
+#: "uneven": 3 layers over the 2 stages.
+REMAT_ONCE = {
+    "gpt-fsdp-full": ([T.FSDP("data")], "full", "gpipe", TINY),
+    "gpt-fsdp-collectives": ([T.FSDP("data")], "collectives", "gpipe", TINY),
+    "gpt-uneven-fsdp-full": ([T.FSDP("data")], "full", "gpipe", dataclasses.replace(TINY, n_layers=3)),
+    "gpt-circular-fsdp-full": ([T.FSDP("data")], "full", "circular", dataclasses.replace(TINY, n_layers=6)),
+    "gpt-fsdp-dots-1f1b": ([T.FSDP("data")], "dots", "1f1b", TINY),
+    "gpt-zero1-dots-1f1b": (_ZERO1, "dots", "1f1b", TINY),
+    "llama-fsdp-full": ([T.FSDP("data")], "full", "gpipe", TINY_LLAMA),
+    "llama-fsdp-dots-1f1b": ([T.FSDP("data")], "dots", "1f1b", TINY_LLAMA),
+    "llama-zero1-dots-1f1b": (_ZERO1, "dots", "1f1b", TINY_LLAMA),
+}
+
+
+def _remat_once(case: str, policy="case"):
+    """`REMAT_ONCE[case]`'s plan (with `policy` instead of the case's when given: None,
+    no Remat)."""
+    others, own, schedule, config = REMAT_ONCE[case]
+    _, _, prog = _gpt(config)
+    remat = own if policy == "case" else policy
+    pipeline = T.Pipeline("stage", microbatches=4, schedule="gpipe" if schedule == "circular" else schedule,
+                          repeats=2 if schedule == "circular" else 1)
+    return T.apply_schedule(prog, _mesh(2), others + ([T.Remat(remat)] if remat else []) + [pipeline]).partitioning
+
+
+def _data_moves_in_ticks(text, mesh) -> int:
+    """The gathers and reduce-scatters over `data` a compiled pipelined program runs in
+    a tick loop (a loop sending carries over `stage`, with what it calls)."""
+    cols = partir.collectives(text, mesh.jax_mesh())
+    ticks = reachable(text, {c.computation for c in cols if c.kind == partir.Kind.COLLECTIVE_PERMUTE})
+    kinds = (partir.Kind.ALL_GATHER, partir.Kind.REDUCE_SCATTER)
+    return sum(c.axes == ("data",) and c.kind in kinds and c.computation in ticks for c in cols)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+@pytest.mark.parametrize("case", list(REMAT_ONCE))
+def test_rematerializing_stages_move_their_weights_and_gradients_once_a_step(case, backend):
+    """The stage gathers its weights before each tick loop and reduce-scatters their
+    accumulated gradients after it though its layers recompute: the recomputation in
+    the backward ticks reads the weights the stage gathered for them (the norm scales
+    broadcast and gathered once, the residuals standing for them remade so). The step
+    equals jax.jit's, XLA's collectives are exactly the modeled ones, each move of the
+    layers' weights and gradients over `data` charged once (`_moves_once`: under GPipe,
+    none in a tick loop). Under 1F1B, whose tick loop runs the head and moves its
+    weights per microbatch, the tick loop moves over `data` no more than without Remat
+    (under FSDP less: without Remat the backward unit gathers the norm scales'
+    broadcasts from the ring per tick, with it remakes them from the gathered scales)."""
+    config, mesh = REMAT_ONCE[case][3], _mesh(2)
+    part = _remat_once(case)
+    assert part.rematerialized
+    _moves_once(part, config, mesh, backend)
+    if REMAT_ONCE[case][2] == "1f1b":
+        _, args, _ = _gpt(config)
+        ticks = [_data_moves_in_ticks(partir.lower(p, backend=backend).lower(*args).compile().as_text(), mesh)
+                 for p in (part, _remat_once(case, None))]
+        assert ticks[0] <= ticks[1]
+
+
+def test_rematerializing_stages_are_charged_their_weights_and_gradients_moves_once_a_step():
+    """The cost model (H100) charges a stage whose layers recompute ('dots', 1F1B, FSDP
+    on the tiny Llama) the gradients' reduce-scatters over `data` it charges the same
+    stage without Remat, each once a step, and no gather it does not charge there, none
+    more often (the backward unit remakes the norm scales' broadcasts from the scales
+    gathered before the loop, where without Remat it gathers them from the ring per
+    tick). Before, the layers' were charged per tick (10 times a step here)."""
+    def moves(part, kind):
+        return collections.Counter((int(c.bytes), c.count) for c in search.CostModel(part, "h100").cost().collectives
+                                   if c.axes == ("data",) and c.kind == kind)
+
+    remat, plain = _remat_once("llama-fsdp-dots-1f1b"), _remat_once("llama-fsdp-dots-1f1b", None)
+    scatters = moves(remat, partir.Kind.REDUCE_SCATTER)
+    assert scatters and scatters == moves(plain, partir.Kind.REDUCE_SCATTER)
+    assert any(count == 1 for _, count in scatters)  # (the layers'; the head's run per microbatch)
+    gathers = moves(remat, partir.Kind.ALL_GATHER)
+    assert gathers and not gathers - moves(plain, partir.Kind.ALL_GATHER)
+
+
+@pytest.mark.slow
+def test_the_peak_of_rematerializing_stages_moving_once_a_step_is_xlas():
+    """ZeRO-1 with 'dots' under 1F1B: the stage's whole gradient accumulator lives
+    across the tick loop; the modeled peak within 20% of XLA's (temp + arguments +
+    outputs - alias)."""
+    part = _remat_once("gpt-zero1-dots-1f1b")
+    _, args, _ = _gpt(TINY)
+    ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
+    xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+    assert 0.8 < search.CostModel(part, "cpu").cost().memory_peak / xla < 1.2
