@@ -86,8 +86,9 @@ class StageRemat:
     # -- the forward scan ----------------------------------------------------------------
     def keep_inputs(self, g, w, xs, consts) -> None:
         """Save the stage's blocks of the forward scan's stacked inputs and constants that
-        recomputing reads (`xs`, `consts`: in the body's layouts; `g`, `w`: the scan's
-        operand and body input ids)."""
+        recomputing reads (`xs`, `consts`: in the body's layouts, a weight the stage
+        gathered, and cast or broadcast, before the loop as gathered: `gather_once`,
+        read so by the recomputation; `g`, `w`: the scan's operand and body input ids)."""
         for s, stack in self.more:
             self.saved[s] = xs[list(g.xs).index(stack)]
         for s in self.consts:
