@@ -49,15 +49,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from examples._common import (build_master_weights_train_step, build_train_step, dense_init, next_token_loss, normal,
                               stack_layers, token_batch)
 
-#: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.
+_QKV = ("query_proj", "key_proj", "value_proj")
+#: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for. The named ones
+#: are MaxText's (``save_qkv_proj``, ``save_dot_except_mlpwi``): under them the layer
+#: names its projections' outputs (`jax.ad_checkpoint.checkpoint_name`), as MaxText's do.
 REMAT_POLICIES = {
     None: None,  # jax.checkpoint's default: save only the layer's inputs
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "qkv": jax.checkpoint_policies.save_only_these_names(*_QKV),
+    "dots_except_mlp_in": jax.checkpoint_policies.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
 }
+#: The policies that read the names.
+_NAMED = ("qkv", "dots_except_mlp_in")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,27 +180,35 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: bool = True) -> jax.Array:
-    """Grouped-query self-attention on ``x [B, S, D]``, causal unless told otherwise."""
-    q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
-    k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
-    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+def _unnamed(x: jax.Array, name: str) -> jax.Array:
+    return x
+
+
+def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: bool = True,
+              tag=_unnamed) -> jax.Array:
+    """Grouped-query self-attention on ``x [B, S, D]``, causal unless told otherwise;
+    ``tag(value, name)`` names the projections' outputs (for a named remat policy)."""
+    q = tag(jnp.einsum("bsd,dhk->bshk", x, p["wq"]), "query_proj")
+    k = tag(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), "key_proj")
+    v = tag(jnp.einsum("bsd,dhk->bshk", x, p["wv"]), "value_proj")
     q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     # K/V keep their n_kv_heads heads: dot_product_attention groups the query heads.
     out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
-    return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+    return tag(jnp.einsum("bshk,hkd->bsd", out, p["wo"]), "out_proj")
 
 
-def mlp(p: dict, x: jax.Array) -> jax.Array:
+def mlp(p: dict, x: jax.Array, tag=_unnamed) -> jax.Array:
     """SwiGLU feed-forward block: ``(silu(x W_gate) * x W_up) W_down``."""
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    return tag((jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"], "mlpwo")
 
 
 def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: LlamaConfig) -> jax.Array:
     """One pre-norm decoder layer; shared by the unrolled and scanned forms."""
     p = jax.tree.map(lambda w: w.astype(config.dtype), p)  # float32 master -> compute dtype
-    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope, config.causal)
-    return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps))
+    # Names only where a policy reads them: other programs stay as they were.
+    tag = checkpoint_name if config.remat and config.remat_policy in _NAMED else _unnamed
+    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope, config.causal, tag)
+    return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps), tag)
 
 
 def forward(params: dict, tokens: jax.Array, config: LlamaConfig) -> jax.Array:

@@ -24,7 +24,8 @@ from ._layers import input_layers, layer_keys
 from ._mesh import MeshSpec, lowering_mesh
 from ._nested import Link
 from ._remat import POLICIES as REMAT_POLICIES
-from ._remat import Layer, Recompute, layers_of, recompute, recomputed, residual_layers
+from ._remat import Layer, Recompute, layers_of, recompute, recomputed, residual_layers, saved_dots
+from ._dot_roles import DOT_ROLES, dot_roles
 from ._checkpoint import (Relaxation, UserCheckpoint, checkpoints_of, relaxation, remat_layers, reusable,
                           scan_body_of, user_checkpoints)
 from ._decision import Decision, Reshard
@@ -47,7 +48,7 @@ from ._verify import check_equivalence
 __all__ = [
     "BALANCES", "OrderSites", "order_axes", "order_sites", "token_order", "MAX_HEAD_DIM", "Attention", "DimClasses", "KernelRegion", "attentions", "dim_classes", "is_mask", "kernel_region",
     "Layer", "REMAT_POLICIES", "Recompute", "residual_layers", "input_layers", "layers_of", "layer_keys", "recompute",
-    "recomputed", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
+    "recomputed", "saved_dots", "DOT_ROLES", "dot_roles", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",
     "Collective", "CONSTRAIN_MODES", "Kind", "UnionFind", "call_roots", "computations", "depended_on", "made_from_scalars", "makers_of", "Decision", "FactorRule", "MICROBATCH", "PIPELINE_SCHEDULES", "Pipelining", "ScanLayout", "StageSplit", "made_at", "state_dim", "check_pipelines", "kept_in_slots", "microbatched", "stage_chunks", "HeadLayout", "check_pipeline", "head_layout", "onef_outputs", "LayerScans", "ScanCall", "body_regions", "layer_scans", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "CHAIN_PRIMITIVES", "OnlineAttention", "OnlineForward", "OnlineAcrossScans", "Unmatched", "online_attentions", "online_reason", "RING_KINDS", "RingMove", "ring_moves", "Tiling", "Transition",

@@ -11,7 +11,7 @@ from ._tiling import Tiling
 
 
 #: The actions a `Decision` records (the `Partitioning` methods that take them).
-ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse", "reorder", "ring")
+ACTIONS = ("tile", "replicate", "constrain", "pin", "remat", "reuse", "save", "reorder", "ring")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,15 +27,16 @@ from ._ir import Program
 from ._mesh import MeshSpec
 from ._order import Orders
 from ._pipelines import Pipelines
-from ._propagate import _BND, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _RNG, _VAL, Propagation, _fhash, _vhash
+from ._propagate import _BND, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _RNG, _SAV, _VAL, Propagation, _fhash, _vhash
 from ._replay import Replay
 from ._rings import Rings
+from ._recomputed import Recomputed
 from .rules._manual import check_fixed_regions
 from ._decision import Decision, Reshard, _check_action
 from ._tiling import Tiling
 
 
-class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
+class Partitioning(Propagation, Replay, Orders, Rings, Pipelines, Recomputed):
     """Tilings for every value of `program` on `mesh`, changed only by `tile` and
     `replicate` actions (each followed by propagation)."""
 
@@ -64,6 +65,8 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
         # Values a user's `jax.checkpoint` recomputes that the backward reads from the
         # forward pass instead (`reuse`).
         self._reuse: set[int] = set()
+        # Values a recomputation reads instead of remaking them (`save`).
+        self._save: set[int] = set()
         # Layer scans run as pipeline stages (`pipeline`), in the order they were added.
         self._pipelines: tuple = ()
         # Per sequence (a class of `partir.dim_classes`), the token order it is laid out
@@ -283,57 +286,14 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
             self.remat(v, source=d.source)
         elif d.action == "reuse":
             self.reuse(v, source=d.source)
+        elif d.action == "save":
+            self.save(v, source=d.source)
         elif d.action == "reorder":
             self.reorder(v, d.dim, d.axis, d.order, source=d.source)
         elif d.action == "ring":
             self.ring(v, d.dim, d.axis, source=d.source)
         else:
             self.pin(v, axes=d.axes, source=d.source)
-
-    def remat(self, value, *, source: str = "user") -> None:
-        """Do not keep residual `value` for the backward pass: recompute it there from kept
-        values (`partir._remat`). A no-op when it is recomputed already; a
-        `PartitioningError` for a value that is no residual of a block."""
-        from ._remat import residual_layers
-
-        self._choose(_REM, self._remat, value, source,
-                     lambda v: any(v in b.residuals for b in residual_layers(self.program)),
-                     "cannot rematerialize {}: it is not a value a layer's forward pass keeps for the backward pass")
-
-    @property
-    def rematerialized(self) -> frozenset:
-        """The residuals recomputed in the backward pass instead of kept."""
-        return frozenset(self._remat)
-
-    def reuse(self, value, *, source: str = "user") -> None:
-        """Relax the user's `jax.checkpoint`: its backward region reads, instead of
-        recomputing `value`, the forward value it is a rerun of (`partir._checkpoint`),
-        which the forward pass then keeps. A no-op when it is reused already; a
-        `PartitioningError` for a value no user checkpoint recomputes."""
-        from ._checkpoint import reruns_of
-
-        self._choose(_REU, self._reuse, value, source, lambda v: v in reruns_of(self.program),
-                     "cannot reuse a forward value for {}: no jax.checkpoint region of the backward pass "
-                     "recomputes it")
-
-    @property
-    def reused(self) -> frozenset:
-        """The values of user checkpoints read from the forward pass, not recomputed."""
-        return frozenset(self._reuse)
-
-    def _choose(self, kind: int, chosen: set, value, source: str, allowed, refusal: str) -> None:
-        """Add `value` to the set `chosen` as a `remat`/`reuse` decision (undone as `kind`
-        on rollback); a no-op when it is in already, a `PartitioningError` (`refusal`
-        with the value's name) when `allowed(value id)` is false."""
-        v = self.program.resolve(value)
-        if v in chosen:
-            return
-        if not allowed(v):
-            raise PartitioningError(refusal.format(self.program.name(v)))
-        chosen.add(v)
-        self._log.append((kind, v))
-        self._hash ^= hash((kind, v))
-        self._decide(Decision("remat" if kind == _REM else "reuse", v, None, None, source))
 
     def constrain(self, value, tiling, *, source: str = "user") -> None:
         """Fix `value`'s layout to `tiling` (a `Tiling`, `PartitionSpec` or per-dim axes)
@@ -428,12 +388,9 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
                 _, c, old = entry
                 h ^= hash((_PIN, c, self._forbid[c])) ^ hash((_PIN, c, old))
                 self._forbid[c] = old
-            elif kind == _REM:
-                self._remat.discard(entry[1])
-                h ^= hash((_REM, entry[1]))
-            elif kind == _REU:
-                self._reuse.discard(entry[1])
-                h ^= hash((_REU, entry[1]))
+            elif kind in (_REM, _REU, _SAV):
+                {_REM: self._remat, _REU: self._reuse, _SAV: self._save}[kind].discard(entry[1])
+                h ^= hash((kind, entry[1]))
             elif kind == _PIP:
                 self._pipelines = self._pipelines[:-1]
                 h ^= hash((_PIP, entry[1]))
@@ -491,7 +448,8 @@ class Partitioning(Propagation, Replay, Orders, Rings, Pipelines):
         c._d, c._f = list(self._d), list(self._f)
         c._forbid, c._inq = list(self._forbid), bytearray(len(self._inq))
         c._boundary = set(self._boundary)
-        c._remat, c._reuse, c._orders = set(self._remat), set(self._reuse), dict(self._orders)
+        c._remat, c._reuse, c._save = set(self._remat), set(self._reuse), set(self._save)
+        c._orders = dict(self._orders)
         c._rings = dict(self._rings)
         c._log, c._marks, c._decisions = [], [], list(self._decisions)
         c._touched_classes, c._touched_ops = set(), set()

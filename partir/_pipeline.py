@@ -326,7 +326,7 @@ def _recomputed_stacks(part, pipe: Pipelining) -> set:
     if not part.rematerialized:
         return set()
     prog = part.program
-    rec = recompute(prog, part.rematerialized)
+    rec = recompute(prog, part.rematerialized, part.saved)
     body = pipe.scans.forward.body
     stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == Link.SCAN_YS}
     return {stacked[r] for r in rec.sources if prog.values[r].region == body and r in stacked}

@@ -198,7 +198,7 @@ class Propagation:
         dims[d] = w
 
 
-_VAL, _FAC, _PIN, _DEC, _BND, _REM, _REU, _PIP, _ORD, _RNG = range(10)
+_VAL, _FAC, _PIN, _DEC, _BND, _REM, _REU, _PIP, _ORD, _RNG, _SAV = range(11)
 
 
 def _vhash(v: int, dims: tuple) -> int:

@@ -19,6 +19,16 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
     collectives  keep also every value an op makes after moving data between devices
                  (a reduced partial sum, a result computed from a gathered operand), so
                  that recomputing never repeats communication
+    dots_except_mlp_in
+                 keep the outputs of every projection but the MLP's up and gate ones
+                 (`partir._dot_roles`), as MaxText's `save_dot_except_mlpwi`: what
+                 is recomputed is remade from them, those two matmuls run again
+    qkv          keep only the attention's query, key and value projections' outputs,
+                 as MaxText's `save_qkv_proj`: the rest of the layer runs again
+
+The last two keep what their roles name whether or not the backward pass reads it: a
+recomputation reads such an output instead of running its matmul again
+(`Partitioning.save`, which the `Remat` tactic records).
 
 Layers are found from the program's structure, never from names: a scan in the forward
 pass is one layer per iteration (its body), and the layers of an unrolled program are
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._dot_roles import dot_roles
 from ._errors import PartitioningError
 from ._layers import input_layers
 from ._graph import call_roots
@@ -39,10 +50,13 @@ from ._nested import Link
 #: still a matmul's output). `jax.checkpoint` marks each value its policy saves with a
 #: `reduce_precision` to the value's own precision.
 SEEN_THROUGH = ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
-         "reduce_precision")
+         "reduce_precision", "name")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
-POLICIES = ("none", "collectives", "dots", "full")
+POLICIES = ("none", "collectives", "dots", "dots_except_mlp_in", "qkv", "full")
+
+#: The policies that keep the outputs of some roles of projections (`partir._dot_roles`).
+KEPT_ROLES = {"dots_except_mlp_in": ("qkv", "attention_out", "mlp_out", "other"), "qkv": ("qkv",)}
 
 
 @dataclass(frozen=True)
@@ -142,7 +156,7 @@ def _unrolled_layers(program, backward, late) -> list[Layer]:
     layers = sorted(first)
     if not layers:
         return []
-    derived = _weight_derived(program, backward)
+    derived = weight_derived(program, backward)
     idom = _dominators(program, backward, derived)
     last = _last_weight_reads(program, backward, taint, derived)
     spine = {}
@@ -216,7 +230,7 @@ def _from_input(program, u: int) -> bool:
     return False
 
 
-def _weight_derived(program, backward) -> list[bool]:
+def weight_derived(program, backward) -> list[bool]:
     """Per value: is it made from layer parameters and constants alone (a weight, its
     cast, a bias broadcast, a causal mask), off the activations' paths?"""
     inputs = program.input_set
@@ -282,6 +296,10 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
     keep = {r for r in layer.residuals if root[r] in boundary}
     if policy in ("dots", "collectives"):
         keep |= {r for r in layer.residuals if _plain_dot(program, r)}
+    if policy in KEPT_ROLES:
+        kept = set(saved_dots(program, layer, policy))
+        keep |= {r for r in layer.residuals if _dot_of(program, r) >= 0 and
+                 not kept.isdisjoint(program.ops[_dot_of(program, r)].results)}
     if policy == "collectives":
         if part is None:
             raise PartitioningError("the 'collectives' policy needs the partitioning (which ops move data)")
@@ -289,13 +307,42 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
     return tuple(r for r in layer.residuals if r not in keep)
 
 
+def saved_dots(program, layer: Layer, policy: str) -> tuple[int, ...]:
+    """The outputs of the projections of `layer` whose roles `policy` keeps
+    (`KEPT_ROLES`; none for the other policies), made where the layer's residuals are (a
+    scan's body): one made in a call nested there is remade with its call."""
+    check_policy(policy)
+    if policy not in KEPT_ROLES or not layer.residuals:
+        return ()
+    home = layer.loop if layer.loop >= 0 else program.values[layer.residuals[0]].region
+    roles = dot_roles(program, layer)
+    return tuple(v for o, role in sorted(roles.items()) if role in KEPT_ROLES[policy]
+                 for v in program.ops[o].results if v >= 0 and program.values[v].region == home)
+
+
+def layer_values(program) -> frozenset:
+    """The values the layers' forward ops make (what `Partitioning.save` may keep)."""
+    return program.analysis(_layer_values)
+
+
+def _layer_values(program) -> frozenset:
+    return frozenset(v for b in layers_of(program) for o in b.ops if not program.ops[o].link
+                     for v in program.ops[o].results if v >= 0)
+
+
 def _plain_dot(program, v: int) -> bool:
     """Is `v` made by a matmul with no batch dims (a projection, an MLP matmul), maybe
     reshaped or cast after it?"""
+    p = _dot_of(program, v)
+    return p >= 0 and _is_plain_dot_op(program, p)
+
+
+def _dot_of(program, v: int) -> int:
+    """The op that makes `v`, seen through reshapes and casts (-1: an input)."""
     p = program.producer[v]
     while p >= 0 and program.ops[p].primitive in SEEN_THROUGH and program.ops[p].operands[0] >= 0:
         p = program.producer[program.ops[p].operands[0]]
-    return p >= 0 and _is_plain_dot_op(program, p)
+    return p
 
 
 def _communicates(part, op: int) -> bool:
@@ -313,14 +360,15 @@ class Recompute:
     by_layer: dict
 
 
-def recompute(program, residuals: frozenset) -> Recompute:
-    """The recomputation of `residuals` (each a residual of some layer), kept with the
-    program per set of residuals (`Program.analysis`): a search, the cost model and the
+def recompute(program, residuals: frozenset, saved: frozenset = frozenset()) -> Recompute:
+    """The recomputation of `residuals` (each a residual of some layer), reading the
+    values `saved` (`Partitioning.saved`) instead of remaking them; kept with the
+    program per pair of sets (`Program.analysis`): a search, the cost model and the
     lowering ask again and again for the few sets the remat policies make."""
-    return program.analysis(_recompute, frozenset(residuals))
+    return program.analysis(_recompute, frozenset(residuals), frozenset(saved))
 
 
-def _recompute(program, residuals: frozenset) -> Recompute:
+def _recompute(program, residuals: frozenset, saved: frozenset) -> Recompute:
     where = {r: b for b in residual_layers(program) for r in b.residuals}
     root = call_roots(program)
     kept = {root[v]: v for b in layers_of(program) for v in sorted(b.inputs)}  # every layer's input is kept
@@ -332,7 +380,7 @@ def _recompute(program, residuals: frozenset) -> Recompute:
         by_layer.setdefault(b.index, []).append(r)
         if b.index not in in_layer:  # a layer's op set, once for all its residuals
             in_layer[b.index] = frozenset(b.ops)
-            saveable[b.index] = _saveable_dots(program, b, residuals)
+            saveable[b.index] = _saveable_dots(program, b, residuals) | saved
         sources[r] = tuple(sorted(_walk(program, b, in_layer[b.index], r, residuals, ops, kept, root,
                                         saveable[b.index])))
     return Recompute(sources, tuple(sorted(ops)), {k: tuple(v) for k, v in by_layer.items()})

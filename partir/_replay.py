@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._errors import PartitioningError
-from ._propagate import _BND, _DEC, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _RNG, _VAL
+from ._propagate import _BND, _DEC, _FAC, _ORD, _PIN, _PIP, _REM, _REU, _RNG, _SAV, _VAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ class Delta:
     after: int
     pipelines: tuple = ()  # the `Pipelining`s added
     rings: tuple = ()  # `(value, (dim, axis))` of each value ringed (`Partitioning.ring`)
+    save: tuple = ()  # the values saved for recomputations (`Partitioning.save`)
 
     @property
     def size(self) -> int:
@@ -58,12 +59,12 @@ class Replay:
                 pipelines.append(entry[1])
             else:
                 first.setdefault((entry[0], entry[1]), None)
-        of = {kind: [i for k, i in first if k == kind] for kind in (_VAL, _FAC, _PIN, _BND, _REM, _REU, _ORD, _RNG)}
+        of = {kind: [i for k, i in first if k == kind] for kind in (_VAL, _FAC, _PIN, _BND, _REM, _REU, _ORD, _RNG, _SAV)}
         return Delta(tuple((c, self._d[c]) for c in of[_VAL]), tuple((o, self._f[o]) for o in of[_FAC]),
                      tuple((c, self._forbid[c]) for c in of[_PIN]), tuple(of[_BND]), tuple(of[_REM]),
                      tuple(of[_REU]), tuple((s, self._orders[s]) for s in of[_ORD]),
                      tuple(self._decisions[len(self._decisions) - decisions:]), before, self._hash,
-                     tuple(pipelines), tuple((v, self._rings[v]) for v in of[_RNG]))
+                     tuple(pipelines), tuple((v, self._rings[v]) for v in of[_RNG]), tuple(of[_SAV]))
 
     def replay(self, delta: Delta) -> None:
         """Take `delta` again, from the state it started in (the same `key()`)."""
@@ -84,7 +85,7 @@ class Replay:
             log.append((_PIN, c, forbid[c]))
             forbid[c] = new
         for kind, chosen, items in ((_BND, self._boundary, delta.boundary), (_REM, self._remat, delta.remat),
-                                    (_REU, self._reuse, delta.reuse)):
+                                    (_REU, self._reuse, delta.reuse), (_SAV, self._save, delta.save)):
             chosen.update(items)
             log.extend((kind, i) for i in items)
         for s, entry in delta.orders:

@@ -21,7 +21,11 @@ class Remat(Tactic):
     `policy` says what each layer keeps: `full` (only its input activation: the layer
     runs twice), `dots` (also its matmul outputs), `collectives` (also whatever an op
     made after moving data between devices, so recomputing repeats no communication),
-    `none` (everything: no recomputation). What is not kept is recomputed from what is,
+    `dots_except_mlp_in` (the outputs of every matmul but the MLP's up and gate
+    projections, MaxText's `save_dot_except_mlpwi`), `qkv` (the attention's query, key
+    and value projections' outputs only, MaxText's `save_qkv_proj`), `none`
+    (everything: no recomputation). The matmuls' roles are read from the dataflow
+    (`partir.dot_roles`), never from names. What is not kept is recomputed from what is,
     just before the backward pass reads it; the lowering keeps XLA from merging the
     recomputation back into the forward pass.
 
@@ -62,6 +66,8 @@ class Remat(Tactic):
             reused = partir.reusable(prog, layer, self.policy, part)
             for r in recomputed:
                 part.remat(r, source=source)
+            for v in partir.saved_dots(prog, layer, self.policy) if recomputed else ():
+                part.save(v, source=source)
             for w, _ in reused:
                 part.reuse(w, source=source)
             count += len(recomputed)
@@ -70,7 +76,7 @@ class Remat(Tactic):
                 verdict = "tightened" if recomputed else "relaxed" if reused else "kept"
                 name = "/".join(sorted({c.policy_name for c in ckpts}))
                 users.setdefault((name, verdict), []).append(len(reused))
-        again = partir.recompute(prog, part.rematerialized).ops if part.rematerialized else ()
+        again = partir.recompute(prog, part.rematerialized, part.saved).ops if part.rematerialized else ()
         kept = sum(len(b.residuals) for b in chosen) - count
         notes = [f"policy {self.policy!r} on {len(chosen)} layer(s): {count} residual(s) recomputed in the backward "
                  f"pass, {kept} kept; {sum(1 for o in again if not prog.ops[o].link)} forward op(s) run again"]

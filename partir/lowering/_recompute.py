@@ -32,7 +32,7 @@ class Recomputation:
     def __init__(self, part, hooks):
         prog = self.prog = part.program
         self.hooks = hooks
-        self.rec = recompute(prog, part.rematerialized)
+        self.rec = recompute(prog, part.rematerialized, part.saved)
         self.root = call_roots(prog)
         self.block_of = {self.root[r]: b for b, rs in self.rec.by_layer.items() for r in rs}
         self.residual_of = {self.root[r]: r for rs in self.rec.by_layer.values() for r in rs}

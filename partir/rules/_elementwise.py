@@ -9,7 +9,8 @@ from ._traits import OPAQUE, Fusion, Traits, Work, arithmetic, transcendental
 _CHEAP_ONE_FLOP = """abs ceil floor neg not round sign real imag conj is_finite clz population_count
 reduce_precision square convert_element_type add add_any sub mul max min and or xor eq ne lt le gt ge
 shift_left shift_right_arithmetic shift_right_logical select_n clamp complex mulhi lt_to le_to""".split()
-_CHEAP_NO_FLOP = "copy copy_p stop_gradient".split()
+#: `name` is `jax.ad_checkpoint.checkpoint_name`'s mark: an identity XLA never sees.
+_CHEAP_NO_FLOP = "copy copy_p stop_gradient name".split()
 #: Layout requests: identities the lowering drops (the plan's constraints replace them);
 #: to the cost model a buffer of their own, as they always were.
 _LAYOUT = "sharding_constraint reshard mesh_cast".split()
@@ -50,7 +51,7 @@ TRAITS = {
 UNARY = """abs acos acosh asin asinh atan atanh bessel_i0e bessel_i1e cbrt ceil clz conj cos cosh
 digamma erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite lgamma log log1p log2 logistic
 neg not population_count real reduce_precision round rsqrt sign sin sinh sqrt square tan tanh
-convert_element_type copy copy_p stop_gradient sharding_constraint one_minus_square reshard mesh_cast""".split()
+convert_element_type copy copy_p stop_gradient name sharding_constraint one_minus_square reshard mesh_cast""".split()
 
 NARY = """add add_any sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
 shift_left shift_right_arithmetic shift_right_logical complex igamma igammac igamma_grad_a

@@ -51,13 +51,13 @@ class CostMemory:
 
     def _view(self):
         """The rematerialization view of the current recomputed residuals, or None."""
-        rec, reused = self.part.rematerialized, self.part.reused
+        rec, reused, saved = self.part.rematerialized, self.part.reused, self.part.saved
         if not rec and not reused:
             return None
-        view = self._views.get((rec, reused))
+        view = self._views.get((rec, reused, saved))
         if view is None:
-            view = self._views[(rec, reused)] = RematView(self.program, self.materialization, self._donated, rec,
-                                                          reused)
+            view = self._views[(rec, reused, saved)] = RematView(self.program, self.materialization, self._donated,
+                                                                 rec, reused, saved)
         return view
 
     def _moves(self) -> list:

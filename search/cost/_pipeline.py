@@ -286,7 +286,7 @@ def _recomputing(part, pipe) -> tuple[set, list]:
     them: its carries in, `_remat`)."""
     prog = part.program
     body = pipe.scans.forward.body
-    rec = partir.recompute(prog, part.rematerialized) if part.rematerialized else None
+    rec = partir.recompute(prog, part.rematerialized, part.saved) if part.rematerialized else None
     if rec is None:
         return set(), []
     stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == partir.Link.SCAN_YS}

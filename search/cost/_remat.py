@@ -21,9 +21,10 @@ reads from the forward pass instead of recomputing them)
   sources); in a scan, the forward loop stacks it (its trips times its bytes, until the
   backward loop ends).
 
-`RematView(program, base, donated, recomputed, reused)` holds these static facts for
-one set of recomputed residuals and reused values; the cost model keeps one per pair
-of sets it meets.
+`RematView(program, base, donated, recomputed, reused, saved)` holds these static
+facts for one set of recomputed residuals, reused values and values saved for the
+recomputation (`Partitioning.saved`); the cost model keeps one per triple of sets it
+meets.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class RematView:
     residuals `recomputed` are rematerialized; `extra` lists additional temporaries as
     `(start, end, value, scale)`, of `scale` times the value's bytes."""
 
-    def __init__(self, program, materialization, donated, recomputed: frozenset, reused: frozenset = frozenset()):
-        rec = partir.recompute(program, recomputed)
+    def __init__(self, program, materialization, donated, recomputed: frozenset, reused: frozenset = frozenset(),
+                 saved: frozenset = frozenset()):
+        rec = partir.recompute(program, recomputed, saved)
         self.ops = np.array(rec.ops, dtype=np.int64)
         backward = program.analysis(backward_reads)
         virtual = materialization.virtual.copy()
