@@ -23,7 +23,7 @@ NOISE = 0.01
 #: The most a tie's modeled gap may be (the data file's header says why).
 TIE = 0.05
 SPLITS = ("fit", "check")
-REMAT = ("none", "dots", "full", "full/2")
+REMAT = ("none", "dots", "dots_except_mlp_in", "qkv", "full", "full/2")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
 PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
 
