@@ -22,6 +22,7 @@ then has the first of these roles that fits it:
 
 from __future__ import annotations
 
+from ._layers import weight_derived
 from ._nested import Link
 
 #: The roles a layer's projections can have (module docstring), in the order tried.
@@ -73,8 +74,6 @@ def _weight_made(program, v: int) -> bool:
 
 
 def _weights(program) -> list[bool]:
-    from ._remat import weight_derived  # _remat reads the roles: imported when first asked
-
     return weight_derived(program, program.backward)
 
 

@@ -90,3 +90,20 @@ def input_layers(prog, min_layers: int = 2) -> dict[int, int]:
     sequence of alike layers are left out)."""
     keys = layer_keys(prog, min_layers) or {}
     return {v: path[at].idx for v, (_, path, at) in keys.items() if at is not None}
+
+
+def weight_derived(program, backward) -> list[bool]:
+    """Per value: is it made from layer parameters and constants alone (a weight, its
+    cast, a bias broadcast, a causal mask), off the activations' paths?"""
+    inputs = program.input_set
+    derived = [program.producer[v] < 0 and v not in inputs for v in range(len(program.values))]  # literals
+    for v in input_layers(program):
+        derived[v] = True
+    for op in program.ops:
+        if backward[op.id]:
+            continue
+        if all(u < 0 or derived[u] for u in op.operands):  # iotas and constants too
+            for r in op.results:
+                if r >= 0:
+                    derived[r] = True
+    return derived

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from ._dot_roles import dot_roles
 from ._errors import PartitioningError
-from ._layers import input_layers
+from ._layers import input_layers, weight_derived
 from ._graph import call_roots
 from ._nested import Link
 
@@ -230,23 +230,6 @@ def _from_input(program, u: int) -> bool:
     return False
 
 
-def weight_derived(program, backward) -> list[bool]:
-    """Per value: is it made from layer parameters and constants alone (a weight, its
-    cast, a bias broadcast, a causal mask), off the activations' paths?"""
-    inputs = program.input_set
-    derived = [program.producer[v] < 0 and v not in inputs for v in range(len(program.values))]  # literals
-    for v in input_layers(program):
-        derived[v] = True
-    for op in program.ops:
-        if backward[op.id]:
-            continue
-        if all(u < 0 or derived[u] for u in op.operands):  # iotas and constants too
-            for r in op.results:
-                if r >= 0:
-                    derived[r] = True
-    return derived
-
-
 def _last_weight_reads(program, backward, taint, derived) -> dict:
     """Per layer, the last forward op that reads its weights (made from its parameters
     alone) together with an activation."""
@@ -312,10 +295,12 @@ def saved_dots(program, layer: Layer, policy: str) -> tuple[int, ...]:
     (`KEPT_ROLES`; none for the other policies), made where the layer's residuals are (a
     scan's body): one made in a call nested there is remade with its call."""
     check_policy(policy)
-    if policy not in KEPT_ROLES or not layer.residuals:
-        return ()
-    home = layer.loop if layer.loop >= 0 else program.values[layer.residuals[0]].region
     roles = dot_roles(program, layer)
+    if policy not in KEPT_ROLES or not roles:
+        return ()
+    # A layer a user's checkpoint recomputes may have no residuals: its matmuls say where.
+    made = layer.residuals or [program.ops[o].results[0] for o in sorted(roles)]
+    home = layer.loop if layer.loop >= 0 else program.values[made[0]].region
     return tuple(v for o, role in sorted(roles.items()) if role in KEPT_ROLES[policy]
                  for v in program.ops[o].results if v >= 0 and program.values[v].region == home)
 

@@ -149,3 +149,22 @@ def test_checkpoint_names_lift_as_identities():
         warnings.simplefilter("error")
         prog = partir.lift(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
     assert "name" in prog.primitives() and prog.fallbacks == ()
+
+
+@pytest.mark.parametrize("user,policy,verdict,backend", [
+    (None, "qkv", "relaxed", "jit"), ("dots", "dots_except_mlp_in", "tightened", "shard_map"),
+    pytest.param(None, "dots_except_mlp_in", "relaxed", "shard_map", marks=pytest.mark.slow),
+    pytest.param("dots", "qkv", "tightened", "jit", marks=pytest.mark.slow)])
+def test_a_named_policy_changes_a_users_checkpoint_and_computes_what_jit_computes(user, policy, verdict, backend):
+    """On a layer the user wrapped in `jax.checkpoint`: JAX's default keeps less than
+    'qkv', so the backward reads the projections from the forward pass (relaxed: 3
+    reruns reused); 'dots' keeps more than 'dots_except_mlp_in', which recomputes the
+    MLP's input projection and reads the others (tightened)."""
+    from tests.test_remat import SMALL
+
+    step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=True, remat_policy=user, **SMALL))
+    res = T.apply_schedule(partir.lift(step, *args), MESH, DP_TP + [T.Remat(policy)])
+    part = res.partitioning
+    assert verdict in res.history[-1].notes[-1]
+    assert bool(part.reused) == (verdict == "relaxed") and bool(part.rematerialized) == (verdict == "tightened")
+    partir.check_equivalence(step, args, part, rtol=2e-5, atol=2e-6, backend=backend)
