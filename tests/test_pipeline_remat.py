@@ -251,3 +251,20 @@ def test_the_peak_of_rematerializing_stages_moving_once_a_step_is_xlas():
     ma = partir.lower(part, backend="shard_map").lower(*args).compile().memory_analysis()
     xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
     assert 0.8 < search.CostModel(part, "cpu").cost().memory_peak / xla < 1.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,policy,schedule,backend", [
+    (TINY, "full", "gpipe", "shard_map"), (TINY, "full", "1f1b", "jit"),
+    (TINY_LLAMA, "full", "1f1b", "shard_map"), (TINY_LLAMA, "qkv", "gpipe", "jit")],
+    ids=["gpt-full-gpipe-shard_map", "gpt-full-1f1b-jit", "llama-full-1f1b-shard_map", "llama-qkv-gpipe-jit"])
+def test_a_policy_tightening_the_users_checkpoint_in_pipelined_layers_computes_what_jit_computes(
+        config, policy, schedule, backend):
+    """The user's jax.checkpoint saves the matmuls ('dots'); the policy keeps less, so
+    the stage recomputes in its backward ticks what the user's policy saved too."""
+    config = dataclasses.replace(config, remat=True, remat_policy="dots")
+    _, _, prog = _gpt(config)
+    part = T.apply_schedule(prog, _mesh(2), [T.DataParallel("data"), T.Remat(policy),
+                                             T.Pipeline("stage", microbatches=4, schedule=schedule)]).partitioning
+    assert part.rematerialized and part.pipelines
+    _same_step(part, config, backend)
