@@ -17,12 +17,8 @@ import itertools
 import partir
 from tactics import FSDP, ContextParallel, DataParallel, Megatron, Pipeline, Remat, SequenceParallel, ZeRO
 
-#: The rematerialization policies the search may apply to every layer (`Remat`), from
-#: keeping the most to the least: between every matmul kept and none, all but the MLP's
-#: up and gate projections (MaxText's `save_dot_except_mlpwi`). Not `qkv`: it models
-#: within about 2% of `full`'s step at the published rows' sizes, and offering it spread
-#: the episodes so that the 128B v5p row's search missed its published plan (1.02x).
-REMAT_MACROS = ("dots", "dots_except_mlp_in", "full")
+#: The rematerialization policies the search may apply to every layer (`Remat`).
+REMAT_MACROS = ("dots", "full")
 #: The roles an axis may take once per plan (two tensor-parallel axes are moves of the
 #: tree search, not textbook plans). Context parallelism may take several: one context
 #: group over two mesh axes (a long sequence on few sequences a step, e.g. NeMo's
