@@ -95,7 +95,7 @@ def _reached(program, start: int, inside: set, kinds: dict, backward) -> frozens
                 found.add(u)
                 continue
             op = program.ops[u]
-            if op.link and op.primitive in (Link.SCAN_YS,):
-                continue
+            if op.link and op.primitive == Link.SCAN_YS:
+                continue  # (stacked for the backward: out of the layer's forward pass)
             stack += [r for r in op.results if r >= 0]
     return frozenset(found)

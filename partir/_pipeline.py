@@ -34,7 +34,7 @@ from ._microbatch import LINEARITY, MICROBATCH, SAME, SPLIT, SUM, _strip
 from ._pipeline_defer import deferred_scatters
 from ._pipeline_hoist import gathered_inputs
 from ._remat import recompute
-from ._scans import LayerScans, ScanCall, body_regions, layer_scans
+from ._scans import LayerScans, ScanCall, body_regions, layer_scans, stacked_outputs
 from ._stage_split import StageSplit
 from ._tiling import Tiling
 
@@ -328,7 +328,7 @@ def _recomputed_stacks(part, pipe: Pipelining) -> set:
     prog = part.program
     rec = recompute(prog, part.rematerialized, part.saved)
     body = pipe.scans.forward.body
-    stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == Link.SCAN_YS}
+    stacked = stacked_outputs(prog)
     return {stacked[r] for r in rec.sources if prog.values[r].region == body and r in stacked}
 
 

@@ -280,9 +280,8 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
     if policy in ("dots", "collectives"):
         keep |= {r for r in layer.residuals if _plain_dot(program, r)}
     if policy in KEPT_ROLES:
-        kept = set(saved_dots(program, layer, policy))
-        keep |= {r for r in layer.residuals if _dot_of(program, r) >= 0 and
-                 not kept.isdisjoint(program.ops[_dot_of(program, r)].results)}
+        kept = {program.producer[v] for v in saved_dots(program, layer, policy)}  # the matmuls kept
+        keep |= {r for r in layer.residuals if _dot_of(program, r) in kept}
     if policy == "collectives":
         if part is None:
             raise PartitioningError("the 'collectives' policy needs the partitioning (which ops move data)")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from jax.extend.core import Literal
 
 from ._graph import call_roots
-from ._nested import split_operands
+from ._nested import Link, split_operands
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,16 @@ def _var_ids(program, rid: int) -> dict:
     for eqn, vids in zip(jaxpr.eqns, region.eqn_results):
         ids.update((var, v) for var, v in zip(eqn.outvars, vids) if v >= 0)
     return ids
+
+
+def stacked_outputs(program) -> dict[int, int]:
+    """Per value a scan body stacks as an output (`ys`), the stack its scan makes of it;
+    kept with the program (read it, do not change it)."""
+    return program.analysis(_stacked_outputs)
+
+
+def _stacked_outputs(program) -> dict[int, int]:
+    return {op.operands[0]: op.results[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
 
 
 def scan_call(program, body: int) -> ScanCall:

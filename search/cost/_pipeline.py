@@ -289,7 +289,7 @@ def _recomputing(part, pipe) -> tuple[set, list]:
     rec = partir.recompute(prog, part.rematerialized, part.saved) if part.rematerialized else None
     if rec is None:
         return set(), []
-    stacked = {op.operands[0]: op.results[0] for op in prog.ops if op.link and op.primitive == partir.Link.SCAN_YS}
+    stacked = partir.stacked_outputs(prog)
     mine = [r for r in rec.sources if prog.values[r].region == body]
     extra = {s: None for r in mine for s in rec.sources[r] if s not in stacked and stacked_for_it(prog, s)}
     return {stacked[r] for r in mine if r in stacked}, list(extra)

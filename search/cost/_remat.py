@@ -61,7 +61,7 @@ class RematView:
                     virtual[r] = True
                     sources.pop(r, None)
         forward_only, extra, added, extend, slices, gone, copies = set(), [], set(), {}, set(), set(), set()
-        stacked = {op.operands[0]: op.results[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
+        stacked = partir.stacked_outputs(program)
         kernel = materialization.attention.values if materialization.attention is not None else None
         for r, srcs in rec.sources.items():
             stack = stacked.get(r)
@@ -200,7 +200,7 @@ def _reads_kept(program, reads: dict, virtual, sources: dict) -> list:
     (the checkpoint region reads its operands through an `optimization_barrier`); across
     a scan's two loops, the extra temporaries of the stacks the forward loop makes."""
     extra, stacked = [], set()
-    ys = {op.operands[0] for op in program.ops if op.link and op.primitive == Link.SCAN_YS}
+    ys = partir.stacked_outputs(program)
     for w, v in reads.items():
         fwd, bwd = _loop_of(program, v), _loop_of(program, w)
         if fwd < 0 or bwd < 0:
