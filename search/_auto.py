@@ -41,8 +41,10 @@ class AutomaticPartition(Tactic):
     takes jointly with the tilings. Before its tree search it scores every plan that
     gives each searched axis one role (`search.compositions`: data parallel, FSDP,
     Megatron with or without sequence parallelism, context parallelism, pipeline stages;
-    with each remat policy), so the plans a practitioner writes are always among those
-    it weighs. `memory_limit` (bytes per device; the device's HBM
+    with the remat policies 'dots' and 'full'), so the plans a practitioner writes are
+    always among those it weighs; its best plan is then tried with the policies that
+    keep some matmuls by role ('qkv', 'dots_except_mlp_in') in place of its remat, and
+    keeps the fastest that fits. `memory_limit` (bytes per device; the device's HBM
     by default) is a hard constraint: when no plan the search meets fits, it raises a
     `TacticError` naming the best plan's peak, what is live at it and the smallest peak
     it reached, unless `best_effort=True` (then it returns the best plan, marked as not

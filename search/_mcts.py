@@ -31,7 +31,8 @@ seed a search that stops by episodes or convergence makes the same plan.
 `TreeSearch` holds the tree, the transposition table, the statistics and the best plans;
 its steps are methods by name: `seed_macros`, then per episode `select` (UCT among tried
 actions) and `expand` (one untried action) on the way down, `rollout`, `evaluate`,
-`backup`, and now and then `polish`; `run` loops until a stopping rule holds.
+`backup`, and now and then `polish`; `run` loops until a stopping rule holds, then
+tries the best plan under the remat policies the tree does not offer (`refine_remat`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import random
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from tactics import Remat
 
 from . import _seeds
 from ._actions import STOP, Action
@@ -426,6 +429,30 @@ class TreeSearch:
         self.state.rollback(root)
         return current if improved else None
 
+    def refine_remat(self) -> _Scored | None:
+        """The best plan with its remat policy swapped for each of
+        `_seeds.REMAT_REFINED` (the policies that keep some matmuls by their role, between
+        'full' and 'dots'), if one scores better; else None. They are not macros of the
+        tree search: seeded beside 'dots' and 'full', they took the budget of a four-axis
+        mesh's compositions and the search ended above the plan it reaches without
+        them. Once the plan is chosen, a policy between the two is how a run spends the
+        memory the plan leaves on keeping matmuls (MaxText's Llama 3 70B keeps its q, k, v
+        projections). The state must be at the root; it is left there."""
+        root, top = self.state.mark(), None
+        for i, a in enumerate(self.best.actions):
+            if a.kind != "macro" or not isinstance(a.tactic, Remat) or a.tactic.pattern is not None:
+                continue
+            for policy in _seeds.REMAT_REFINED:
+                cand = (*self.best.actions[:i], Action.macro(Remat(policy)), *self.best.actions[i + 1:])
+                if cand[i] == a:
+                    continue
+                if all(self.state.apply(x) for x in cand):
+                    scored = self.score(cand)
+                    if scored.reward > max(self.best.reward, top.reward if top else 0.0) + 1e-12:
+                        top = scored
+                self.state.rollback(root)
+        return top
+
     def neighbours(self, actions, root) -> list[list[Action]]:
         """The plans one action away from `actions` (from the root state `root`): each
         action or macro appended, each tile not in it put first, each macro in it swapped
@@ -466,6 +493,9 @@ class TreeSearch:
             self.episode()
         self.stats.stopped = why
         self.release(0)
+        refined = self.refine_remat()
+        if refined is not None:
+            self.improve(refined)
         self.stats.states = len(self.tree)
         self.stats.elapsed = time.perf_counter() - self.start
         if self.progress is not None:

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import time
 
+import jax.numpy as jnp
 import pytest
 from rich.console import Console
 
@@ -396,6 +397,33 @@ def test_on_four_axes_the_seeds_reach_the_best_plan_before_the_variants():
     assert peak <= 80e9
     result = search.mcts(state, budget_s=600, max_episodes=3000, macros=macros, seeds=plans)
     assert result.fits and result.step_time <= target * (1 + 1e-9)
+
+
+def test_the_search_keeps_the_matmuls_its_plan_has_room_for():
+    # A tiny Llama whose activations set its peak: on 8 devices, data parallel with
+    # Remat('full') fits a limit between the peaks of Remat('qkv') and
+    # Remat('dots_except_mlp_in'). The tree offers 'dots' and 'full' alone; its plan
+    # then keeps the q, k, v projections (`TreeSearch.refine_remat`), which fits and runs
+    # faster than recomputing them.
+    cfg = llama.LlamaConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, vocab=256, seq_len=256,
+                            batch=16, scan_layers=True, dtype=jnp.bfloat16)
+    step, args = llama.make_train_step(cfg, abstract=True)
+    prog, mesh = partir.lift(step, *args), MeshSpec.of(data=8)
+
+    def priced(policy):
+        part = T.apply_schedule(prog, mesh, [T.DataParallel("data"), T.Remat(policy)]).partitioning
+        return search.CostModel(part, "h100").cost()
+
+    full, qkv, more = priced("full"), priced("qkv"), priced("dots_except_mlp_in")
+    limit = (qkv.memory_peak + more.memory_peak) / 2
+    assert qkv.memory_peak < limit < more.memory_peak and qkv.step_time < full.step_time
+    part = partir.Partitioning(prog, mesh)
+    state = search.SearchState(part, search.CostModel(part, "h100", memory_limit=limit), [], ("data",), "test",
+                               T.Context())
+    result = search.mcts(state, budget_s=600, max_episodes=40,
+                         macros=(T.DataParallel("data"), T.Remat("dots"), T.Remat("full")))
+    assert [a.tactic for a in result.actions] == [T.DataParallel("data"), T.Remat("qkv")]
+    assert result.fits and result.step_time == pytest.approx(qkv.step_time, rel=1e-9)
 
 
 def test_seeds_with_each_roles_best_variant_come_first():
