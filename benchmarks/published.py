@@ -78,7 +78,7 @@ ODD_LAYERS = r"re:^params\['layers'\]\[\d*[13579]\]"
 
 
 def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
-    """The lifted train step of `examples/llama.py` set to the row's shape (abstract),
+    """The lifted train step of `examples/llama.py` set to the row's shape and loss (abstract),
     on the sequences of `micro_batches` of the row's `grad_accum` micro-batches (all of
     the global batch for a run of GA 1): its layers under `scan`, unrolled where the row
     checkpoints some layers only (`scan` overrides)."""
@@ -91,7 +91,8 @@ def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
     config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
                                d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
                                batch=r.global_batch // r.grad_accum * micro_batches,
-                               dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights)
+                               dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights,
+                               loss=r.loss)
     step, args = llama.make_train_step(config, abstract=True)
     return partir.lift(step, *args)
 
@@ -192,7 +193,7 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
     out["error"] = out["published"]["mfu"] / out["published_mfu"] - 1
     if episodes > 0:
         searches = {} if searches is None else searches
-        key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.global_batch // r.grad_accum,
+        key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.loss, r.global_batch // r.grad_accum,
                r.grad_accum, r.master_weights, r.mesh_axes, device, episodes)
         if key not in searches:
             searches[key] = _search(r, mesh, device, episodes)

@@ -24,6 +24,8 @@ NOISE = 0.01
 TIE = 0.05
 SPLITS = ("fit", "check")
 REMAT = ("none", "dots", "dots_except_mlp_in", "qkv", "full", "full/2")
+#: How the run's train step picks the targets' log-probabilities (`examples.llama.LOSSES`).
+LOSSES = ("gather", "one_hot")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
 PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
 
@@ -63,6 +65,7 @@ class Row:
     master_weights: bool = False
     tp_comm_overlap: bool = False
     sequence_parallel: bool = False
+    loss: str = "gather"
     pipeline: dict = dataclasses.field(default_factory=dict)
     pipeline_note: str = ""
     episodes: int = EPISODES
@@ -89,6 +92,8 @@ def _check(row: dict, where: str) -> Row:
         problems.append(f"split {r.split!r} not in {SPLITS}")
     if r.remat not in REMAT:
         problems.append(f"remat {r.remat!r} not in {REMAT}")
+    if r.loss not in LOSSES:
+        problems.append(f"loss {r.loss!r} not in {LOSSES}")
     if r.measured.get("kind") not in KINDS or not r.measured.get("value", 0) > 0:
         problems.append(f"measured must be {{kind in {KINDS}, value > 0}}, got {r.measured}")
     if r.flops not in FORMULAS and r.flops != "reported":

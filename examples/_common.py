@@ -137,9 +137,15 @@ def token_batch(key: jax.Array, batch: int, seq_len: int, vocab: int) -> dict:
     return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
 
 
-def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``targets [B, S]`` under ``logits [B, S, V]``."""
+def next_token_loss(logits: jax.Array, targets: jax.Array, *, one_hot: bool = False) -> jax.Array:
+    """Mean cross-entropy of ``targets [B, S]`` under ``logits [B, S, V]``: each target's
+    log-probability picked with ``take_along_axis`` (optax's and PyTorch's form: its
+    backward scatters into zeros the size of the logits), or with ``one_hot`` summed
+    against the one-hot targets (MaxText's ``cross_entropy_with_logits``: its backward
+    is one elementwise pass over the logits, no scattered buffer)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
+    if one_hot:
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype) * logp, axis=-1))
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 

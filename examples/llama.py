@@ -2,7 +2,8 @@
 
 RMSNorm (pre-norm), rotary position embeddings (split-halves form), grouped-query
 attention through ``jax.nn.dot_product_attention(..., is_causal=True)``, a SwiGLU MLP,
-an untied embedding and LM head, mean next-token cross-entropy.
+an untied embedding and LM head, mean next-token cross-entropy (``loss``: the targets'
+log-probabilities gathered, or summed against one-hot targets as MaxText does).
 
 Parameters (D = d_model, H = n_heads, K = n_kv_heads, Dh = d_head, F = d_ff, V = vocab)::
 
@@ -64,6 +65,12 @@ REMAT_POLICIES = {
     "qkv": jax.checkpoint_policies.save_only_these_names(*_QKV),
     "dots_except_mlp_in": jax.checkpoint_policies.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
 }
+#: ``loss`` name -> what it is (`next_token_loss`): how the cross-entropy picks each
+#: target's log-probability.
+LOSSES = {
+    "gather": "take_along_axis (optax's form, PyTorch's cross_entropy)",
+    "one_hot": "a sum against the one-hot targets (MaxText's cross_entropy_with_logits)",
+}
 #: The policies that read the names.
 _NAMED = ("qkv", "dots_except_mlp_in")
 
@@ -90,6 +97,7 @@ class LlamaConfig:
     learning_rate: float = 1e-3
     adam_eps: float = 1e-8
     master_weights: bool = False  # parameters in `dtype`, float32 master copy in the optimizer state
+    loss: str = "gather"  # how the cross-entropy picks the targets: a key of LOSSES
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -102,6 +110,8 @@ class LlamaConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"LlamaConfig: unknown remat_policy {self.remat_policy!r}; "
                              f"allowed: {list(REMAT_POLICIES)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"LlamaConfig: unknown loss {self.loss!r}; allowed: {list(LOSSES)}")
         if self.remat_policy is not None and not self.remat:
             raise ValueError(f"LlamaConfig: remat_policy={self.remat_policy!r} needs remat=True")
 
@@ -230,7 +240,7 @@ def forward(params: dict, tokens: jax.Array, config: LlamaConfig) -> jax.Array:
 
 def loss_fn(params: dict, batch: dict, config: LlamaConfig) -> jax.Array:
     """Mean next-token cross-entropy, computed in float32."""
-    return next_token_loss(forward(params, batch["tokens"], config), batch["targets"])
+    return next_token_loss(forward(params, batch["tokens"], config), batch["targets"], one_hot=config.loss == "one_hot")
 
 
 def init(config: LlamaConfig, key: jax.Array) -> tuple[dict, dict]:

@@ -168,6 +168,24 @@ def test_schedule_plan_matches_jit(name):
     partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6, steps=2)
 
 
+def test_one_hot_loss_is_the_gathered_one_and_its_plan_matches_jit():
+    """MaxText's cross-entropy (`loss='one_hot'`: log-probabilities summed against one-hot
+    targets) computes the gathered form's loss; under data, tensor (the vocabulary split
+    over 'model') and sequence parallelism with ZeRO-3 its plan computes what jit does."""
+    config = dataclasses.replace(TINY, loss="one_hot")
+    (_, _, _), (_, _, gathered) = _step_outputs(TINY)
+    step, args = _train_step(config)
+    np.testing.assert_allclose(jax.jit(step)(*args)[2], gathered, rtol=1e-6)
+    res = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=4),
+                                 llama.SCHEDULES["dp+tp+sp+zero3"]())
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
+
+
+def test_an_unknown_loss_is_refused_listing_the_allowed():
+    with pytest.raises(ValueError, match=r"unknown loss 'xent'; allowed: \['gather', 'one_hot'\]"):
+        llama.LlamaConfig(loss="xent")
+
+
 # -- tensor parallelism, scanned and unrolled ----------------------------------------------
 # Each layer's weights in their own dims, split over 'model' on the textbook dims: Q/K/V on
 # the heads, the output projection on its heads (row parallel), the MLP column then row.
