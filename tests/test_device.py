@@ -71,6 +71,9 @@ def test_headline_figures():
     # The memory a step may use: the datasheet's GiB, less the runtime's share.
     assert PRESETS["h200"].hbm_bytes == pytest.approx(141 * 2**30 * 0.9)
     assert PRESETS["h100"].hbm_bytes == PRESETS["a100"].hbm_bytes == pytest.approx(72 * 2**30)
+    # A TPU's: what XLA:TPU's out-of-memory errors say a program may use.
+    assert PRESETS["tpu-v5p"].hbm_bytes == pytest.approx(95.74 * 2**30)
+    assert PRESETS["tpu-v5e"].hbm_bytes == pytest.approx(15.75 * 2**30)
     assert PRESETS["tpu-v5e"].flops_for(jnp.bfloat16) == pytest.approx(197e12)
     assert PRESETS["tpu-v4"].flops_for(jnp.bfloat16) == pytest.approx(275e12)
 

@@ -285,6 +285,16 @@ _TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead
                  overlap_activations=True, priority_fusion=False, reassociate=False)
 
 
+#: The HBM XLA:TPU lets one program use, per chip, as its out-of-memory errors print it
+#: ("Used X of Y hbm", XLA's binary units: G is GiB): the chip's HBM less what the
+#: runtime keeps. v5p: "exceeding available bytes: 95.74G" (openxla.org, XLA error
+#: E1000's sample, a SparseCore TPU), 96 GiB of HBM2e that the Cloud TPU docs print as
+#: "95 GB"; v4: "Used 33.27G of 30.75G" (AI-Hypercomputer/maxtext pull 4117, v4-384),
+#: of 32 GiB; v5e: "of 15.75G hbm" (users' v5e errors), of 16 GiB. A step that fits
+#: these fits the chip, as the published TPU runs do.
+TPU_USABLE_GIB = {"tpu-v4": 30.75, "tpu-v5e": 15.75, "tpu-v5p": 95.74}
+
+
 # Figures per device. GPU sources are the NVIDIA datasheets of the named SKU; dense flops
 # are the printed sparse ones / 2. TPU sources are the Google Cloud TPU docs page of each
 # version, where a "node" is the ICI domain (the largest pod slice) and DCN joins slices.
@@ -310,34 +320,36 @@ PRESETS: dict[str, DeviceSpec] = {
     "v100": _gpu("v100", _flops(15.7e12, 15.7e12, 125e12), 32, 900e9, _NVLINK2, _EDR),
     # TPU v4: "275 teraflops (bf16 or int8)" per chip; float32 at the same rate (one bf16
     # pass, JAX's default), float16 assumed (not documented) to be converted to that path.
-    # "32 GiB, 1200 GBps" HBM2. ICI, derived estimate: "all-reduce bandwidth per Pod
-    # 1.1 PB/s" / 4096 chips ~ 270 GB/s per chip over 6 links ~ 45 GB/s per link per
-    # direction; a ring along one torus dimension uses its 2 links: 90 GB/s. DCN, estimate:
-    # 50 Gb/s per chip, the figure the docs give for v5p (none is given for v4).
+    # "32 GiB, 1200 GBps" HBM2, of which a program may use `TPU_USABLE_GIB`. ICI, derived
+    # estimate: "all-reduce bandwidth per Pod 1.1 PB/s" / 4096 chips ~ 270 GB/s per chip
+    # over 6 links ~ 45 GB/s per link per direction; a ring along one torus dimension uses
+    # its 2 links: 90 GB/s. DCN, estimate: 50 Gb/s per chip, the figure the docs give for
+    # v5p (none is given for v4).
     # "TPU Pod size 4096 chips" is the ICI domain.
     # Slices are built of 4x4x4 cubes on a 3-D torus.
     "tpu-v4": DeviceSpec(
-        "tpu-v4", _flops(275e12, 275e12, 275e12), 32 * 2**30, 1200e9,
+        "tpu-v4", _flops(275e12, 275e12, 275e12), TPU_USABLE_GIB["tpu-v4"] * GIB, 1200e9,
         90e9, _ICI_HOP, 6.25e9, _DCN_HOP, devices_per_node=4096, torus_dims=3, torus_side=4, **_TPU_TIME,
     ),
     # TPU v5e: "197 TFLOPs" bf16 per chip, float32/float16 as for v4, no float8 (int8
-    # only); "16 GB, 819 GBps" HBM. ICI, derived: "400 GBps bidirectional per chip" over
-    # "4 ICI ports" = 50 GB/s per port per direction, 2 ports per torus dimension: 100 GB/s.
+    # only); "16 GB, 819 GBps" HBM, of which `TPU_USABLE_GIB`. ICI, derived: "400 GBps
+    # bidirectional per chip" over "4 ICI ports" = 50 GB/s per port per direction, 2 ports
+    # per torus dimension: 100 GB/s.
     # DCN, derived: "2 x 100 Gbps NIC" per host / "8 chips per host" = 25 Gb/s per chip.
     # "TPU Pod size 256 chips" is the ICI domain.
     # "2D torus": a v5e-256 slice is 16x16.
     "tpu-v5e": DeviceSpec(
-        "tpu-v5e", _flops(197e12, 197e12, 197e12), 16e9, 819e9,
+        "tpu-v5e", _flops(197e12, 197e12, 197e12), TPU_USABLE_GIB["tpu-v5e"] * GIB, 819e9,
         100e9, _ICI_HOP, 3.125e9, _DCN_HOP, devices_per_node=256, torus_dims=2, torus_side=16, **_TPU_TIME,
     ),
     # TPU v5p (Cloud TPU docs, "TPU v5p"): "459 TFLOPs" bf16 per chip (and FP8 at the same
-    # rate), float32/float16 as for v4; "95 GB, 2765 GBps" HBM2e. ICI, derived: "1200 GBps"
-    # bidirectional per chip over the 6 ports of a "3D torus" = 100 GB/s per port per
-    # direction, 2 ports per torus dimension: 200 GB/s. DCN: "50 Gbps" per chip. "8960
-    # chips" per pod is the ICI domain; slices are built of 4x4x4 cubes. Note: a
-    # "v5p-N" slice name counts TensorCores, two per chip.
+    # rate), float32/float16 as for v4; "95 GB, 2765 GBps" HBM2e, of which `TPU_USABLE_GIB`.
+    # ICI, derived: "1200 GBps" bidirectional per chip over the 6 ports of a "3D torus" =
+    # 100 GB/s per port per direction, 2 ports per torus dimension: 200 GB/s. DCN: "50
+    # Gbps" per chip. "8960 chips" per pod is the ICI domain; slices are built of 4x4x4
+    # cubes. Note: a "v5p-N" slice name counts TensorCores, two per chip.
     "tpu-v5p": DeviceSpec(
-        "tpu-v5p", _flops(459e12, 459e12, 459e12), 95e9, 2765e9,
+        "tpu-v5p", _flops(459e12, 459e12, 459e12), TPU_USABLE_GIB["tpu-v5p"] * GIB, 2765e9,
         200e9, _ICI_HOP, 6.25e9, _DCN_HOP, devices_per_node=8960, torus_dims=3, torus_side=4, **_TPU_TIME,
     ),
     # The 8 simulated host devices of the tests (--xla_force_host_platform_device_count=8).
