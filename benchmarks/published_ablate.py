@@ -23,7 +23,7 @@ MECHANISMS = (
      "collectives behind compute (weight gathers, gradient reductions; activations where the run overlaps them)"),
     ("bus bandwidth", {"collective_efficiency": 1.0}, "NCCL-tests' bus bandwidth below the line rate"),
     ("op overhead", {"op_overhead": 0.0}, "a fixed cost per matmul and attention kernel"),
-    ("GPU fusion", {"priority_fusion": False}, "XLA:GPU's priority fusion of cheap producers into all readers"),
+    ("fusion", {"priority_fusion": False}, "XLA:GPU's priority fusion of cheap producers into all readers (TPU too)"),
     ("reassociation", {"reassociate": False}, "XLA:GPU's one reduction of a sum of reductions"),
 )
 

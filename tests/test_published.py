@@ -29,7 +29,7 @@ CHECK = [r for r in ROWS if r.split == "check" and r.expressible]
 #: Expressible rows that are configurations of a run with another expressible row.
 _RUNS = [published.run_of(r) for r in ROWS if r.expressible]
 RANKED = [r for r in ROWS if r.expressible and _RUNS.count(published.run_of(r)) > 1]
-GPU_ROWS = [r for r in ROWS if r.expressible and r.device in published.GPUS]
+EXPRESSIBLE = [r for r in ROWS if r.expressible]
 _MODELED: dict = {}
 
 
@@ -134,8 +134,11 @@ def test_rankings_compare_throughput_across_batch_sizes():
     assert pair["tie"] and abs(pair["measured"]) < published.NOISE and pair["ok"]
 
 
-#: Published GPU configurations the model finds too big for the GPUs they ran on, each
-#: with why. Every run updates its state in place (`published.DONATED_ARGS`).
+#: Published configurations the model finds too big for the chips they ran on, each
+#: with why. Every run updates its state in place (`published.DONATED_ARGS`): judged with
+#: a second copy of the state, MaxText's 32B on 64 v5p chips was 101 GiB, 95.0 now, under
+#: the 95.74 GiB XLA:TPU lets a v5p program use (`TPU_USABLE_GIB`; 97.2 GiB with XLA:CPU's
+#: fusion of the float32 copies its norms and loss reduce, `priority_fusion`).
 #: NeMo's Llama 3.1 8B with data and context parallelism (8 and 128 H100s) were 98 and
 #: 84 GiB with float32 parameters whole and not donated; as Megatron runs them
 #: (`master_weights`: bfloat16 weights, the float32 master copy and adam moments sharded
@@ -165,8 +168,8 @@ NO_FIT: set[str] = {"llama3-405b-h100-8192", "nemo-llama31-70b-h100-64"}
 # (The unrolled rows, torchtitan's every-second-layer checkpointing, 4 s each to model:
 # in the slow run; their check row's band runs by default.)
 @pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.slow) if r.remat == "full/2" else r
-                                 for r in GPU_ROWS], ids=[r.id for r in GPU_ROWS])
-def test_a_published_gpu_configuration_fits_the_gpu_it_ran_on(row):
+                                 for r in EXPRESSIBLE], ids=[r.id for r in EXPRESSIBLE])
+def test_a_published_configuration_fits_the_chip_it_ran_on(row):
     out = _modeled(row)
     assert out["published"]["fits"] == (row.id not in NO_FIT), (row.id, out["published"]["peak_gib"])
 
@@ -212,14 +215,17 @@ def test_the_search_chooses_its_plan_by_the_accumulated_step():
 
 
 #: Expressible rows whose searched plan is slower than the published configuration, or
-#: does not fit, and why (NeMo's Llama 3.1 70B has its own tests below):
-#: MaxText's 32B on 64 v5p chips, 1.12x: its published configuration (FSDP 16 x tensor
-#: 4, Remat('dots')) models at 101 GiB, over v5p's 95 GB, for a run that fit; the
-#: search keeps fewer matmuls (FSDP over both axes, Remat('dots_except_mlp_in'), 53 GiB).
-SEARCH_SLOWER = {"maxtext-32b-v5p-64"}
+#: does not fit, and why: none (NeMo's Llama 3.1 70B has its own tests below).
+#: MaxText's 32B on 64 v5p chips was 1.12x while its published configuration (FSDP 16 x
+#: tensor 4, Remat('dots')) modeled at 101 GiB, over the 88.5 GiB then allowed a v5p:
+#: the search kept fewer matmuls. With the state updated in place and the chip's usable
+#: memory, that configuration fits, and the search finds FSDP over both axes with
+#: Remat('dots'), 0.98x.
+SEARCH_SLOWER: set[str] = set()
 #: Rows whose search runs by default (2 s each): a plan keeping the q, k, v projections
-#: (`TreeSearch.refine_remat`), and one keeping all matmuls but the MLP's first.
-_SEARCHED_BY_DEFAULT = ("maxtext-llama3-70b-h100-128", "maxtext-llama2-70b-h100-64")
+#: (`TreeSearch.refine_remat`), one keeping all matmuls but the MLP's first, and one
+#: whose published configuration fits its chip by 0.7 GiB.
+_SEARCHED_BY_DEFAULT = ("maxtext-llama3-70b-h100-128", "maxtext-llama2-70b-h100-64", "maxtext-32b-v5p-64")
 _SEARCHED = [r for r in ROWS if r.expressible and r.id != "nemo-llama31-70b-h100-64"]
 
 
@@ -281,8 +287,8 @@ def test_the_ablation_says_which_mechanism_moves_a_row():
     (errors,) = ablate(published, [row], names=("fused attention", "reassociation")).values()
     assert errors["all"] == pytest.approx(_modeled(row)["error"])
     assert errors["fused attention"] < errors["all"] - 0.1 and errors["reassociation"] == errors["all"]
-    with pytest.raises(ValueError, match=r"unknown mechanisms \['fusion'\]; allowed: \['matmul rate'"):
-        ablate(published, [row], names=("fusion",))
+    with pytest.raises(ValueError, match=r"unknown mechanisms \['GPU fusion'\]; allowed: \['matmul rate'"):
+        ablate(published, [row], names=("GPU fusion",))
 
 
 def _tiny_llama():
