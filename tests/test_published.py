@@ -137,7 +137,7 @@ def test_rankings_compare_throughput_across_batch_sizes():
 #: Published configurations the model finds too big for the chips they ran on, each
 #: with why. Every run updates its state in place (`published.DONATED_ARGS`): judged with
 #: a second copy of the state, MaxText's 32B on 64 v5p chips was 101 GiB, 95.0 now, under
-#: the 95.74 GiB XLA:TPU lets a v5p program use (`TPU_USABLE_GIB`; 97.2 GiB with XLA:CPU's
+#: the 95.74 GiB XLA:TPU lets a v5p program use (`TPU_USABLE_GIB`; 97.3 GiB with XLA:CPU's
 #: fusion of the float32 copies its norms and loss reduce, `priority_fusion`).
 #: NeMo's Llama 3.1 8B with data and context parallelism (8 and 128 H100s) were 98 and
 #: 84 GiB with float32 parameters whole and not donated; as Megatron runs them

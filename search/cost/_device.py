@@ -282,7 +282,7 @@ _GPU_TIME = dict(fused_attention=True, overlap=True, priority_fusion=True, reass
 # all its readers, reductions included, as XLA:GPU does (`priority_fusion`): MaxText's 32B
 # on 64 v5p (published, `benchmarks/published/`) fits the chip's 95.74 GiB so (95.0 GiB
 # modeled) and cannot with XLA:CPU's rule, which makes buffers of the float32 copies its
-# norms and loss reduce (97.2 GiB). They keep XLA:CPU's reductions of sums (`reassociate`
+# norms and loss reduce (97.3 GiB). They keep XLA:CPU's reductions of sums (`reassociate`
 # off), of which no published run says anything.
 _TPU_TIME = dict(_GPU_TIME, matmul_efficiency=TPU_MATMUL_EFFICIENCY, op_overhead=TPU_OP_OVERHEAD,
                  overlap_activations=True, priority_fusion=True, reassociate=False)
