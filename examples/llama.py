@@ -56,14 +56,20 @@ from examples._common import (build_master_weights_train_step, build_train_step,
                               stack_layers, token_batch)
 
 _QKV = ("query_proj", "key_proj", "value_proj")
-#: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for. The named ones
-#: are MaxText's (``save_qkv_proj``, ``save_dot_except_mlpwi``): under them the layer
-#: names its projections' outputs (`jax.ad_checkpoint.checkpoint_name`), as MaxText's do.
+#: The named policies -> the values they save, by the names the layer gives them
+#: (`jax.ad_checkpoint.checkpoint_name`, MaxText's names): MaxText's ``save_qkv_proj``
+#: and ``save_dot_except_mlpwi``, and torchtitan's selective op checkpointing (every
+#: matmul but every second one of a block, in call order, and the attention's output).
+_NAMES = {
+    "qkv": _QKV,
+    "dots_except_mlp_in": (*_QKV, "out_proj", "mlpwo"),
+    "every_other_dot": ("query_proj", "value_proj", "mlpwi_0", "mlpwo", "context"),
+}
+#: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.
 REMAT_POLICIES = {
     None: None,  # jax.checkpoint's default: save only the layer's inputs
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "qkv": jax.checkpoint_policies.save_only_these_names(*_QKV),
-    "dots_except_mlp_in": jax.checkpoint_policies.save_only_these_names(*_QKV, "out_proj", "mlpwo"),
+    **{name: jax.checkpoint_policies.save_only_these_names(*names) for name, names in _NAMES.items()},
 }
 #: ``loss`` name -> what it is (`next_token_loss`): how the cross-entropy picks each
 #: target's log-probability.
@@ -71,8 +77,6 @@ LOSSES = {
     "gather": "take_along_axis (optax's form, PyTorch's cross_entropy)",
     "one_hot": "a sum against the one-hot targets (MaxText's cross_entropy_with_logits)",
 }
-#: The policies that read the names.
-_NAMED = ("qkv", "dots_except_mlp_in")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +198,10 @@ def _unnamed(x: jax.Array, name: str) -> jax.Array:
     return x
 
 
+def _named(read: tuple[str, ...], x: jax.Array, name: str) -> jax.Array:
+    return checkpoint_name(x, name) if name in read else x
+
+
 def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: bool = True,
               tag=_unnamed) -> jax.Array:
     """Grouped-query self-attention on ``x [B, S, D]``, causal unless told otherwise;
@@ -203,20 +211,21 @@ def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: 
     v = tag(jnp.einsum("bsd,dhk->bshk", x, p["wv"]), "value_proj")
     q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     # K/V keep their n_kv_heads heads: dot_product_attention groups the query heads.
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    out = tag(jax.nn.dot_product_attention(q, k, v, is_causal=causal), "context")
     return tag(jnp.einsum("bshk,hkd->bsd", out, p["wo"]), "out_proj")
 
 
 def mlp(p: dict, x: jax.Array, tag=_unnamed) -> jax.Array:
     """SwiGLU feed-forward block: ``(silu(x W_gate) * x W_up) W_down``."""
-    return tag((jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"], "mlpwo")
+    return tag((jax.nn.silu(tag(x @ p["w_gate"], "mlpwi_0")) * (x @ p["w_up"])) @ p["w_down"], "mlpwo")
 
 
 def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: LlamaConfig) -> jax.Array:
     """One pre-norm decoder layer; shared by the unrolled and scanned forms."""
     p = jax.tree.map(lambda w: w.astype(config.dtype), p)  # float32 master -> compute dtype
-    # Names only where a policy reads them: other programs stay as they were.
-    tag = checkpoint_name if config.remat and config.remat_policy in _NAMED else _unnamed
+    # Names only those the policy reads: other programs stay as they were.
+    read = _NAMES.get(config.remat_policy, ()) if config.remat else ()
+    tag = functools.partial(_named, read) if read else _unnamed
     x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope, config.causal, tag)
     return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps), tag)
 

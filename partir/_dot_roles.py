@@ -56,6 +56,21 @@ def _dot_roles(program, layer) -> dict[int, str]:
     return roles
 
 
+def attention_outputs(program, layer) -> tuple[int, ...]:
+    """The attention cores of `layer` whose output reaches a projection through other
+    ops only (`p v`, the attention's output, where `q k^T` reaches another core), in
+    program order."""
+    return program.analysis(_attention_outputs, layer)
+
+
+def _attention_outputs(program, layer) -> tuple[int, ...]:
+    inside = set(layer.ops)
+    backward = program.backward
+    kinds = {o: _kind(program, o) for o in layer.ops if not backward[o]}
+    return tuple(o for o, k in sorted(kinds.items())
+                 if k == "core" and any(kinds[p] == "projection" for p in _reached(program, o, inside, kinds, backward)))
+
+
 def _kind(program, o: int) -> str | None:
     """'projection', 'core' or None (any other op)."""
     op = program.ops[o]

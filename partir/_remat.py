@@ -23,10 +23,16 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
                  keep the outputs of every projection but the MLP's up and gate ones
                  (`partir._dot_roles`), as MaxText's `save_dot_except_mlpwi`: what
                  is recomputed is remade from them, those two matmuls run again
+    every_other_dot
+                 keep the outputs of the layer's first, third, fifth... projection in
+                 program order and the attention's output (the `p v` core), as
+                 torchtitan's selective op checkpointing saves every matmul but every
+                 second one of a block and the attention kernel's outputs: the
+                 second, fourth... projections run again
     qkv          keep only the attention's query, key and value projections' outputs,
                  as MaxText's `save_qkv_proj`: the rest of the layer runs again
 
-The last two keep what their roles name whether or not the backward pass reads it: a
+The last three keep what they name whether or not the backward pass reads it: a
 recomputation reads such an output instead of running its matmul again
 (`Partitioning.save`, which the `Remat` tactic records).
 
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._dot_roles import dot_roles
+from ._dot_roles import attention_outputs, dot_roles
 from ._errors import PartitioningError
 from ._layers import input_layers, weight_derived
 from ._graph import call_roots
@@ -53,10 +59,12 @@ SEEN_THROUGH = ("reshape", "convert_element_type", "transpose", "squeeze", "expa
          "reduce_precision", "name")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
-POLICIES = ("none", "collectives", "dots", "dots_except_mlp_in", "qkv", "full")
+POLICIES = ("none", "collectives", "dots", "dots_except_mlp_in", "every_other_dot", "qkv", "full")
 
 #: The policies that keep the outputs of some roles of projections (`partir._dot_roles`).
 KEPT_ROLES = {"dots_except_mlp_in": ("qkv", "attention_out", "mlp_out", "other"), "qkv": ("qkv",)}
+#: The policies that keep some matmuls' outputs and no others (`saved_dots`).
+SAVING = (*KEPT_ROLES, "every_other_dot")
 
 
 @dataclass(frozen=True)
@@ -279,7 +287,7 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
     keep = {r for r in layer.residuals if root[r] in boundary}
     if policy in ("dots", "collectives"):
         keep |= {r for r in layer.residuals if _plain_dot(program, r)}
-    if policy in KEPT_ROLES:
+    if policy in SAVING:
         kept = {program.producer[v] for v in saved_dots(program, layer, policy)}  # the matmuls kept
         keep |= {r for r in layer.residuals if _dot_of(program, r) in kept}
     if policy == "collectives":
@@ -290,18 +298,22 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
 
 
 def saved_dots(program, layer: Layer, policy: str) -> tuple[int, ...]:
-    """The outputs of the projections of `layer` whose roles `policy` keeps
-    (`KEPT_ROLES`; none for the other policies), made where the layer's residuals are (a
-    scan's body): one made in a call nested there is remade with its call."""
+    """The outputs of the matmuls of `layer` that `policy` keeps (`SAVING`: its
+    projections of the roles `KEPT_ROLES` names, or every other one and the attention's
+    output; none for the other policies), made where the layer's residuals are (a scan's
+    body): one made in a call nested there is remade with its call."""
     check_policy(policy)
     roles = dot_roles(program, layer)
-    if policy not in KEPT_ROLES or not roles:
+    if policy not in SAVING or not roles:
         return ()
     # A layer a user's checkpoint recomputes may have no residuals: its matmuls say where.
     made = layer.residuals or [program.ops[o].results[0] for o in sorted(roles)]
     home = layer.loop if layer.loop >= 0 else program.values[made[0]].region
-    return tuple(v for o, role in sorted(roles.items()) if role in KEPT_ROLES[policy]
-                 for v in program.ops[o].results if v >= 0 and program.values[v].region == home)
+    if policy == "every_other_dot":
+        ops = sorted(sorted(roles)[::2] + list(attention_outputs(program, layer)))
+    else:
+        ops = [o for o, role in sorted(roles.items()) if role in KEPT_ROLES[policy]]
+    return tuple(v for o in ops for v in program.ops[o].results if v >= 0 and program.values[v].region == home)
 
 
 def layer_values(program) -> frozenset:

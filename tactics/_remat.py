@@ -22,9 +22,11 @@ class Remat(Tactic):
     runs twice), `dots` (also its matmul outputs), `collectives` (also whatever an op
     made after moving data between devices, so recomputing repeats no communication),
     `dots_except_mlp_in` (the outputs of every matmul but the MLP's up and gate
-    projections, MaxText's `save_dot_except_mlpwi`), `qkv` (the attention's query, key
-    and value projections' outputs only, MaxText's `save_qkv_proj`), `none`
-    (everything: no recomputation). The matmuls' roles are read from the dataflow
+    projections, MaxText's `save_dot_except_mlpwi`), `every_other_dot` (the outputs of
+    the first, third, fifth... projection in program order and the attention's output,
+    torchtitan's selective op checkpointing), `qkv` (the attention's query, key and
+    value projections' outputs only, MaxText's `save_qkv_proj`), `none` (everything:
+    no recomputation). The matmuls' roles are read from the dataflow
     (`partir.dot_roles`), never from names. What is not kept is recomputed from what is,
     just before the backward pass reads it; the lowering keeps XLA from merging the
     recomputation back into the forward pass.

@@ -58,30 +58,57 @@ def test_the_roles_of_a_layers_matmuls_come_from_its_dataflow(scan):
 def test_each_policy_runs_again_the_matmuls_it_does_not_keep():
     """Per scanned Llama layer, the projections the backward runs again: 'full' six (all
     but the down projection, which only the next layer reads), 'qkv' three (output,
-    gate, up), 'dots_except_mlp_in' two (gate, up), 'dots' none; each keeps fewer
-    values than the one before it keeps more."""
+    gate, up), 'every_other_dot' three (key, output, up: the second, fourth and sixth
+    in call order; it saves the query, value, gate and down projections' outputs and
+    the attention's), 'dots_except_mlp_in' two (gate, up), 'dots' none; each keeps
+    fewer values than the one before it keeps more."""
     step, args = _llama()
     prog = partir.lift(step, *args)
     parts = {p: T.apply_schedule(prog, MESH, DP_TP + [T.Remat(p)]).partitioning
-             for p in ("full", "qkv", "dots_except_mlp_in", "dots")}
+             for p in ("full", "qkv", "every_other_dot", "dots_except_mlp_in", "dots")}
     assert {p: _plain_dots_run_again(part) for p, part in parts.items()} == \
-        {"full": 6, "qkv": 3, "dots_except_mlp_in": 2, "dots": 0}
+        {"full": 6, "qkv": 3, "every_other_dot": 3, "dots_except_mlp_in": 2, "dots": 0}
     assert {p: len(part.saved) for p, part in parts.items()} == \
-        {"full": 0, "qkv": 3, "dots_except_mlp_in": 5, "dots": 0}
-    peaks = [search.CostModel(parts[p], "cpu").cost().memory_peak for p in ("full", "qkv", "dots_except_mlp_in")]
+        {"full": 0, "qkv": 3, "every_other_dot": 5, "dots_except_mlp_in": 5, "dots": 0}
+    attention_out = [v for v in parts["every_other_dot"].saved
+                     if prog.ops[prog.producer[v]].eqn.params["dimension_numbers"][1][0]]
+    assert len(attention_out) == 1  # (the one batched matmul kept: the attention's p v)
+    peaks = [search.CostModel(parts[p], "cpu").cost().memory_peak
+             for p in ("full", "qkv", "every_other_dot", "dots_except_mlp_in")]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
 
 
+def test_keeping_the_attentions_output_reruns_none_of_the_fused_kernel():
+    """On a backend running attention as one fused kernel (H100), a policy keeping the
+    attention's output ('every_other_dot', as torchtitan's selective op checkpointing
+    saves the kernel's outputs) reruns none of the forward kernel: its backward kernel
+    remakes the scores itself. 'qkv' keeps the projections' inputs to it, not its
+    output, and reruns the kernel's score matmul and its output's."""
+    step, args = _llama(dtype=jnp.bfloat16)
+    prog = partir.lift(step, *args)
+
+    def kernel_dots_again(policy):
+        part = T.apply_schedule(prog, MESH, DP_TP + [T.Remat(policy)]).partitioning
+        model = search.CostModel(part, "h100")
+        model.cost()
+        return sum(bool(model.materialization.attention.dots[o]) for o in model._view().ops.tolist())
+
+    assert kernel_dots_again("every_other_dot") == 0
+    assert kernel_dots_again("qkv") == 2
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in"])
+@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot"])
 def test_a_named_policy_does_the_work_of_jaxs_and_computes_what_jit_computes(policy):
     """The same scanned Llama under `Remat(policy)` and under the user's own
     `jax.checkpoint` with JAX's `save_only_these_names` over the projections MaxText
-    names (`LlamaConfig(remat_policy=policy)`): XLA's compiled flops agree within 1%
-    (66.98 M against 67.05 M for 'qkv', 64.88 M against 64.99 M for
-    'dots_except_mlp_in'), its memory within 10% (4355 against 4037 KB, 4291 against
-    3973 KB: the 318 KB 'dots' has too); the model's peak is XLA's within 20% (0.84,
-    0.89); the plan computes what jit computes."""
+    names (`LlamaConfig(remat_policy=policy)`; for 'every_other_dot', torchtitan's
+    selective op checkpointing, the query, value, gate and down projections and the
+    attention's output): XLA's compiled flops agree within 1% (66.98 M against 67.05 M
+    for 'qkv', 64.88 M against 64.99 M for 'dots_except_mlp_in', 63.77 M against
+    63.89 M for 'every_other_dot'), its memory within 10% (4355 against 4037 KB, 4291
+    against 3973 KB, 4492 against 4166 KB: the 318 KB 'dots' has too); the model's
+    peak is XLA's within 20% (0.84, 0.89, 0.87); the plan computes what jit computes."""
     step, args = _llama()
     ours = T.apply_schedule(partir.lift(step, *args), MESH, DP_TP + [T.Remat(policy)]).partitioning
     jstep, jargs = _llama(remat=True, remat_policy=policy)
@@ -101,7 +128,8 @@ def test_a_named_policy_does_the_work_of_jaxs_and_computes_what_jit_computes(pol
     partir.check_equivalence(step, args, ours, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("policy", ["qkv", pytest.param("dots_except_mlp_in", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", ["qkv", pytest.param("dots_except_mlp_in", marks=pytest.mark.slow),
+                                    pytest.param("every_other_dot", marks=pytest.mark.slow)])
 def test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes(policy):
     step, args = gpt.make_train_step(gpt.GPTConfig(**GPT))
     res = T.apply_schedule(partir.lift(step, *args), MESH, DP_TP + [T.Remat(policy)])
@@ -112,7 +140,7 @@ def test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes(policy
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["shard_map", "jit"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in"])
+@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot"])
 def test_pipelined_stages_keeping_some_matmuls_compute_what_jit_computes(policy, schedule, backend):
     from tests.test_pipeline import TINY_LLAMA
     from tests.test_pipeline_remat import _gpt, _mesh, _same_step

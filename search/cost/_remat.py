@@ -47,7 +47,7 @@ class RematView:
     def __init__(self, program, materialization, donated, recomputed: frozenset, reused: frozenset = frozenset(),
                  saved: frozenset = frozenset()):
         rec = partir.recompute(program, recomputed, saved)
-        self.ops = np.array(rec.ops, dtype=np.int64)
+        self.ops = np.array(kernel_reruns(program, rec.ops, materialization.attention), dtype=np.int64)
         backward = program.analysis(backward_reads)
         virtual = materialization.virtual.copy()
         sources = dict(materialization.sources)
@@ -119,6 +119,32 @@ class RematView:
     def buffers(self, value_bytes):
         """(starts, ends, bytes) of the extra temporaries for per-device `value_bytes`."""
         return extra_buffers(self.extra, value_bytes)
+
+
+def kernel_reruns(program, ops, attention) -> list[int]:
+    """The recomputation's `ops` a backend runs again where attention is one fused
+    kernel (`attention`, else None): its forward kernel runs again only to remake its
+    output (the `p v` product) for a recomputation that reads it. The values inside the
+    kernel (scores, probabilities) the backward pass reads are the backward kernel's to
+    remake (it recomputes `q k^T`, priced with it: `_attention`), so a policy keeping
+    the attention's output (torchtitan's selective op checkpointing, `every_other_dot`)
+    reruns none of the kernel."""
+    if attention is None or not attention.found:
+        return list(ops)
+    inside, ran = attention.values, set(ops)
+
+    def of_kernel(o):
+        return bool(attention.ops[o] or attention.dots[o])
+
+    needed = set()
+    stack = [o for o in ops if not of_kernel(o) or any(r >= 0 and not inside[r] for r in program.ops[o].results)]
+    while stack:
+        o = stack.pop()
+        if o in needed:
+            continue
+        needed.add(o)
+        stack += [program.producer[u] for u in program.ops[o].operands if u >= 0 and program.producer[u] in ran]
+    return [o for o in ops if o in needed]
 
 
 def carried_buffers(materialization, gone=frozenset(), stacked=frozenset()) -> list:
