@@ -226,16 +226,16 @@ def _random(op: LocalOp, operands: list) -> list:
 # -- gathers and scatters ----------------------------------------------------------------
 
 
-def _local_indices(op: LocalOp, idx, index_map, windows, mode):
-    """Indices into the operand's block: clamped as the op's mode clamps them (against
-    the whole operand), then shifted by the block's offset along each split dim looked
-    up one row at a time (those rows held elsewhere fall out of bounds). Returns the
-    indices and the mesh axes of the shifted dims (none: the indices are as given)."""
+def _local_indices(op: LocalOp, idx, index_map, windows, clamp: bool):
+    """Indices into the operand's block: clamped against the whole operand where the op
+    clamps them (`clamp`), then shifted by the block's offset along each split dim
+    looked up one row at a time (those rows held elsewhere fall out of bounds). Returns
+    the indices and the mesh axes of the shifted dims (none: the indices are as given)."""
     shape, split = op.in_shapes[0], op.ins[0].dims
     rows = [k for k, d in enumerate(index_map) if split[d] and windows[d] != shape[d]]
     if not rows:
         return idx, ()
-    if mode == GatherScatterMode.CLIP:
+    if clamp:
         hi = np.array([shape[d] - windows[d] for d in index_map], dtype=idx.dtype)
         idx = jnp.clip(idx, 0, hi)
     offsets = [op.offset(0, index_map[k]) if k in rows else jnp.int32(0) for k in range(len(index_map))]
@@ -249,7 +249,10 @@ def _gather(op: LocalOp, operands: list) -> list:
     local = op.ins[0].shard_shape(shape, op.mesh)
     sizes = tuple(n if a and s == m else s for a, n, s, m in zip(op.ins[0].dims, local, p["slice_sizes"], shape))
     operand, idx = operands
-    moved, axes = _local_indices(op, idx, dn.start_index_map, p["slice_sizes"], p["mode"])
+    # XLA's gather clamps its start indices into the operand: JAX's CLIP, and what its
+    # PROMISE_IN_BOUNDS (numpy indexing's mode) does with an index out of bounds.
+    clamp = p["mode"] in (GatherScatterMode.CLIP, GatherScatterMode.PROMISE_IN_BOUNDS)
+    moved, axes = _local_indices(op, idx, dn.start_index_map, p["slice_sizes"], clamp)
     if not axes:
         return bind_equation(op.eqn, [operand, idx], slice_sizes=sizes)
     (out,) = bind_equation(op.eqn, [operand, moved], slice_sizes=sizes, mode=GatherScatterMode.FILL_OR_DROP, fill_value=0)
@@ -296,7 +299,9 @@ def _scatter(op: LocalOp, operands: list) -> list:
     once = op.whole_along_partial(0)  # an additive scatter's partial sums: add the operand on one device
     if once:
         operand = jnp.where(block_index(once, op.mesh) == 0, operand, jnp.zeros_like(operand))
-    moved, axes = _local_indices(op, idx, dn.scatter_dims_to_operand_dims, windows, p["mode"])
+    # XLA's scatter skips an update out of bounds: JAX's PROMISE_IN_BOUNDS drops it too.
+    moved, axes = _local_indices(op, idx, dn.scatter_dims_to_operand_dims, windows,
+                                 p["mode"] == GatherScatterMode.CLIP)
     if not axes:
         return bind_equation(op.eqn, [operand, idx, *rest])
     # Updates for rows held elsewhere fall out of the block's bounds and are dropped
