@@ -72,7 +72,8 @@ def test_remat_tactic_notes_and_errors():
     res = T.apply_schedule(prog, MESH, DP_TP + [T.Remat("dots")])
     assert res.partitioning.rematerialized
     assert "recomputed" in res.history[-1].notes[0]
-    with pytest.raises(T.TacticError, match="not one of none, collectives, dots, dots_except_mlp_in, qkv, full"):
+    with pytest.raises(T.TacticError,
+                       match="not one of none, collectives, dots, dots_except_mlp_in, every_other_dot, qkv, full"):
         T.apply_schedule(prog, MESH, [T.Remat("everything")])
     with pytest.raises(T.TacticError, match="matches the parameters of no layer"):
         T.apply_schedule(prog, MESH, [T.Remat("full", pattern="params/nothing/*")])
