@@ -34,8 +34,9 @@ class Remat(Tactic):
     On a layer the user wrapped in `jax.checkpoint`, the policy replaces the user's: it
     *tightens* the checkpoint where it keeps less (the values the user's policy saved
     are recomputed too), *relaxes* it where it keeps more (the backward region reads
-    the forward values it would recompute, `Partitioning.reuse`), and *keeps* it where
-    it keeps the same. The history note says which.
+    the forward values it would recompute, `Partitioning.reuse`), both where it keeps
+    some values the user's does not and drops others, and *keeps* it where it keeps the
+    same. The history note says which.
     """
 
     policy: str = "full"
@@ -75,7 +76,10 @@ class Remat(Tactic):
             count += len(recomputed)
             ckpts = partir.checkpoints_of(prog, layer)
             if ckpts:
-                verdict = "tightened" if recomputed else "relaxed" if reused else "kept"
+                # (A policy keeping other values than the user's does both: 'every_other_dot'
+                # over 'dots' recomputes some projections and reads the attention's output.)
+                did = (("tightened", recomputed), ("relaxed", reused))
+                verdict = " and ".join(w for w, done in did if done) or "kept"
                 name = "/".join(sorted({c.policy_name for c in ckpts}))
                 users.setdefault((name, verdict), []).append(len(reused))
         again = partir.recompute(prog, part.rematerialized, part.saved).ops if part.rematerialized else ()
@@ -85,5 +89,5 @@ class Remat(Tactic):
         for (name, verdict), reused in users.items():
             notes.append(f"the user's jax.checkpoint (policy {name!r}) on {len(reused)} layer(s): {verdict}"
                          + (f", {sum(reused)} recomputed value(s) read from the forward pass instead"
-                            if verdict == "relaxed" else ""))
+                            if verdict.endswith("relaxed") else ""))
         return part, notes
