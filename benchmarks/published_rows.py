@@ -23,7 +23,7 @@ NOISE = 0.01
 #: The most a tie's modeled gap may be (the data file's header says why).
 TIE = 0.05
 SPLITS = ("fit", "check")
-REMAT = ("none", "dots", "dots_except_mlp_in", "every_other_dot", "qkv", "full", "full/2")
+REMAT = ("none", "dots", "dots_with_context", "dots_except_mlp_in", "every_other_dot", "qkv", "full", "full/2")
 #: How the run's train step picks the targets' log-probabilities (`examples.llama.LOSSES`).
 LOSSES = ("gather", "one_hot")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")

@@ -36,7 +36,9 @@ policy from ``REMAT_POLICIES``: ``None`` saves nothing but the layer's inputs (t
 layer is recomputed in the backward pass); ``"dots"`` is
 ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: the projection and MLP
 matmuls (no batch dims in their ``dot_general``) are saved, the attention matmuls
-(batched over batch and heads) and every elementwise op are recomputed.
+(batched over batch and heads) and every elementwise op are recomputed;
+``"dots_with_context"`` saves the attention's output (named ``"context"``) too, as
+MaxText's ``minimal_with_context``.
 
 **Expert schedules.** ``SCHEDULES`` maps a name to a function of the mesh axis names
 returning a list of tactics for ``tactics.apply_schedule`` (see their docstrings).
@@ -69,8 +71,15 @@ _NAMES = {
 REMAT_POLICIES = {
     None: None,  # jax.checkpoint's default: save only the layer's inputs
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # MaxText's ``minimal_with_context``: every projection and the attention's output.
+    "dots_with_context": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("context")),
     **{name: jax.checkpoint_policies.save_only_these_names(*names) for name, names in _NAMES.items()},
 }
+#: The names a policy reads (`_named`: only those are given, other programs stay as
+#: they were).
+_READ = {**_NAMES, "dots_with_context": ("context",)}
 #: ``loss`` name -> what it is (`next_token_loss`): how the cross-entropy picks each
 #: target's log-probability.
 LOSSES = {
@@ -224,7 +233,7 @@ def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: Llam
     """One pre-norm decoder layer; shared by the unrolled and scanned forms."""
     p = jax.tree.map(lambda w: w.astype(config.dtype), p)  # float32 master -> compute dtype
     # Names only those the policy reads: other programs stay as they were.
-    read = _NAMES.get(config.remat_policy, ()) if config.remat else ()
+    read = _READ.get(config.remat_policy, ()) if config.remat else ()
     tag = functools.partial(_named, read) if read else _unnamed
     x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope, config.causal, tag)
     return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps), tag)

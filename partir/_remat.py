@@ -23,6 +23,11 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
                  keep the outputs of every projection but the MLP's up and gate ones
                  (`partir._dot_roles`), as MaxText's `save_dot_except_mlpwi`: what
                  is recomputed is remade from them, those two matmuls run again
+    dots_with_context
+                 keep what `dots` keeps and the attention's output (the `p v` core), as
+                 MaxText's `minimal_with_context` (once `minimal_flash`) saves every
+                 projection and the flash kernel's output: only elementwise work and
+                 norms run again, and a fused attention kernel none
     every_other_dot
                  keep the outputs of the layer's first, third, fifth... projection in
                  program order and the attention's output (the `p v` core), as
@@ -32,7 +37,7 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
     qkv          keep only the attention's query, key and value projections' outputs,
                  as MaxText's `save_qkv_proj`: the rest of the layer runs again
 
-The last three keep what they name whether or not the backward pass reads it: a
+The last four keep what they name whether or not the backward pass reads it: a
 recomputation reads such an output instead of running its matmul again
 (`Partitioning.save`, which the `Remat` tactic records).
 
@@ -59,12 +64,17 @@ SEEN_THROUGH = ("reshape", "convert_element_type", "transpose", "squeeze", "expa
          "reduce_precision", "name")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
-POLICIES = ("none", "collectives", "dots", "dots_except_mlp_in", "every_other_dot", "qkv", "full")
+POLICIES = ("none", "collectives", "dots", "dots_with_context", "dots_except_mlp_in", "every_other_dot", "qkv",
+            "full")
 
 #: The policies that keep the outputs of some roles of projections (`partir._dot_roles`).
 KEPT_ROLES = {"dots_except_mlp_in": ("qkv", "attention_out", "mlp_out", "other"), "qkv": ("qkv",)}
-#: The policies that keep some matmuls' outputs and no others (`saved_dots`).
-SAVING = (*KEPT_ROLES, "every_other_dot")
+#: The policies that keep some matmuls' outputs whether or not the backward pass reads
+#: them (`saved_dots`).
+SAVING = (*KEPT_ROLES, "dots_with_context", "every_other_dot")
+#: The policies that keep every plain matmul's output the backward pass reads, as
+#: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` does.
+KEEPING_DOTS = ("dots", "collectives", "dots_with_context")
 
 
 @dataclass(frozen=True)
@@ -285,7 +295,7 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
     root = call_roots(program)
     boundary = {root[v] for b in layers_of(program) for v in b.inputs}
     keep = {r for r in layer.residuals if root[r] in boundary}
-    if policy in ("dots", "collectives"):
+    if policy in KEEPING_DOTS:
         keep |= {r for r in layer.residuals if _plain_dot(program, r)}
     if policy in SAVING:
         kept = {program.producer[v] for v in saved_dots(program, layer, policy)}  # the matmuls kept
@@ -300,7 +310,8 @@ def recomputed(program, layer: Layer, policy: str, part=None) -> tuple[int, ...]
 def saved_dots(program, layer: Layer, policy: str) -> tuple[int, ...]:
     """The outputs of the matmuls of `layer` that `policy` keeps (`SAVING`: its
     projections of the roles `KEPT_ROLES` names, or every other one and the attention's
-    output; none for the other policies), made where the layer's residuals are (a scan's
+    output, or the attention's output beside what `dots` keeps; none for the other
+    policies), made where the layer's residuals are (a scan's
     body): one made in a call nested there is remade with its call."""
     check_policy(policy)
     roles = dot_roles(program, layer)
@@ -311,6 +322,8 @@ def saved_dots(program, layer: Layer, policy: str) -> tuple[int, ...]:
     home = layer.loop if layer.loop >= 0 else program.values[made[0]].region
     if policy == "every_other_dot":
         ops = sorted(sorted(roles)[::2] + list(attention_outputs(program, layer)))
+    elif policy == "dots_with_context":
+        ops = list(attention_outputs(program, layer))
     else:
         ops = [o for o, role in sorted(roles.items()) if role in KEPT_ROLES[policy]]
     return tuple(v for o in ops for v in program.ops[o].results if v >= 0 and program.values[v].region == home)

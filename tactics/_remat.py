@@ -21,7 +21,9 @@ class Remat(Tactic):
     `policy` says what each layer keeps: `full` (only its input activation: the layer
     runs twice), `dots` (also its matmul outputs), `collectives` (also whatever an op
     made after moving data between devices, so recomputing repeats no communication),
-    `dots_except_mlp_in` (the outputs of every matmul but the MLP's up and gate
+    `dots_with_context` (what `dots` keeps and the attention's output, MaxText's
+    `minimal_with_context`: only elementwise work and norms run again, a fused
+    attention kernel none), `dots_except_mlp_in` (the outputs of every matmul but the MLP's up and gate
     projections, MaxText's `save_dot_except_mlpwi`), `every_other_dot` (the outputs of
     the first, third, fifth... projection in program order and the attention's output,
     torchtitan's selective op checkpointing), `qkv` (the attention's query, key and

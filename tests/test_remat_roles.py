@@ -1,5 +1,6 @@
 """Rematerialization policies that keep some matmuls' outputs and recompute the others
-(MaxText's `save_qkv_proj` and `save_dot_except_mlpwi`): the matmuls' roles read from
+(MaxText's `save_qkv_proj`, `save_dot_except_mlpwi` and `minimal_with_context`,
+torchtitan's selective op checkpointing): the matmuls' roles read from
 the dataflow, what each policy runs again, the work and numerics against JAX's own
 named policies, pipelined stages, and saved plans."""
 
@@ -60,30 +61,34 @@ def test_each_policy_runs_again_the_matmuls_it_does_not_keep():
     but the down projection, which only the next layer reads), 'qkv' three (output,
     gate, up), 'every_other_dot' three (key, output, up: the second, fourth and sixth
     in call order; it saves the query, value, gate and down projections' outputs and
-    the attention's), 'dots_except_mlp_in' two (gate, up), 'dots' none; each keeps
-    fewer values than the one before it keeps more."""
+    the attention's), 'dots_except_mlp_in' two (gate, up), 'dots' and
+    'dots_with_context' none ('dots_with_context' saves the attention's output beside
+    them); each keeps fewer values than the one before it keeps more."""
     step, args = _llama()
     prog = partir.lift(step, *args)
-    parts = {p: T.apply_schedule(prog, MESH, DP_TP + [T.Remat(p)]).partitioning
-             for p in ("full", "qkv", "every_other_dot", "dots_except_mlp_in", "dots")}
+    policies = ("full", "qkv", "every_other_dot", "dots_except_mlp_in", "dots", "dots_with_context")
+    parts = {p: T.apply_schedule(prog, MESH, DP_TP + [T.Remat(p)]).partitioning for p in policies}
     assert {p: _plain_dots_run_again(part) for p, part in parts.items()} == \
-        {"full": 6, "qkv": 3, "every_other_dot": 3, "dots_except_mlp_in": 2, "dots": 0}
+        {"full": 6, "qkv": 3, "every_other_dot": 3, "dots_except_mlp_in": 2, "dots": 0, "dots_with_context": 0}
     assert {p: len(part.saved) for p, part in parts.items()} == \
-        {"full": 0, "qkv": 3, "every_other_dot": 5, "dots_except_mlp_in": 5, "dots": 0}
-    attention_out = [v for v in parts["every_other_dot"].saved
-                     if prog.ops[prog.producer[v]].eqn.params["dimension_numbers"][1][0]]
-    assert len(attention_out) == 1  # (the one batched matmul kept: the attention's p v)
+        {"full": 0, "qkv": 3, "every_other_dot": 5, "dots_except_mlp_in": 5, "dots": 0, "dots_with_context": 1}
+    for p in ("every_other_dot", "dots_with_context"):
+        attention_out = [v for v in parts[p].saved if prog.ops[prog.producer[v]].eqn.params["dimension_numbers"][1][0]]
+        assert len(attention_out) == 1  # (the one batched matmul kept: the attention's p v)
     peaks = [search.CostModel(parts[p], "cpu").cost().memory_peak
              for p in ("full", "qkv", "every_other_dot", "dots_except_mlp_in")]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    dots, with_context = (search.CostModel(parts[p], "cpu").cost().memory_peak for p in ("dots", "dots_with_context"))
+    assert dots < with_context
 
 
 def test_keeping_the_attentions_output_reruns_none_of_the_fused_kernel():
     """On a backend running attention as one fused kernel (H100), a policy keeping the
     attention's output ('every_other_dot', as torchtitan's selective op checkpointing
-    saves the kernel's outputs) reruns none of the forward kernel: its backward kernel
-    remakes the scores itself. 'qkv' keeps the projections' inputs to it, not its
-    output, and reruns the kernel's score matmul and its output's."""
+    saves the kernel's outputs, or 'dots_with_context', as MaxText's
+    `minimal_with_context`) reruns none of the forward kernel: its backward kernel
+    remakes the scores itself. 'qkv' and 'dots' keep the projections' inputs to it, not
+    its output, and rerun the kernel's score matmul and its output's."""
     step, args = _llama(dtype=jnp.bfloat16)
     prog = partir.lift(step, *args)
 
@@ -94,21 +99,26 @@ def test_keeping_the_attentions_output_reruns_none_of_the_fused_kernel():
         return sum(bool(model.materialization.attention.dots[o]) for o in model._view().ops.tolist())
 
     assert kernel_dots_again("every_other_dot") == 0
+    assert kernel_dots_again("dots_with_context") == 0
     assert kernel_dots_again("qkv") == 2
+    assert kernel_dots_again("dots") == 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot"])
+@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot", "dots_with_context"])
 def test_a_named_policy_does_the_work_of_jaxs_and_computes_what_jit_computes(policy):
     """The same scanned Llama under `Remat(policy)` and under the user's own
     `jax.checkpoint` with JAX's `save_only_these_names` over the projections MaxText
     names (`LlamaConfig(remat_policy=policy)`; for 'every_other_dot', torchtitan's
     selective op checkpointing, the query, value, gate and down projections and the
-    attention's output): XLA's compiled flops agree within 1% (66.98 M against 67.05 M
-    for 'qkv', 64.88 M against 64.99 M for 'dots_except_mlp_in', 63.77 M against
-    63.89 M for 'every_other_dot'), its memory within 10% (4355 against 4037 KB, 4291
-    against 3973 KB, 4492 against 4166 KB: the 318 KB 'dots' has too); the model's
-    peak is XLA's within 20% (0.84, 0.89, 0.87); the plan computes what jit computes."""
+    attention's output; for 'dots_with_context', MaxText's `minimal_with_context`, JAX's
+    `dots_with_no_batch_dims_saveable` and the attention's output): XLA's compiled flops
+    agree within 1% (66.98 M against 67.05 M for 'qkv', 64.88 M against 64.99 M for
+    'dots_except_mlp_in', 63.77 M against 63.89 M for 'every_other_dot', 58.53 M
+    against 58.73 M for 'dots_with_context'), its memory within 10% (4355 against
+    4037 KB, 4291 against 3973 KB, 4492 against 4166 KB, 4984 against 4658 KB: the
+    318-326 KB 'dots' has too); the model's peak is XLA's within 20% (0.84, 0.89,
+    0.87, 0.87); the plan computes what jit computes."""
     step, args = _llama()
     ours = T.apply_schedule(partir.lift(step, *args), MESH, DP_TP + [T.Remat(policy)]).partitioning
     jstep, jargs = _llama(remat=True, remat_policy=policy)
@@ -128,7 +138,8 @@ def test_a_named_policy_does_the_work_of_jaxs_and_computes_what_jit_computes(pol
     partir.check_equivalence(step, args, ours, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("policy", ["qkv", pytest.param("dots_except_mlp_in", marks=pytest.mark.slow),
+@pytest.mark.parametrize("policy", ["qkv", "dots_with_context",
+                                    pytest.param("dots_except_mlp_in", marks=pytest.mark.slow),
                                     pytest.param("every_other_dot", marks=pytest.mark.slow)])
 def test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes(policy):
     step, args = gpt.make_train_step(gpt.GPTConfig(**GPT))
@@ -140,7 +151,7 @@ def test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes(policy
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["shard_map", "jit"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot"])
+@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot", "dots_with_context"])
 def test_pipelined_stages_keeping_some_matmuls_compute_what_jit_computes(policy, schedule, backend):
     from tests.test_pipeline import TINY_LLAMA
     from tests.test_pipeline_remat import _gpt, _mesh, _same_step
@@ -184,14 +195,16 @@ def test_checkpoint_names_lift_as_identities():
     pytest.param(None, "dots_except_mlp_in", "relaxed", "shard_map", marks=pytest.mark.slow),
     pytest.param("dots", "qkv", "tightened", "jit", marks=pytest.mark.slow),
     pytest.param(None, "every_other_dot", "relaxed", "jit", marks=pytest.mark.slow),
-    ("dots", "every_other_dot", "tightened and relaxed", "shard_map")])
+    ("dots", "every_other_dot", "tightened and relaxed", "shard_map"),
+    ("dots", "dots_with_context", "relaxed", "jit")])
 def test_a_named_policy_changes_a_users_checkpoint_and_computes_what_jit_computes(user, policy, verdict, backend):
     """On a layer the user wrapped in `jax.checkpoint`: JAX's default keeps less than
     'qkv', so the backward reads the projections from the forward pass (relaxed: 3
     reruns reused); 'dots' keeps more than 'dots_except_mlp_in', which recomputes the
     MLP's input projection and reads the others (tightened). 'every_other_dot' keeps
     other values than 'dots': it recomputes the second and fourth projections and reads
-    the attention's output, which 'dots' recomputes (both)."""
+    the attention's output, which 'dots' recomputes (both). 'dots_with_context' keeps
+    what 'dots' keeps and the attention's output (relaxed)."""
     from tests.test_remat import SMALL
 
     step, args = gpt.make_train_step(gpt.GPTConfig(scan_layers=True, remat_policy=user, **SMALL))
