@@ -432,7 +432,8 @@ class TreeSearch:
     def refine_remat(self) -> _Scored | None:
         """The best plan with its remat policy swapped for each of
         `_seeds.REMAT_REFINED` (the policies that keep some matmuls by their role, between
-        'full' and 'dots'), if one scores better; else None. They are not macros of the
+        'full' and 'dots', and 'dots_with_context' past 'dots'), if one scores better;
+        else None. They are not macros of the
         tree search: seeded beside 'dots' and 'full', they took the budget of a four-axis
         mesh's compositions and the search ended above the plan it reaches without
         them. Once the plan is chosen, a policy between the two is how a run spends the

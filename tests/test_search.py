@@ -424,6 +424,17 @@ def test_the_search_keeps_the_matmuls_its_plan_has_room_for():
                          macros=(T.DataParallel("data"), T.Remat("dots"), T.Remat("full")))
     assert [a.tactic for a in result.actions] == [T.DataParallel("data"), T.Remat("qkv")]
     assert result.fits and result.step_time == pytest.approx(qkv.step_time, rel=1e-9)
+    # With room for the attention's output beside the matmuls' but not for every value,
+    # it keeps them (MaxText's minimal_with_context): on H100 'dots' reruns the fused
+    # attention kernel to remake that output, 'dots_with_context' runs it once.
+    dots, context, none = priced("dots"), priced("dots_with_context"), priced("none")
+    limit = (context.memory_peak + none.memory_peak) / 2
+    assert context.memory_peak < limit < none.memory_peak and context.step_time < dots.step_time
+    state = search.SearchState(part, search.CostModel(part, "h100", memory_limit=limit), [], ("data",), "test",
+                               T.Context())
+    result = search.mcts(state, budget_s=600, max_episodes=40,
+                         macros=(T.DataParallel("data"), T.Remat("dots"), T.Remat("full")))
+    assert [a.tactic for a in result.actions] == [T.DataParallel("data"), T.Remat("dots_with_context")]
 
 
 def test_seeds_with_each_roles_best_variant_come_first():
