@@ -267,9 +267,10 @@ def test_the_nemo_70b_search_also_searches_the_whole_batch_and_keeps_the_faster_
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="no plan the search reaches fits at <= 1.00x: it finds 1.12x (the whole batch's "
-                   "step with Remat, 58 GiB); the published 1F1B pipeline fits with Remat only, at 14.90 s ('dots', "
-                   "1.04x, which the search does not reach) or more, GPipe with Remat models >= 17.6 s, the accumulated forms 3.14x "
-                   "(docs/design.md, 'Published runs')")
+                   "step with Remat, 58 GiB); the published 1F1B pipeline fits with Remat only, at 1.008x "
+                   "('dots_with_context', test_nemo_70bs_published_layout_fits_keeping_the_attentions_output) or "
+                   "1.04x ('dots'), which the search does not reach (one of 54,889 compositions), GPipe with Remat "
+                   "models >= 17.6 s, the accumulated forms 3.14x (docs/design.md, 'Published runs')")
 def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configuration():
     # NeMo's Llama 3.1 70B on 64 H100s (stage 4 x data 2 x context 2 x model 4, one
     # micro-batch of 2 sequences of 8192, 64 a step): the batch splits over one axis
@@ -281,6 +282,21 @@ def test_the_search_fits_nemo_70b_and_is_no_slower_than_its_published_configurat
     row = next(r for r in ROWS if r.id == "nemo-llama31-70b-h100-64")
     out = _modeled(row, row.episodes)
     assert out["searched"]["fits"] and out["searched_over_published"] <= 1.0, (out["plan"], out["searched"])
+
+
+def test_nemo_70bs_published_layout_fits_keeping_the_attentions_output():
+    # NeMo's Llama 3.1 70B layout (TP4 with SP, CP2, DP2, ZeRO-1, 1F1B over 4 stages of
+    # 64 microbatches) does not fit without remat: lockstep 1F1B keeps 2S-1 = 7
+    # microbatches in flight on the first stage where Megatron's keeps 4 (125 GiB). With
+    # Remat('dots_with_context') only elementwise work and norms run again: it fits
+    # (64.6 GiB of 72) at 1.008x the step without remat; 'dots' reruns the fused
+    # attention kernel (1.04x).
+    row = next(r for r in ROWS if r.id == "nemo-llama31-70b-h100-64")
+    plain = _modeled(row)["published"]
+    kept, dots = (published.model_row(dataclasses.replace(row, remat=p), episodes=0)["published"]
+                  for p in ("dots_with_context", "dots"))
+    assert not plain["fits"] and kept["fits"] and dots["fits"]
+    assert kept["step_s"] / plain["step_s"] < 1.01 < 1.03 < dots["step_s"] / plain["step_s"]
 
 
 def test_the_ablation_says_which_mechanism_moves_a_row():
