@@ -22,6 +22,20 @@ def _body_span(prog, call) -> tuple[int, int]:
     return min(ids), max(ids)
 
 
+def loops_span(pricing, pipe) -> tuple[int, int]:
+    """The first and last op of the bodies of all `pipe`'s pipelined scans (its forward
+    and backward layers): what the stage moves once a step lives across all its tick
+    loops. XLA gathers every weight the loops read, and zeroes every gradient
+    accumulator, before the first loop (all of them operands of the loop, or of the
+    first: loop-invariant), and frees them after the last, as the compiled programs'
+    buffer assignments show (a 1F1B tick loop runs the forward and the backward layers
+    in every tick: the weights the forward layers read live through the backward
+    ticks too)."""
+    prog = pricing.part.program
+    spans = [_body_span(prog, lay.call) for p, _, layouts, _ in pricing.costs if p is pipe for lay in layouts]
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
 def read_gathered(pricing, lay, pipe, split) -> None:
     """Record in `pricing` (`PipelinePricing`) the weights pipelined scan `lay` gathers
     before its loop: `gathered` (the value its layers read -> (that layout, `lay`,
@@ -40,12 +54,14 @@ def hoisted(pricing, model) -> list:
     gather of its stage's block, all its layers (ceil(L/S) slots), from its layout at
     rest to the one its layers read, charged once a step at the first op reading it; the
     gathered block live from there to the body's last op (the loop runs the body in
-    every tick). A weight gather is overlappable as any FSDP gather is (`overlappable`)."""
+    every tick) and, as every buffer the stage keeps for its loops, across all of them
+    (`loops_span`). A weight gather is overlappable as any FSDP gather is
+    (`overlappable`)."""
     prog, mesh = pricing.part.program, pricing.part.mesh
     out = []
     for v, (need, lay, pipe) in pricing.gathered.items():
-        last = _body_span(prog, lay.call)[1]
-        first = min(prog.users[v])
+        start, last = loops_span(pricing, pipe)
+        first = min(min(prog.users[v]), start)
         stages = mesh.size(pipe.axis)
         layers = pipe.split(stages).slots * stages  # the stacked block's rows over all stages
         src = Tiling(((pipe.axis,),) + pricing.part.tiling(v).dims)
@@ -63,13 +79,14 @@ def scattered(pricing, model) -> list:
     (`partir.ScanLayout.widened`): the stage's block of all its layers,
     partial over those axes, reduce-scattered to the layout at rest once a step after
     the loop (a gradient's reduction, overlappable as any), the accumulator live across
-    the loop. Charged at the body's first op, where the accumulator starts."""
+    the stage's loops (`loops_span`). Charged at their first op, where the accumulator
+    starts."""
     prog, part, mesh = pricing.part.program, pricing.part, pricing.part.mesh
     out = []
     for pipe, _, layouts, _ in pricing.costs:
+        first, last = loops_span(pricing, pipe)
         for lay in layouts:
             held = dict(lay.widened)
-            first, last = _body_span(prog, lay.call)
             for v, r in zip(prog.regions[lay.call.body].outvars[len(lay.call.carry):], lay.call.ys):
                 if v not in held or r < 0:
                     continue
