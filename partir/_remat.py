@@ -64,7 +64,7 @@ SEEN_THROUGH = ("reshape", "convert_element_type", "transpose", "squeeze", "expa
          "reduce_precision", "name")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
-POLICIES = ("none", "collectives", "dots", "dots_with_context", "dots_except_mlp_in", "every_other_dot", "qkv",
+POLICIES = ("none", "collectives", "dots_with_context", "dots", "dots_except_mlp_in", "every_other_dot", "qkv",
             "full")
 
 #: The policies that keep the outputs of some roles of projections (`partir._dot_roles`).
