@@ -28,7 +28,7 @@ from jax.extend.core import Literal
 
 from ._graph import made_from_scalars
 from ._nested import Link
-from ._remat import _communicates, _plain_dot, check_policy, layers_of, saved_dots
+from ._remat import KEEPING_DOTS, _communicates, _plain_dot, check_policy, layers_of, saved_dots
 
 #: The region kinds of `jax.checkpoint`.
 CHECKPOINT_KINDS = ("remat2", "checkpoint")
@@ -110,10 +110,15 @@ def reusable(program, layer, policy: str, part=None) -> tuple[tuple[int, int], .
         return program.ops[program.producer[v]].primitive == "dot_general" and _plain_dot(program, v)
 
     saved = set(saved_dots(program, layer, policy))  # (none but under SAVING's policies)
-    also = {"none": lambda v: True, "dots": dot, "dots_with_context": dot,
-            "collectives": lambda v: dot(v) or _communicates(part, program.producer[v])
-            }.get(policy, lambda v: False)  # SAVING's others keep what they name only
-    return tuple((w, v) for c in ckpts for w, v in c.reruns if (v in saved or also(v)) and not made_of_scalars[v])
+
+    def keep(v):  # as `recomputed` keeps a residual
+        if policy == "none" or v in saved:
+            return True
+        if policy == "collectives" and _communicates(part, program.producer[v]):
+            return True
+        return policy in KEEPING_DOTS and dot(v)
+
+    return tuple((w, v) for c in ckpts for w, v in c.reruns if keep(v) and not made_of_scalars[v])
 
 
 def _find_checkpoints(program) -> tuple[UserCheckpoint, ...]:
