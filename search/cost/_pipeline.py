@@ -36,7 +36,7 @@ from partir import Kind, Tiling
 
 from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, get_device, link_levels
-from ._pipeline_once import head_sums, hoisted, read_gathered, scattered
+from ._pipeline_once import head_sums, hoisted, loops_span, read_gathered, scattered
 from ._remat import stacked_for_it
 from ._tick_buffers import TickBuffers
 
@@ -316,6 +316,7 @@ class PipelinePricing:
     def __init__(self, part, links: LinkModel, device):
         self.part, self.links = part, links
         self.costs, self.scale, self.layouts, self.stacked = [], {}, {}, {}
+        self.spans: list[tuple[int, int]] = []  # per pipeline, its tick loops' first and last op: `loops_span`
         self.heads: list = []  # per pipeline, its `partir.HeadLayout` (None: the head runs on the whole batch)
         # 1F1B's forward body region -> the share of the microbatches its stage keeps at once (its ring).
         self.ring: dict[int, float] = {}
@@ -355,6 +356,7 @@ class PipelinePricing:
                         self.scale[o] = 1.0
                         self.layouts[o] = (part, None, pipe)
             self.costs.append((pipe, ext, layouts, pipeline_cost(part, pipe, device)))
+            self.spans.append(loops_span(prog, layouts))
         # The tick loops' own buffers, for the memory model.
         self.ticks = TickBuffers(part, [(p, ext, lay, *_recomputing(part, p)) for p, ext, lay, _ in self.costs])
 

@@ -13,27 +13,24 @@ import partir
 from partir import Kind, Tiling
 
 from ._comm import CollectiveCost
+from ._tick_buffers import _span
 
 
-def _body_span(prog, call) -> tuple[int, int]:
-    """The first and last op of pipelined scan `call`'s body (its nested regions in)."""
-    inside = set(partir.body_regions(prog, call.body))
-    ids = [op.id for op in prog.ops if op.region in inside]
-    return min(ids), max(ids)
-
-
-def loops_span(pricing, pipe) -> tuple[int, int]:
-    """The first and last op of the bodies of all `pipe`'s pipelined scans (its forward
+def loops_span(prog, layouts) -> tuple[int, int]:
+    """The first and last op of the bodies of a pipeline's scans `layouts` (its forward
     and backward layers): what the stage moves once a step lives across all its tick
     loops. XLA gathers every weight the loops read, and zeroes every gradient
     accumulator, before the first loop (all of them operands of the loop, or of the
     first: loop-invariant), and frees them after the last, as the compiled programs'
     buffer assignments show (a 1F1B tick loop runs the forward and the backward layers
     in every tick: the weights the forward layers read live through the backward
-    ticks too)."""
-    prog = pricing.part.program
-    spans = [_body_span(prog, lay.call) for p, _, layouts, _ in pricing.costs if p is pipe for lay in layouts]
+    ticks too). `PipelinePricing.spans` holds it per pipeline."""
+    spans = [_span(prog, lay.call.body) for lay in layouts]
     return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def _span_of(pricing, pipe) -> tuple[int, int]:
+    return next(span for (p, *_), span in zip(pricing.costs, pricing.spans) if p is pipe)
 
 
 def read_gathered(pricing, lay, pipe, split) -> None:
@@ -60,7 +57,7 @@ def hoisted(pricing, model) -> list:
     prog, mesh = pricing.part.program, pricing.part.mesh
     out = []
     for v, (need, lay, pipe) in pricing.gathered.items():
-        start, last = loops_span(pricing, pipe)
+        start, last = _span_of(pricing, pipe)
         first = min(min(prog.users[v]), start)
         stages = mesh.size(pipe.axis)
         layers = pipe.split(stages).slots * stages  # the stacked block's rows over all stages
@@ -83,8 +80,7 @@ def scattered(pricing, model) -> list:
     starts."""
     prog, part, mesh = pricing.part.program, pricing.part, pricing.part.mesh
     out = []
-    for pipe, _, layouts, _ in pricing.costs:
-        first, last = loops_span(pricing, pipe)
+    for (pipe, _, layouts, _), (first, last) in zip(pricing.costs, pricing.spans):
         for lay in layouts:
             held = dict(lay.widened)
             for v, r in zip(prog.regions[lay.call.body].outvars[len(lay.call.carry):], lay.call.ys):
