@@ -31,8 +31,9 @@ seed a search that stops by episodes or convergence makes the same plan.
 `TreeSearch` holds the tree, the transposition table, the statistics and the best plans;
 its steps are methods by name: `seed_macros`, then per episode `select` (UCT among tried
 actions) and `expand` (one untried action) on the way down, `rollout`, `evaluate`,
-`backup`, and now and then `polish`; `run` loops until a stopping rule holds, then
-tries the best plan under the remat policies the tree does not offer (`refine_remat`).
+`backup`, and now and then `_refine.polish`; `run` loops until a stopping rule holds,
+then tries the best plan under the remat policies the tree does not offer
+(`_refine.refine_remat`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tactics import Remat
-
-from . import _seeds
+from . import _refine, _seeds
 from ._actions import STOP, Action
 from ._result import SearchResult, SearchStats
 
@@ -328,13 +327,13 @@ class TreeSearch:
         if self.since_best >= POLISH_AFTER and self.best.actions not in self.polished:
             self.polished.add(self.best.actions)
             self.release(0)
-            better = self.polish()
+            better = _refine.polish(self)
             if better is not None and self.improve(better):
                 self.since_best = 0
         if self.progress is not None and self.stats.episodes % 16 == 0:
             self.progress(self.stats.episodes, self.best.time, time.perf_counter() - self.start)
 
-    # -- seeding and polishing -------------------------------------------------------
+    # -- seeding -------------------------------------------------------------------
     def seed_path(self, seq, dead: set | None = None) -> _Scored:
         """Walk `seq` from the root as the tree would (creating its nodes), score where
         it ends, back the reward up and return it; its dead end to `dead` (`_seeds.dead_end`)."""
@@ -402,74 +401,6 @@ class TreeSearch:
                         grown.append(self.seed_path([*b.actions, a]))
             beam = grown or beam
 
-    def polish(self) -> _Scored | None:
-        """Hill-climb from the best plan; a better plan or None. The state must be at the
-        root; it is left there.
-
-        Each round tries every single action appended to the plan, then every single tile
-        put *before* it (decisions are ordered: an early tile can change what a later
-        tactic does, e.g. a vocabulary-split embedding that FSDP would otherwise gather),
-        and keeps the best improvement; it stops when a round improves nothing."""
-        root = self.state.mark()
-        current, improved = self.best, False
-        while time.perf_counter() < self.deadline:
-            top = None
-            for cand in self.neighbours(current.actions, root):
-                if time.perf_counter() >= self.deadline:
-                    break
-                mark = self.state.mark()
-                if all(self.state.apply(a) for a in cand):
-                    scored = self.score(cand)
-                    if scored.reward > current.reward + 1e-12 and (top is None or scored.reward > top.reward):
-                        top = scored
-                self.state.rollback(mark)
-            if top is None:
-                break
-            current, improved = top, True
-        self.state.rollback(root)
-        return current if improved else None
-
-    def refine_remat(self) -> _Scored | None:
-        """The best plan with its remat policy swapped for each of
-        `_seeds.REMAT_REFINED` (the policies that keep some matmuls by their role, between
-        'full' and 'dots', and 'dots_with_context' past 'dots'), if one scores better;
-        else None. They are not macros of the
-        tree search: seeded beside 'dots' and 'full', they took the budget of a four-axis
-        mesh's compositions and the search ended above the plan it reaches without
-        them. Once the plan is chosen, a policy between the two is how a run spends the
-        memory the plan leaves on keeping matmuls (MaxText's Llama 3 70B keeps its q, k, v
-        projections). The state must be at the root; it is left there."""
-        root, top = self.state.mark(), None
-        for i, a in enumerate(self.best.actions):
-            if a.kind != "macro" or not isinstance(a.tactic, Remat) or a.tactic.pattern is not None:
-                continue
-            for policy in _seeds.REMAT_REFINED:
-                cand = (*self.best.actions[:i], Action.macro(Remat(policy)), *self.best.actions[i + 1:])
-                if cand[i] == a:
-                    continue
-                if all(self.state.apply(x) for x in cand):
-                    scored = self.score(cand)
-                    if scored.reward > max(self.best.reward, top.reward if top else 0.0) + 1e-12:
-                        top = scored
-                self.state.rollback(root)
-        return top
-
-    def neighbours(self, actions, root) -> list[list[Action]]:
-        """The plans one action away from `actions` (from the root state `root`): each
-        action or macro appended, each tile not in it put first, each macro in it swapped
-        for another (a remat policy for a lighter one, FSDP for data parallel: a seeded
-        sequence can hold the wrong member of a family that only a swap reaches), each
-        action dropped."""
-        seq = list(actions)
-        for a in seq:
-            self.state.apply(a)
-        out = [seq + [a] for a in self.state.actions() + list(self.macros)]
-        self.state.rollback(root)
-        out += [[a] + seq for a in self.state.actions() if a not in seq]
-        out += [[*seq[:i], m, *seq[i + 1:]] for i, a in enumerate(seq) if a.kind == "macro" for m in self.macros
-                if m not in seq]
-        return out + [[*seq[:i], *seq[i + 1 :]] for i in range(len(seq))]
-
     # -- the whole search ------------------------------------------------------------
     def room(self) -> bool:
         """Whether the time budget and the episode limit leave room for another episode."""
@@ -494,7 +425,7 @@ class TreeSearch:
             self.episode()
         self.stats.stopped = why
         self.release(0)
-        refined = self.refine_remat()
+        refined = _refine.refine_remat(self)
         if refined is not None:
             self.improve(refined)
         self.stats.states = len(self.tree)

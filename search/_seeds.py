@@ -20,7 +20,7 @@ from tactics import FSDP, ContextParallel, DataParallel, Megatron, Pipeline, Rem
 #: The rematerialization policies the search may apply to every layer (`Remat`).
 REMAT_MACROS = ("dots", "full")
 #: The policies the search tries on its best plan alone, in place of its remat
-#: (`TreeSearch.refine_remat`): those that keep some matmuls by role, and the one that
+#: (`search._refine.refine_remat`): those that keep some matmuls by role, and the one that
 #: keeps the attention's output beside what 'dots' keeps (no fused kernel run again).
 REMAT_REFINED = ("qkv", "dots_except_mlp_in", "dots_with_context")
 #: The roles an axis may take once per plan (two tensor-parallel axes are moves of the

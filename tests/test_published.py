@@ -229,7 +229,7 @@ def test_the_search_chooses_its_plan_by_the_accumulated_step():
 #: Remat('dots'), 0.98x.
 SEARCH_SLOWER: set[str] = set()
 #: Rows whose search runs by default (2 s each): a plan keeping the q, k, v projections
-#: (`TreeSearch.refine_remat`), one keeping all matmuls but the MLP's first, and one
+#: (`search._refine.refine_remat`), one keeping all matmuls but the MLP's first, and one
 #: whose published configuration fits its chip by 0.7 GiB.
 _SEARCHED_BY_DEFAULT = ("maxtext-llama3-70b-h100-128", "maxtext-llama2-70b-h100-64", "maxtext-32b-v5p-64")
 _SEARCHED = [r for r in ROWS if r.expressible and r.id != "nemo-llama31-70b-h100-64"]

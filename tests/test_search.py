@@ -403,7 +403,7 @@ def test_the_search_keeps_the_matmuls_its_plan_has_room_for():
     # A tiny Llama whose activations set its peak: on 8 devices, data parallel with
     # Remat('full') fits a limit between the peaks of Remat('qkv') and
     # Remat('dots_except_mlp_in'). The tree offers 'dots' and 'full' alone; its plan
-    # then keeps the q, k, v projections (`TreeSearch.refine_remat`), which fits and runs
+    # then keeps the q, k, v projections (`search._refine.refine_remat`), which fits and runs
     # faster than recomputing them.
     cfg = llama.LlamaConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, vocab=256, seq_len=256,
                             batch=16, scan_layers=True, dtype=jnp.bfloat16)
