@@ -31,11 +31,14 @@ ONCE = ("tensor", "pipeline")
 #: The role each macro tactic gives its axis in a composition.
 ROLE = {DataParallel: "data", FSDP: "fsdp", Megatron: "tensor", ContextParallel: "context", Pipeline: "pipeline",
         ZeRO: "zero"}
-#: The order a composition's tactics apply in, by role: what splits weights by their
-#: blocks first, then the sequence, FSDP last (it shards what the others left whole),
-#: pipeline stages over the layer scan and remat over what all of them made. ZeRO-1
-#: shards the optimizer state of what the others left (it keeps a Megatron's splits).
-ORDER = ("data", "tensor", "context", "fsdp", "zero", "pipeline", "remat")
+#: The order a composition's tactics apply in, by role: the batch, then the sequence
+#: (context parallelism must split the queries before sequence parallelism holds their
+#: tokens over its own axis: the other way round it refuses, and every plan with both
+#: was a dead end), then what splits weights by their blocks, FSDP last (it shards what
+#: the others left whole), pipeline stages over the layer scan and remat over what all
+#: of them made. ZeRO-1 shards the optimizer state of what the others left (it keeps a
+#: Megatron's splits).
+ORDER = ("data", "context", "tensor", "fsdp", "zero", "pipeline", "remat")
 #: The circular schedule's repeats the search offers beside GPipe: 2 halves the bubble
 #: of small microbatch counts; more repeats exchange the same weights for less bubble
 #: still, at the price of a search twice as wide per count offered.

@@ -446,6 +446,26 @@ def test_seeds_with_each_roles_best_variant_come_first():
         (fsdp, ring), (dp, ring), (T.Remat("dots"), dp), (dp, gather), (fsdp, gather), (T.Remat("full"), dp))
 
 
+def test_plans_splitting_the_sequence_two_ways_apply_whole():
+    # Context parallelism splits the queries' tokens over its axis; sequence parallelism
+    # holds the tokens between a Megatron's blocks over the tensor axis. A composition
+    # that applied sequence parallelism first had context parallelism refuse ("apply
+    # ContextParallel first"): every plan with both, NeMo's layout among them, was a
+    # dead end the search never scored.
+    cfg = llama.LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab=128, seq_len=64,
+                            batch=4, scan_layers=True)
+    step, args = llama.make_train_step(cfg, abstract=True)
+    part = partir.Partitioning(partir.lift(step, *args), MeshSpec.of(data=2, ctx=2, model=2))
+    state, macros = search.AutomaticPartition(device="h100").search_space(part, T.Context())
+    both = [p for p in search.compositions(macros) if any(isinstance(t, T.ContextParallel) for t in p)
+            and any(isinstance(t, T.SequenceParallel) for t in p)]
+    assert len(both) > 10
+    for plan in both:
+        root = state.mark()
+        assert all(state.apply(search.Action.macro(t)) for t in plan), plan
+        state.rollback(root)
+
+
 def test_parameters_are_sharded_over_the_axes_that_split_the_sequence():
     # Two sequences on 2 x 2 x 2 devices: the batch splits over one axis, the sequence
     # (context parallelism) over another; in 8 MB the parameters must be sharded over
