@@ -19,10 +19,10 @@ from ._mcts import TreeSearch, mcts
 from ._result import SearchResult, SearchStats
 from ._accum import accumulated_step
 from ._auto import AutomaticPartition
-from ._seeds import compositions, primary_first
+from ._seeds import compositions, primary_first, skeletons
 from ._exact import ExactResult, exhaustive
 
-__all__ = ["compositions", "primary_first", "DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
+__all__ = ["compositions", "primary_first", "skeletons", "DEFAULT_DEVICE", "PRESETS", "CollectiveCost", "Cost", "CostModel", "DeviceError", "DeviceSpec", "LinkModel",
            "bytes_str", "collectives_table", "get_device", "link_levels", "time_str", "Fidelity", "compare_with_xla",
            "STOP", "Action", "Group", "input_groups", "valid_actions", "SearchState", "SearchResult", "SearchStats",
            "TreeSearch", "mcts", "AutomaticPartition", "ExactResult", "exhaustive", "Materialization",

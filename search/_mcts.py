@@ -363,16 +363,17 @@ class TreeSearch:
         return scored
 
     def seed_macros(self) -> None:
-        """Seed every macro action, then every ordered pair of them, best singles first:
-        two tactics on two axes are the textbook plans (data parallel + Megatron, FSDP +
-        Megatron, ...), and this costs len(macros)**2 episodes. Then the longer plans of
-        `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
+        """Seed every macro action, then every ordered pair of them and the longer plans
+        of `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
         people run at scale compose four or five tactics: data parallel, tensor and
-        sequence parallel, FSDP on another axis, rematerialization), each role's best
-        variant first (`_seeds.primary_first`), but those that begin with a dead end
-        (`_seeds.dead_end`). Pairs and compositions take at most SEED_SHARE of the time
-        budget. Then a beam from all of them: the BEAM best sequences and the BEAM
-        fastest are extended by every other macro, up to MACRO_DEPTH of them."""
+        sequence parallel, FSDP on another axis, rematerialization): first one variant
+        of each role assignment (`_seeds.skeletons`, those that use every axis first),
+        the best by how each tactic did alone that applies (`seed_skeleton`), then the
+        other variants, each role's best variant first (`_seeds.primary_first`), but
+        those that begin with a dead end (`_seeds.dead_end`). Pairs and compositions take
+        at most SEED_SHARE of the time budget. Then a beam from all of them: the BEAM
+        best sequences and the BEAM fastest are extended by every other macro, up to
+        MACRO_DEPTH of them."""
         dead: set = set()  # sequences of tactics whose last did not apply: dead ends
         for a in self.macros:
             if self.room():
@@ -383,10 +384,49 @@ class TreeSearch:
                   else (0.0, -math.inf) for a in self.macros}
         ranked = sorted(self.macros, key=lambda a: scored[a.tactic], reverse=True)
         pairs = [(first.tactic, second.tactic) for first in ranked for second in ranked if second != first]
-        ordered = _seeds.primary_first([*pairs, *self.seeds], scored.get)
+        seeds = [*pairs, *self.seeds]
         seed_until = self.start + SEED_SHARE * self.budget_s
-        beam = [self.seed_path([Action.macro(t) for t in seq], dead) for seq in ordered
-                if self.room() and time.perf_counter() < seed_until and not _seeds.dead_end(seq, dead)]
+        axes = [a for a in self.state.axes if self.state.mesh.size(a) > 1]
+        beam, seeded = [], set()
+        for variants in _seeds.skeletons(seeds, scored.get, axes):
+            if not (self.room() and time.perf_counter() < seed_until):
+                break
+            beam += self.seed_skeleton(variants, dead, seeded)
+        beam += [self.seed_path([Action.macro(t) for t in seq], dead)
+                 for seq in _seeds.primary_first([s for s in seeds if s not in seeded], scored.get)
+                 if self.room() and time.perf_counter() < seed_until and not _seeds.dead_end(seq, dead)]
+        self.grow_beam(beam)
+
+    def seed_skeleton(self, variants, dead: set, seeded: set) -> list[_Scored]:
+        """Seed the first of `variants` (one assignment of roles to axes, likeliest best
+        first) that applies whole: a variant whose tactic did not apply (a pipeline's
+        microbatch count the data roles leave no room for) gives way to the next that
+        does not hold that tactic. Where it does not fit, its variants that add a remat
+        policy to its tactics follow: a fast plan that does not fit is one remat away
+        from its assignment's best (which policy, `search._refine.refine_remat` refines). Returns what was scored; `seeded`
+        gains the variants seeded."""
+        out, failed = [], set()
+        for seq in variants:
+            if _seeds.dead_end(seq, dead) or not failed.isdisjoint(seq):
+                continue
+            out.append(self.seed_path([Action.macro(t) for t in seq], dead))
+            seeded.add(seq)
+            k = next((k for k in range(1, len(seq) + 1) if seq[:k] in dead), None)
+            if k is not None:
+                failed.add(seq[k - 1])
+                continue
+            kept = _seeds.unrematerialized(seq)
+            for other in variants if out[-1].peak > self.limit else ():
+                if not self.room():
+                    break
+                if other not in seeded and _seeds.unrematerialized(other) == kept:
+                    out.append(self.seed_path([Action.macro(t) for t in other], dead))
+                    seeded.add(other)
+            break
+        return out
+
+    def grow_beam(self, beam: list[_Scored]) -> None:
+        """Extend the seeded sequences `beam` by one macro at a time, up to MACRO_DEPTH."""
         for _ in range(MACRO_DEPTH - 2):
             # The best by reward, and the fastest whatever their memory: a fast sequence
             # that does not fit yet is one remat or FSDP away from the best plan, while

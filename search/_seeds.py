@@ -148,14 +148,66 @@ def primary_first(seeds, score) -> tuple:
     compositions (roles^axes, times every variant), more than a time budget scores;
     choosing each role's variant by how it did alone first means the budget goes to
     different role assignments before it goes to variants of one."""
-    best: dict = {}
+    rank = variant_ranks(seeds, score)
+    first = [seq for seq in seeds if not any(rank[t] for t in seq)]
+    return (*first, *(seq for seq in seeds if any(rank[t] for t in seq)))
+
+
+def variant_ranks(seeds, score) -> dict:
+    """Each tactic of `seeds` -> its rank among the variants of its role on its axis
+    (`variant_key`) by `score(tactic)`, best 0 (ties to the first offered)."""
+    variants: dict = {}
     for t in dict.fromkeys(t for seq in seeds for t in seq):
-        k = variant_key(t)
-        if k not in best or score(t) > score(best[k]):
-            best[k] = t
-    primary = set(best.values())
-    first = [seq for seq in seeds if all(t in primary for t in seq)]
-    return (*first, *(seq for seq in seeds if not all(t in primary for t in seq)))
+        variants.setdefault(variant_key(t), []).append(t)
+    return {t: i for ts in variants.values() for i, t in enumerate(sorted(ts, key=score, reverse=True))}
+
+
+#: The roles an assignment of roles to axes tells apart (`skeletons`): ZeRO-1 is a way to
+#: run data parallelism and sequence parallelism a way to run Megatron, on the same axis.
+COARSE = {"zero": "data", "SequenceParallel": "tensor"}
+
+
+def skeletons(seeds, score, axes) -> tuple[tuple[tuple, ...], ...]:
+    """`seeds` grouped by the role each gives each axis (`variant_key`, `COARSE`), a
+    remat policy being a variant too: one group per assignment of roles to axes. Each
+    group's variants run from the likeliest best: by the sum of their tactics' ranks
+    (`variant_ranks`), plus one for each data role without ZeRO-1 and each Megatron
+    without sequence parallelism (each saves memory at no time to speak of, as the plans
+    run at scale have them), then by the rank of their remat policy (none first). The
+    groups that give every axis of `axes` a role come first, then the others, each in
+    the order of its first seed: a plan that leaves an axis idle computes its work again
+    there. The search scores one variant of each group before a second of any
+    (`TreeSearch.seed_skeleton`): four axes offer thousands of variants of hundreds of
+    assignments, and which variant applies depends on the others (a pipeline's
+    microbatch count must divide the batch the data roles leave it)."""
+    rank = variant_ranks(seeds, score)
+    groups: dict = {}
+    for seq in seeds:
+        groups.setdefault(frozenset(_coarse(t) for t in seq if not isinstance(t, Remat)), []).append(seq)
+    everywhere = set(axes)
+
+    def idle(key) -> bool:
+        return not everywhere <= {axis for axis, _ in key}
+
+    def likeliest(seq) -> tuple:
+        roles = [variant_key(t) for t in seq]
+        bare = sum(1 for axis, role in {_coarse(t) for t in seq if not isinstance(t, Remat)}
+                   if role in ("data", "tensor") and (axis, "zero" if role == "data" else "SequenceParallel")
+                   not in roles)
+        remat = [rank[t] + 1 for t in seq if isinstance(t, Remat)]
+        return sum(rank[t] for t in seq if not isinstance(t, Remat)) + bare, sum(remat)
+
+    return tuple(tuple(sorted(g, key=likeliest)) for k, g in sorted(groups.items(), key=lambda kg: idle(kg[0])))
+
+
+def unrematerialized(seq) -> tuple:
+    """The tactics of `seq` but its remat policy."""
+    return tuple(t for t in seq if not isinstance(t, Remat))
+
+
+def _coarse(tactic) -> tuple:
+    axis, role = variant_key(tactic)
+    return axis, COARSE.get(role, role)
 
 
 def dead_end(seq, dead) -> bool:

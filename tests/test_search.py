@@ -466,6 +466,52 @@ def test_plans_splitting_the_sequence_two_ways_apply_whole():
         state.rollback(root)
 
 
+def test_seeds_are_grouped_by_the_role_each_gives_each_axis():
+    # One group per assignment of roles to axes: ZeRO-1 is a way to run data
+    # parallelism, sequence parallelism a way to run Megatron, a remat policy a variant
+    # of any. Assignments that use every axis come first; within one, the likeliest best
+    # variant first (best-ranked tactics, ZeRO-1 and sequence parallelism on, no remat).
+    dp, zero, meg, sp = T.DataParallel("data"), T.ZeRO("data", stage=1), T.Megatron("model"), T.SequenceParallel("model")
+    fsdp, dots, full = T.FSDP("data", leave_room=False), T.Remat("dots"), T.Remat("full")
+    seeds = [(dp, dots), (dp, meg), (dp, meg, sp, full), (dp, meg, sp), (fsdp, meg), (dp, zero, meg, sp),
+             (dp, zero, meg, sp, dots)]
+    score = {dp: 0.7, zero: 0.5, meg: 0.6, sp: 0.4, fsdp: 0.8, dots: 0.3, full: 0.2}
+    assert search.skeletons(seeds, score.get, ("data", "model")) == (
+        ((dp, zero, meg, sp), (dp, zero, meg, sp, dots), (dp, meg, sp), (dp, meg, sp, full), (dp, meg)),
+        ((fsdp, meg),),
+        ((dp, dots),))
+
+
+def test_an_assignment_is_seeded_by_its_first_variant_that_applies_and_fits():
+    # A pipeline of 8 microbatches does not apply after data parallelism has halved a
+    # batch of 8: the assignment's next variant without it is seeded instead (not the
+    # same failure under another remat policy), and as that one does not fit, its
+    # variants with a remat policy follow; nothing of another pipeline is tried.
+    from search._mcts import TreeSearch, _Scored
+
+    dp, p8, p4, p2 = T.DataParallel("data"), T.Pipeline("stage", 8), T.Pipeline("stage", 4), T.Pipeline("stage", 2)
+    dots, full = T.Remat("dots"), T.Remat("full")
+    variants = ((dp, p8), (dp, p8, dots), (dp, p4), (dp, p2), (dp, p4, dots), (dp, p4, full))
+    seen = []
+
+    class Search:
+        limit = 1.0
+
+        def room(self):
+            return True
+
+        def seed_path(self, actions, dead):
+            seq = tuple(a.tactic for a in actions)
+            seen.append(seq)
+            if p8 in seq:
+                dead.add(seq[:2])
+            return _Scored(0.5, actions, 1.0, 0.5 if full in seq else 2.0)
+
+    seeded = set()
+    out = TreeSearch.seed_skeleton(Search(), variants, set(), seeded)
+    assert seen == [(dp, p8), (dp, p4), (dp, p4, dots), (dp, p4, full)] and seeded == set(seen) and len(out) == 4
+
+
 def test_parameters_are_sharded_over_the_axes_that_split_the_sequence():
     # Two sequences on 2 x 2 x 2 devices: the batch splits over one axis, the sequence
     # (context parallelism) over another; in 8 MB the parameters must be sharded over
