@@ -246,10 +246,12 @@ PIPELINE_FACTORS = (0.5, 1, 2)
 
 #: The pipelined search's episodes, as a multiple of the row's: its pipelines add up to
 #: three schedules of each microbatch count on each axis to the macros (36 on NeMo's
-#: Llama 3.1 70B's four axes, 66 macros in all with ZeRO-1), whose ordered pairs the
-#: search seeds first. At the row's 1000 episodes that search returns FSDP over all four
-#: axes with Remat (62.6 s a step, 226 GiB); at 4000 DP + ZeRO-1 over data, FSDP over the
-#: rest, Remat (15.81 s, 58 GiB), as at 10000.
+#: Llama 3.1 70B's four axes, 66 macros in all with ZeRO-1: 1194 assignments of roles to
+#: axes, `search._seeds.skeletons`). At the row's 1000 episodes that search returns FSDP
+#: over three axes with ZeRO-1 and full Remat (16.16 s a step, 1.12x the published
+#: configuration's); at 2000 a 1F1B pipeline over two stages with CP, Megatron and SP,
+#: ZeRO-1 and Remat('dots_with_context') (14.13 s, 0.98x); at 4000 the same over other
+#: axes (14.04 s, 0.97x, 64 GiB).
 PIPELINED_EPISODES = 4
 
 
