@@ -188,7 +188,7 @@ class AutomaticPartition(Tactic):
         st = result.stats
         notes = [state.describe() + (f" ({why})" if why else ""),
                  f"{len(groups)} groups over axes {', '.join(axes)}; {st.episodes} episodes, {st.states} states, "
-                 f"{st.cache_hits} cache hits in {st.elapsed:.1f} s ({st.stopped})",
+                 f"{st.cache_hits} cache hits in {st.elapsed:.1f} s ({st.stopped})" + _unscored(st),
                  f"modeled step {result.step_time * 1e3:.3f} ms vs {result.root_step_time * 1e3:.3f} ms before"
                  + ("" if result.fits else " (does not fit the memory limit)")]
         unsplit = self._why_replicated(part, groups, result, costs)
@@ -401,6 +401,15 @@ class _ExactCosts:
         if "cost" not in entry:
             entry["cost"] = entry["model"].cost(top=PEAK_BUFFERS)
         return entry["cost"]
+
+
+def _unscored(stats) -> str:
+    """What the search said of the role assignments it had no budget to score (none: "")."""
+    scored, offered = stats.assignments
+    if scored >= offered:
+        return ""
+    return (f"; its budget scored {scored} of {offered} assignments of roles to mesh axes: raise max_episodes "
+            "or budget_s to score them all")
 
 
 def _positions(value) -> tuple[int, ...]:

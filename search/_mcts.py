@@ -387,11 +387,13 @@ class TreeSearch:
         seeds = [*pairs, *self.seeds]
         seed_until = self.start + SEED_SHARE * self.budget_s
         axes = [a for a in self.state.axes if self.state.mesh.size(a) > 1]
-        beam, seeded = [], set()
-        for variants in _seeds.skeletons(seeds, scored.get, axes):
+        beam, seeded, groups = [], set(), _seeds.skeletons(seeds, scored.get, axes)
+        self.stats.assignments = (0, len(groups))
+        for n, variants in enumerate(groups):
             if not (self.room() and time.perf_counter() < seed_until):
                 break
             beam += self.seed_skeleton(variants, dead, seeded)
+            self.stats.assignments = (n + 1, len(groups))
         beam += [self.seed_path([Action.macro(t) for t in seq], dead)
                  for seq in _seeds.primary_first([s for s in seeds if s not in seeded], scored.get)
                  if self.room() and time.perf_counter() < seed_until and not _seeds.dead_end(seq, dead)]

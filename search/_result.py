@@ -21,6 +21,9 @@ class SearchStats:
     stopped: str = ""
     trace: list = field(default_factory=list)
     min_peak: float = float("inf")  # the smallest peak memory of any plan seen
+    #: (scored, offered): the assignments of roles to mesh axes among the macro seeds
+    #: (`search.skeletons`) of which the search scored a variant before its budget ran out.
+    assignments: tuple[int, int] = (0, 0)
 
 
 @dataclass

@@ -466,6 +466,22 @@ def test_plans_splitting_the_sequence_two_ways_apply_whole():
         state.rollback(root)
 
 
+def test_the_search_says_when_its_budget_left_role_assignments_unscored():
+    # A user whose budget covers a fraction of the plans a mesh offers learns it, and
+    # what to raise; one whose budget covers them hears nothing of it.
+    cfg = llama.LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab=128, seq_len=64,
+                            batch=4, scan_layers=True)
+    step, args = llama.make_train_step(cfg, abstract=True)
+    mesh = MeshSpec.of(data=2, ctx=2, model=2)
+    short, _ = _search(step, args, mesh, [search.AutomaticPartition(device="h100", budget_s=600, max_episodes=40)])
+    (note,) = [n for n in short.history[0].notes if "assignments of roles" in n]
+    scored, offered = short.context.search[0].stats.assignments
+    assert 0 < scored < offered and f"scored {scored} of {offered} assignments" in note and "max_episodes" in note
+    long, _ = _search(step, args, mesh, [search.AutomaticPartition(device="h100", budget_s=600, max_episodes=300)])
+    scored, offered = long.context.search[0].stats.assignments
+    assert scored == offered and not any("assignments of roles" in n for n in long.history[0].notes)
+
+
 def test_seeds_are_grouped_by_the_role_each_gives_each_axis():
     # One group per assignment of roles to axes: ZeRO-1 is a way to run data
     # parallelism, sequence parallelism a way to run Megatron, a remat policy a variant
