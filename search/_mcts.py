@@ -365,15 +365,13 @@ class TreeSearch:
     def seed_macros(self) -> None:
         """Seed every macro action, then every ordered pair of them and the longer plans
         of `seeds` (`search._seeds.compositions`: one role per mesh axis, as the plans
-        people run at scale compose four or five tactics: data parallel, tensor and
-        sequence parallel, FSDP on another axis, rematerialization): first one variant
-        of each role assignment (`_seeds.skeletons`, those that use every axis first),
-        the best by how each tactic did alone that applies (`seed_skeleton`), then the
-        other variants, each role's best variant first (`_seeds.primary_first`), but
-        those that begin with a dead end (`_seeds.dead_end`). Pairs and compositions take
-        at most SEED_SHARE of the time budget. Then a beam from all of them: the BEAM
-        best sequences and the BEAM fastest are extended by every other macro, up to
-        MACRO_DEPTH of them."""
+        people run at scale compose four or five tactics): first one variant of each
+        assignment of roles to axes (`_seeds.skeletons`, those using every axis first;
+        `seed_skeleton`), then the other variants, each role's best variant first
+        (`_seeds.primary_first`), but those that begin with a dead end
+        (`_seeds.dead_end`), in at most SEED_SHARE of the time budget. Then a beam from
+        all of them: the BEAM best sequences and the BEAM fastest are extended by every
+        other macro, up to MACRO_DEPTH of them."""
         dead: set = set()  # sequences of tactics whose last did not apply: dead ends
         for a in self.macros:
             if self.room():
@@ -401,12 +399,10 @@ class TreeSearch:
 
     def seed_skeleton(self, variants, dead: set, seeded: set) -> list[_Scored]:
         """Seed the first of `variants` (one assignment of roles to axes, likeliest best
-        first) that applies whole: a variant whose tactic did not apply (a pipeline's
-        microbatch count the data roles leave no room for) gives way to the next that
-        does not hold that tactic. Where it does not fit, its variants that add a remat
-        policy to its tactics follow: a fast plan that does not fit is one remat away
-        from its assignment's best (which policy, `search._refine.refine_remat` refines). Returns what was scored; `seeded`
-        gains the variants seeded."""
+        first) that applies whole: one whose tactic did not apply (a pipeline's microbatch
+        count the data roles leave no room for) gives way to the next without it. One
+        that does not fit is followed by its variants with a remat policy (a fast plan
+        is one remat away from fitting). Returns what was scored; adds to `seeded`."""
         out, failed = [], set()
         for seq in variants:
             if _seeds.dead_end(seq, dead) or not failed.isdisjoint(seq):
