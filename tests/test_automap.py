@@ -188,6 +188,10 @@ def test_explain_and_plot(tmp_path, capsys):
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
+# (2 s of search: in `make test-slow`. The default run holds a saved plan's decisions and
+# key through a round trip in test_every_kind_of_decision_round_trips_through_a_saved_plan
+# and tests/test_pipeline.py's saved plans, a searched plan's file in tests/test_determinism.py.)
+@pytest.mark.slow
 def test_save_load_round_trip(tmp_path):
     step, args = gpt.make_train_step(SMALL, abstract=True)
     plan = automap.partition(step, mesh="data=2,model=4", device="cpu", budget_s=2)(*args)
@@ -252,7 +256,11 @@ def test_loading_onto_a_program_it_does_not_fit(tmp_path):
         automap.load_plan(bad)
 
 
-@pytest.mark.parametrize("name", ["mlp", "nnx_mlp", "linen_mlp", "equinox_mlp"])
+# By default the module pytrees (nnx's and equinox's); the plain dicts of the MLP and of
+# linen's parameters (as the GPT's that test_jit_matches_jax_jit_over_steps_and_plans_once
+# runs) in `make test-slow`.
+@pytest.mark.parametrize("name", [pytest.param("mlp", marks=pytest.mark.slow), "nnx_mlp",
+                                  pytest.param("linen_mlp", marks=pytest.mark.slow), "equinox_mlp"])
 def test_pytree_kinds(name):
     step, args = REGISTRY[name]()
     fn = automap.jit(step, mesh="data=8", schedule=[T.DataParallel("data"), search.AutomaticPartition(budget_s=1)],

@@ -81,10 +81,13 @@ def _check(model, mesh, schedule, backend="jit", **changes):
 FAST = [
     # model, causal, mesh, schedule, lowering
     ("gpt", True, MeshSpec.of(data=4, cp=2), [tactics.DataParallel("data"), tactics.ContextParallel("cp")], "jit"),
-    ("gpt", True, MeshSpec.of(model=2, cp=4), [tactics.ContextParallel("cp"), tactics.Megatron("model")], "shard_map"),
 ]
 #: More of the same, which the slow matrix covers as well: out of the default suite's time.
+#: (The shard_map lowering of context parallelism runs by default in
+#: test_a_balanced_plan_matches_jit, its composition with Megatron in
+#: test_context_and_sequence_parallelism_together_match_jit.)
 MORE = [
+    ("gpt", True, MeshSpec.of(model=2, cp=4), [tactics.ContextParallel("cp"), tactics.Megatron("model")], "shard_map"),
     ("llama", True, MeshSpec.of(fsdp=2, cp=4), [tactics.FSDP("fsdp"), tactics.ContextParallel("cp")], "jit"),
     ("llama", False, MeshSpec.of(model=2, cp=4), [tactics.Megatron("model"), tactics.ContextParallel("cp")], "jit"),
     ("gpt", False, MeshSpec.of(cp=8), [tactics.ContextParallel("cp")], "jit"),
@@ -147,8 +150,9 @@ BALANCED = [
     pytest.param("gpt", "zigzag", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "jit", {},
                  marks=pytest.mark.slow),
     ("llama", "striped", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data")], "shard_map", {}),
-    # The zigzag order under jit runs by default in test_a_balanced_plan_with_remat_matches_jit's
-    # GPT case, and Llama's zigzag ring in tests/test_context_ring.py.
+    # The zigzag order under jit runs by default in
+    # test_context_and_sequence_parallelism_together_match_jit (Llama, scanned), and GPT's
+    # zigzag ring in tests/test_context_ring.py.
     pytest.param("llama", "zigzag", MeshSpec.of(model=2, cp=4), [tactics.Megatron("model")], "jit",
                  {"scan_layers": True}, marks=pytest.mark.slow),
 ]
@@ -164,8 +168,12 @@ def test_a_balanced_plan_matches_jit(model, balance, mesh, head, backend, change
     assert list(res.partitioning.orders.values()) == [("cp", balance)]
 
 
+# (3 s a case: in `make test-slow`; the default run holds the zigzag order in
+# test_context_and_sequence_parallelism_together_match_jit and a recomputing plan's numerics
+# in tests/test_remat.py.)
 @pytest.mark.parametrize("model,backend,changes", [
-    ("gpt", "jit", {}), pytest.param("llama", "shard_map", {"scan_layers": True}, marks=pytest.mark.slow)])
+    pytest.param("gpt", "jit", {}, marks=pytest.mark.slow),
+    pytest.param("llama", "shard_map", {"scan_layers": True}, marks=pytest.mark.slow)])
 def test_a_balanced_plan_with_remat_matches_jit(model, backend, changes):
     # The backward pass recomputes the causal mask from its iotas: in the permuted order.
     schedule = [tactics.DataParallel("data"), tactics.ContextParallel("cp", balance="zigzag"), tactics.Remat("full")]
@@ -284,9 +292,13 @@ FIDELITY = {"gpt": gpt.GPTConfig(d_model=128, d_ff=512, n_heads=8, seq_len=64, v
 XLA_CASES = [("gpt", MeshSpec.of(data=2, cp=4), tactics.DataParallel("data"), None, "jit"),
              ("llama", MeshSpec.of(model=2, cp=4), tactics.Megatron("model"), "zigzag", "jit"),
              ("gpt", MeshSpec.of(data=2, cp=4), tactics.DataParallel("data"), None, "shard_map")]
+#: By default the first (2 s each): the others in `make test-slow`.
+SLOW_XLA = {"llama-jit", "gpt-shard_map"}
 
 
-@pytest.mark.parametrize("model,mesh,other,balance,backend", XLA_CASES, ids=[f"{c[0]}-{c[4]}" for c in XLA_CASES])
+@pytest.mark.parametrize("model,mesh,other,balance,backend",
+                         [pytest.param(*c, marks=pytest.mark.slow if f"{c[0]}-{c[4]}" in SLOW_XLA else ())
+                          for c in XLA_CASES], ids=[f"{c[0]}-{c[4]}" for c in XLA_CASES])
 def test_context_parallel_costs_match_xla(model, mesh, other, balance, backend):
     import search
 
@@ -310,6 +322,9 @@ def test_context_parallel_costs_match_xla(model, mesh, other, balance, backend):
     assert 1 - MEMORY_BAND <= f.memory_ratio <= 1 + MEMORY_BAND, (f.memory_model, f.memory_xla)
 
 
+# (2 s: in `make test-slow`; the default run holds a context-parallel plan's peak to XLA's
+# in test_context_parallel_costs_match_xla[gpt-jit].)
+@pytest.mark.slow
 def test_context_parallel_saves_the_memory_xla_saves():
     import search
 

@@ -59,10 +59,12 @@ def _check(model, mesh, schedule, **changes):
 KEPT = "keeps the program's softmax"
 
 FAST = [
-    # model, mesh, schedule, config changes; GPT's ring runs blockwise, which the default
-    # run checks in test_a_causal_zigzag_ring_runs_online_softmax_and_matches_jit.
+    # model, mesh, schedule, config changes: in `make test-slow` (3 s each). The default run
+    # checks a ring's numerics, blockwise across the scan pair, in
+    # test_a_layer_scan_runs_online_softmax_and_matches_jit.
     pytest.param("gpt", MeshSpec.of(data=2, cp=4), [tactics.DataParallel("data"), _ring()], {}, marks=pytest.mark.slow),
-    ("llama", MeshSpec.of(model=2, cp=4), [tactics.Megatron("model"), _ring(balance="zigzag")], {"scan_layers": True}),
+    pytest.param("llama", MeshSpec.of(model=2, cp=4), [tactics.Megatron("model"), _ring(balance="zigzag")],
+                 {"scan_layers": True}, marks=pytest.mark.slow),
 ]
 
 
@@ -97,6 +99,9 @@ def _check_online(model, mesh, schedule, **changes):
     assert not re.search(r"f32\[(\d+,)?" + re.escape(row[len("f32["):]), text) and block in text
 
 
+# (5 s: in `make test-slow`; the default run holds a zigzag ring's numerics, blockwise, in
+# test_a_layer_scan_runs_online_softmax_and_matches_jit.)
+@pytest.mark.slow
 def test_a_causal_zigzag_ring_runs_online_softmax_and_matches_jit():
     # GPT, CP=4, causal, zigzag: each device meets one key block at a time (no row of
     # scores anywhere in the compiled program), and the numbers are plain jit's.

@@ -37,9 +37,11 @@ def _assert_matches_xla(f):
 
 MESHES = [(1, 8), (2, 4), (4, 2)]
 FIDELITY = [(m, s, d) for m in ("mlp", "gpt", "convnet", "moe") for s in STRATEGIES for d in MESHES]
-# The default suite checks every model and every strategy on a 2x4 mesh; `make test-all`
-# runs the whole matrix (every mesh shape).
-QUICK = {(m, s, (2, 4)) for m in ("mlp", "gpt", "convnet", "moe") for s in STRATEGIES}
+# The default suite checks every strategy on the MLP on a 2x4 mesh, and DP + Megatron (the
+# composition of the others) on the GPT there; `make test-all` runs the whole matrix (every
+# model, strategy and mesh shape). The convnet and the MoE are held to XLA by default in the
+# tests of random and searched plans below and in tests/test_shardmap.py's compiled collectives.
+QUICK = {("mlp", s, (2, 4)) for s in STRATEGIES} | {("gpt", "dp+megatron", (2, 4))}
 
 
 @pytest.mark.parametrize("model,strategy,shape", [
@@ -55,8 +57,11 @@ def test_collectives_and_flops_match_xla(model, strategy, shape):
     assert f.args_model == f.args_xla
 
 
-@pytest.mark.parametrize("model", ["gpt", pytest.param("moe", marks=pytest.mark.slow),
-                                   pytest.param("convnet", marks=pytest.mark.slow)])
+# (6 s a model: in `make test-slow`. The default run holds a searched plan to XLA in
+# test_plans_that_move_activations_for_the_backward_match_xla[moe-searched], random plans
+# in test_plans_xla_would_move_its_own_way_match_xla and
+# test_results_made_in_one_layout_and_kept_in_another_match_xla.)
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) for m in ("gpt", "moe", "convnet")])
 def test_searched_and_random_plans_match_xla(model):
     # The search is drawn to whatever the model gets wrong: hold it to XLA on the plans it
     # returns and on random valid plans, not only on hand-written ones.
@@ -69,7 +74,7 @@ def test_searched_and_random_plans_match_xla(model):
 
 
 @pytest.mark.parametrize("model,plan", [pytest.param("gpt", "random 0", marks=pytest.mark.slow), ("moe", "searched"),
-                                        ("gpt remat-dots scan", "random 2")])
+                                        pytest.param("gpt remat-dots scan", "random 2", marks=pytest.mark.slow)])
 def test_plans_that_move_activations_for_the_backward_match_xla(model, plan):
     # On one 8-way axis, the random GPT plan reduce-scatters each MLP hidden (split by its
     # bias): XLA:CPU all-reduces it whole and fuses the slice into its elementwise readers,

@@ -32,6 +32,10 @@ def _search(tmp_path, hash_seed: int):
     return out
 
 
+# (5 s: two processes importing JAX and searching; in `make test-slow`. The default run
+# holds a seeded search to one plan within a process in tests/test_search.py::test_same_seed_same_plan
+# and tests/test_twins.py::test_same_seed_same_plan_through_twins.)
+@pytest.mark.slow
 def test_a_search_with_an_episode_budget_writes_the_same_file_in_another_process(tmp_path):
     first, second = _search(tmp_path, 1), _search(tmp_path, 2)
     assert first.read_bytes() == second.read_bytes()

@@ -37,11 +37,16 @@ CASES = [(m, s) for m in MODELS for s in STRATEGIES if s != "dp+megatron" or m.s
 # its DP + Megatron case; the remat form's DP + Megatron is tests/test_remat.py's subject,
 # the scanned one tests/test_megatron_corpus.py's (llama_scan), and FSDP on the GPT
 # tests/test_pipeline.py's and tests/test_llama.py's.
-# So do the convnet and the MoE under DP alone: their FSDP cases run by default, and the
-# MoE's DP + Megatron in tests/test_shardmap.py. They run in `make test-all`.
+# So do, in `make test-all`: the convnet and the MoE under DP alone and under Megatron (the
+# convnet's FSDP case runs by default, the MoE's DP + Megatron in tests/test_shardmap.py, and
+# the convnet's DP + Megatron against XLA in tests/test_cost.py and tests/test_shardmap.py);
+# the MoE under FSDP, which the MLPs' FSDP cases hold; and GPT's DP + Megatron, whose program
+# and mesh tests/test_tactics.py::test_dp_and_megatron_reduce_gradients_over_data_only runs
+# by default (under the tactics' plan).
 SLOW = {("convnet", "dp"), ("moe", "dp"), ("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp"),
         ("gpt", "dp"), ("gpt", "megatron"), ("gpt-scan", "megatron"), ("gpt-remat", "megatron"),
-        ("gpt-remat", "dp+megatron"), ("gpt-scan", "dp+megatron"), ("gpt", "fsdp")}
+        ("gpt-remat", "dp+megatron"), ("gpt-scan", "dp+megatron"), ("gpt", "fsdp"),
+        ("convnet", "megatron"), ("moe", "megatron"), ("moe", "fsdp"), ("gpt", "dp+megatron")}
 
 
 @pytest.mark.parametrize("model,strategy", [pytest.param(m, s, marks=pytest.mark.slow if (m, s) in SLOW else ())

@@ -30,7 +30,10 @@ def _alone(prog, mesh, cand):
     return experts.Costed(cand.name, c.step_time, c.memory_peak, bool(c.fits))
 
 
-@pytest.mark.parametrize("case", ["gpt", pytest.param("moe", marks=pytest.mark.slow)])
+# In `make test-slow` (4 s a case: every candidate costed twice); the default run costs
+# the experts' candidates, none failing, in
+# tests/test_context.py::test_the_experts_write_context_parallel_with_fsdp_and_tensor_parallelism.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) for c in ("gpt", "moe")])
 def test_each_candidate_costs_what_its_schedule_costs_alone(case):
     # Candidates share the partitionings of their common prefixes (and the tactics'
     # context: a SequenceParallel reads the blocks of the Megatron before it).

@@ -149,8 +149,11 @@ SCHEDULE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n != "dp+tp+sp+zero3" else ())
-                                  for n in sorted(SCHEDULE_CASES)])
+# In `make test-slow` (3 s each): the default run holds Llama's textbook tensor-parallel
+# splits in test_megatron_splits_scanned_layers_as_unrolled_ones, its tensor and sequence
+# parallel plan to jax.jit in tests/test_context.py::test_context_and_sequence_parallelism_together_match_jit,
+# and its FSDP plan in tests/test_pipeline.py's stage under the user's checkpoint.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in sorted(SCHEDULE_CASES)])
 def test_schedule_plan_matches_jit(name):
     mesh, axes, scan = SCHEDULE_CASES[name]
     step, args = _train_step(dataclasses.replace(TINY, scan_layers=scan))
@@ -169,6 +172,8 @@ def test_schedule_plan_matches_jit(name):
     partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6, steps=2)
 
 
+# (4 s: in `make test-slow`, with the schedule's other plans above.)
+@pytest.mark.slow
 def test_one_hot_loss_is_the_gathered_one_and_its_plan_matches_jit():
     """MaxText's cross-entropy (`loss='one_hot'`: log-probabilities summed against one-hot
     targets) computes the gathered form's loss; under data, tensor (the vocabulary split
@@ -258,7 +263,9 @@ LARGE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LARGE))
+# The unrolled 8B in `make test-slow` (32 layers to lift: the scanned form's count is the same).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "llama3-8b-unrolled" else ())
+                                  for n in sorted(LARGE)])
 def test_large_config_lifts_with_its_parameter_count(name):
     module, config, expected = LARGE[name]
     assert module.param_count(config) == expected

@@ -112,11 +112,19 @@ def _case(name):
 
 
 SCHEDULES = {"none": [], "dp": [T.DataParallel("data")]}
+REGION_CASES = [(name, schedule, lowering) for lowering in ("jit", "shard_map") for schedule in SCHEDULES
+                for name in sorted(MODELS)]
+#: In `make test-slow`: every region without a schedule, and under DP the MoE dispatch and
+#: the collective matmul under jit and the ring attention under shard_map (1 s each): by
+#: default each region runs under one lowering, the ring attention and the partial manual
+#: region under jit, the others under shard_map.
+SLOW_REGIONS = {("moe_dispatch", "dp", "jit"), ("collective_matmul", "dp", "jit"),
+                ("ring_attention", "dp", "shard_map")}
 
 
-@pytest.mark.parametrize("lowering", ["jit", "shard_map"])
-@pytest.mark.parametrize("schedule", [pytest.param("none", marks=pytest.mark.slow), "dp"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name,schedule,lowering", [
+    pytest.param(*c, marks=pytest.mark.slow if c[1] == "none" or c in SLOW_REGIONS else ()) for c in REGION_CASES],
+    ids=["-".join(c) for c in REGION_CASES])
 def test_a_shard_map_region_is_kept_and_computes_as_jax_jit(tmp_path, name, schedule, lowering):
     step, args = _case(name)
     fn = automap.jit(step, mesh=MESH, schedule=SCHEDULES[schedule], device="cpu", cache_dir=tmp_path,

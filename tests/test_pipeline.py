@@ -63,7 +63,11 @@ def _same_step(part, config=TINY):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("stages,microbatches", [pytest.param(2, 2, marks=pytest.mark.slow), (4, 4)])
+# In `make test-slow` (5 s): the default run holds the plan of 4 stages and 4 microbatches
+# to jax.jit under the shard_map lowering in test_a_saved_pipelined_plan_loads_and_runs_as_it_was_made,
+# and under the jit lowering in test_the_jit_lowering_computes_what_jit_computes_with_the_modeled_collectives.
+@pytest.mark.parametrize("stages,microbatches", [pytest.param(2, 2, marks=pytest.mark.slow),
+                                                 pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_pipelined_gpt_computes_what_jit_computes(stages, microbatches):
     _same_step(_plan(stages, microbatches))
 
@@ -89,8 +93,11 @@ COMPOSED = {
 }
 
 
-# Llama with DP + Megatron runs in the default run through the jit lowering's test below,
-# GPT with FSDP through the test of its stage's weights gathered once a step.
+# Llama with DP + Megatron runs in the default run through test_compiled_collectives_are_exactly_the_modeled_ones
+# below (compiled, its collectives the modeled ones), with FSDP through
+# test_a_stage_moves_its_weights_and_gradients_once_a_step_through_the_users_checkpoint
+# (numerics too), GPT with FSDP through tests/test_pipeline_remat.py's test of its stage's
+# weights gathered once a step.
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(COMPOSED))
 def test_pipelines_compose_with_other_tactics(case):
@@ -183,7 +190,7 @@ def test_the_search_pipelines_where_the_model_says_it_wins(memory_limit, pipelin
 
 
 # -- the cost model ------------------------------------------------------------------------
-@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 4)])
+@pytest.mark.parametrize("stages,microbatches", [pytest.param(2, 2, marks=pytest.mark.slow), (4, 4)])
 def test_modeled_stage_collectives_are_the_compiled_ones(stages, microbatches):
     """Collectives over the stage axis in the compiled program, per (kind, axes, bytes)
     and counted once per loop body as HLO holds them, equal the modeled ones."""

@@ -45,7 +45,7 @@ def _same_step(part, config, backend):
 
 @pytest.mark.parametrize("microbatches,backend", [
     # The circular schedule's numerics run by default in
-    # test_circular_stages_rematerializing_their_chunks_compute_what_jit_computes.
+    # test_a_saved_circular_plan_loads_and_runs_as_it_was_made (2 microbatches, shard_map).
     pytest.param(2, "shard_map", marks=pytest.mark.slow), pytest.param(2, "jit", marks=pytest.mark.slow),
     # more microbatches than stages: they wait at the first stage for their next round
     pytest.param(4, "shard_map", marks=pytest.mark.slow),
@@ -114,8 +114,11 @@ def test_circular_llama_over_four_stages():
 
 
 # -- rematerialization inside the chunks ----------------------------------------------------
+# In `make test-slow` (4 s a case): the default run holds the circular schedule's numerics in
+# test_a_saved_circular_plan_loads_and_runs_as_it_was_made and a pipeline's recomputing
+# stages in tests/test_pipeline_uneven.py and tests/test_pipeline_onef_remat.py.
 @pytest.mark.parametrize("policy,first,backend", [
-    ("full", True, "shard_map"),
+    pytest.param("full", True, "shard_map", marks=pytest.mark.slow),
     pytest.param("full", False, "jit", marks=pytest.mark.slow),
     pytest.param("dots", True, "jit", marks=pytest.mark.slow),
     pytest.param("dots", False, "shard_map", marks=pytest.mark.slow),

@@ -107,6 +107,10 @@ def test_the_1f1b_backward_unit_runs_the_layers_again():
     assert full.forward == pytest.approx(plain.forward) and full.backward > plain.backward
 
 
+# (3 s: in `make test-slow`; the default run holds 1F1B's peak to XLA's in
+# tests/test_pipeline_onef.py::test_the_modeled_peak_of_1f1b_is_xlas_within_a_fifth, and a
+# recomputing GPipe pipeline's in tests/test_pipeline_uneven.py and tests/test_pipeline_remat.py.)
+@pytest.mark.slow
 def test_remat_lowers_the_modeled_peak_of_1f1b_as_it_lowers_xlas():
     """GPT, data=4 x stage=2, M=4: 'full' lowers XLA's peak (299 -> 145 KB) and the
     modeled one (300 -> 135 KB), both within a fifth of XLA's."""

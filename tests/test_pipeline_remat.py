@@ -50,7 +50,13 @@ def _modeled_collectives(part):
     return collections.Counter((c.kind, c.axes, int(c.bytes)) for c in search.CostModel(part, "cpu").cost().collectives)
 
 
-@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+# In `make test-slow` (2 s each): the default run holds GPipe stages recomputing their
+# layers to jax.jit in tests/test_pipeline_uneven.py's
+# test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in_less_memory
+# (shard_map) and 1F1B's in tests/test_pipeline_onef_remat.py, and compiles such a pipeline
+# under the jit lowering in test_the_compiled_collectives_of_a_rematerializing_pipeline_are_the_modeled_ones.
+@pytest.mark.parametrize("backend", [pytest.param("shard_map", marks=pytest.mark.slow),
+                                     pytest.param("jit", marks=pytest.mark.slow)])
 def test_a_pipelined_gpt_rematerializing_its_stages_computes_what_jit_computes(backend):
     """S=2, M=2, Remat('full'): each stage keeps only its layers' inputs per
     microbatch and runs its layers again in the backward ticks."""

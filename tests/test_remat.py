@@ -83,8 +83,11 @@ def test_remat_tactic_notes_and_errors():
         T.apply_schedule(partir.lift(step, *args), MESH, [T.Remat("full")])
 
 
+# The scanned cases in `make test-slow`: a scanned Remat's numerics run by default in
+# tests/test_remat_roles.py (the tightened user checkpoint) and tests/test_pipeline_uneven.py
+# (recomputing pipelined stages).
 @pytest.mark.parametrize("scan,policy", [
-    (True, "full"), (False, "dots"),
+    pytest.param(True, "full", marks=pytest.mark.slow), (False, "dots"),
     pytest.param(True, "dots", marks=pytest.mark.slow), pytest.param(False, "full", marks=pytest.mark.slow)],
     ids=["scan-full", "unrolled-dots", "scan-dots", "unrolled-full"])
 def test_recomputing_plan_matches_jit(scan, policy):
@@ -193,6 +196,9 @@ def _policies(result):
     return [a.tactic.policy for a in result.actions if isinstance(a.tactic, T.Remat)]
 
 
+# (3 s: in `make test-slow`; the default run holds the search turning Remat on where only
+# that fits in tests/test_pipeline_onef_remat.py::test_the_search_rematerializes_a_1f1b_pipeline_where_only_that_fits.)
+@pytest.mark.slow
 def test_search_turns_remat_on_under_a_limit_and_off_without(active):
     _, free = _searched(active, None)
     assert _policies(free) == []
@@ -204,6 +210,9 @@ def test_search_turns_remat_on_under_a_limit_and_off_without(active):
     assert cost.fits and cost.step_time > free.step_time
 
 
+# (2 s: two searches; in `make test-slow`. The default run holds the error of a limit no
+# plan meets, and best_effort's plan, in tests/test_bad_input.py and tests/test_search.py.)
+@pytest.mark.slow
 def test_a_limit_nothing_meets_is_an_error(active):
     with pytest.raises(T.TacticError, match=r"no plan found fits .* peaks at .*live there: .*smallest peak"):
         _searched(active, 2 * 2**20)
@@ -220,9 +229,14 @@ def test_the_search_reaches_sequence_parallelism():
 
 
 
-# The unrolled form in `make test-all`: XLA:CPU ignores its checkpoint, and the plan's
-# recomputation of unrolled layers runs in test_recomputing_plan_matches_jit[unrolled-dots].
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True], ids=["unrolled", "scan"])
+# In `make test-all` (5 s a form; the unrolled form: XLA:CPU ignores its checkpoint, and the
+# plan's recomputation of unrolled layers runs in test_recomputing_plan_matches_jit[unrolled-dots]).
+# The default run holds XLA's collectives of a recomputing plan to the modeled ones in
+# tests/test_shardmap.py::test_rematerialized_residuals_are_recomputed_per_device (Megatron),
+# and of a recomputation reading FSDP weights in
+# tests/test_pipeline.py::test_a_stage_moves_its_weights_and_gradients_once_a_step_through_the_users_checkpoint.
+@pytest.mark.parametrize("scan", [pytest.param(s, marks=pytest.mark.slow) for s in (False, True)],
+                         ids=["unrolled", "scan"])
 def test_recomputation_gathers_again_what_it_reads_in_either_form(scan):
     # Under FSDP the recomputed forward ops gather the weights they read again, behind
     # the barrier that keeps XLA from merging them into the forward pass, though the
@@ -284,7 +298,7 @@ def _fidelity(part, args):
     return f.memory_model, f.memory_xla, f.flops_model, f.flops_xla
 
 
-@pytest.mark.parametrize("policy", [None, "dots"])
+@pytest.mark.parametrize("policy", [pytest.param(None, marks=pytest.mark.slow), "dots"])
 def test_kept_user_checkpoint_is_costed_as_xla_runs_it(policy):
     # No Remat: the plan keeps the user's checkpoint. The backward region's recomputation
     # is counted as work and what the policy drops is not live: XLA agrees (scan form).
@@ -309,6 +323,10 @@ def test_kept_user_checkpoint_costs_alike_unrolled_and_scanned():
     assert abs(costs[0].memory_peak / costs[1].memory_peak - 1) < 0.1
 
 
+# (4 s: in `make test-slow`. The default run holds a tightened user checkpoint's numerics in
+# tests/test_remat_roles.py and a recomputing scan's memory against XLA's in
+# test_scan_remat_drops_memory_as_modeled.)
+@pytest.mark.slow
 def test_remat_tightens_a_looser_user_checkpoint():
     prog, args = _user(True, "dots")
     kept = T.apply_schedule(prog, MESH, DP_TP + [T.Remat("dots")])
@@ -322,8 +340,12 @@ def test_remat_tightens_a_looser_user_checkpoint():
     assert 0.8 <= mem / xla_mem <= 1.2, (mem, xla_mem)
 
 
+# (5 s a case: in `make test-slow`. The default run holds a relaxed checkpoint's numerics
+# in test_every_checkpoint_of_a_layer_is_relaxed and tests/test_remat_roles.py, and a user
+# checkpoint's cost against XLA's in test_kept_user_checkpoint_is_costed_as_xla_runs_it.)
 @pytest.mark.parametrize("user,policy", [pytest.param(None, "none", marks=pytest.mark.slow),
-                                         pytest.param(None, "dots", marks=pytest.mark.slow), ("dots", "none")])
+                                         pytest.param(None, "dots", marks=pytest.mark.slow),
+                                         pytest.param("dots", "none", marks=pytest.mark.slow)])
 def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
     # The backward region reads the forward values instead of recomputing them: XLA runs
     # the work of the looser policy (no checkpoint at all for `none`) and holds the memory
@@ -344,10 +366,13 @@ def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
     assert 0.97 <= flops / xla_flops <= 1.03, (flops, xla_flops)
 
 
-# The unrolled form (the slowest to compile; `make test-all` runs it) is covered in the
-# default run by test_recomputing_plan_matches_jit's unrolled case; each change runs in
-# the default run under one lowering, the other in `make test-all`.
-SLOW_CHANGES = {("relax", "jit"), ("tighten", "shard_map"), ("tighten", "jit")}
+# In `make test-all` (3 s a case and more unrolled, the slowest to compile). The default run
+# holds each change's numerics in tests/test_remat_roles.py's
+# test_a_named_policy_changes_a_users_checkpoint_and_computes_what_jit_computes (tightened and
+# relaxed at once, under shard_map), a relaxed checkpoint's in both lowerings
+# in test_every_checkpoint_of_a_layer_is_relaxed, and unrolled recomputation in
+# test_recomputing_plan_matches_jit's unrolled case.
+SLOW_CHANGES = {("relax", "jit"), ("relax", "shard_map"), ("tighten", "shard_map"), ("tighten", "jit")}
 CHANGED = [(change, backend, form) for change in ("tighten", "relax") for backend in ("jit", "shard_map")
            for form in ("unrolled", "scan")]
 

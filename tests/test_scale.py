@@ -91,6 +91,9 @@ def test_scan_and_unrolled_cost_the_same_under_hand_plans(forms, plan):
     _close(*costs)
 
 
+# The small GPT in `make test-slow` (2 s of search): by default the wide GPT and Llama.
+@pytest.mark.parametrize("forms", [pytest.param("gpt-256", marks=pytest.mark.slow), "gpt-1024", "llama"],
+                         indirect=True)
 def test_scan_and_unrolled_cost_the_same_under_the_searched_plan(forms):
     unrolled, scanned = forms
     auto = search.AutomaticPartition(budget_s=600, max_episodes=150, device="h100")

@@ -55,7 +55,9 @@ def test_layer_sequences_are_found_and_cut_in_params_and_optimizer_state():
     assert _twins.layer_counts(odd) == set()
 
 
-@pytest.mark.parametrize("plan", ["none", "dp+megatron", "fsdp+tile"])
+# DP + Megatron in `make test-slow`: FSDP and a tile beside it take the twins through a
+# macro and a single action by default.
+@pytest.mark.parametrize("plan", ["none", pytest.param("dp+megatron", marks=pytest.mark.slow), "fsdp+tile"])
 def test_extrapolated_cost_is_the_deep_programs_cost(plan):
     _, _, prog = _gpt(9)
     part = partir.Partitioning(prog, MESH)
@@ -114,7 +116,7 @@ def test_the_exact_baseline_walks_the_twins_to_the_programs_optimum():
 
 # The plan's numbers against jax.jit (an 8-layer program to compile twice) in
 # `make test-all`; the tilings it asserts are those of DP + Megatron, whose run is
-# checked by default in tests/test_equivalence.py.
+# checked by default in tests/test_tactics.py::test_dp_and_megatron_reduce_gradients_over_data_only.
 @pytest.mark.parametrize("run", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plan", "run"])
 def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent(run):
     # The config of the recovery tests in test_search.py, 8 layers deep.
