@@ -197,7 +197,7 @@ def skeletons(seeds, score, axes) -> tuple[tuple[tuple, ...], ...]:
         remat = [rank[t] + 1 for t in seq if isinstance(t, Remat)]
         return sum(rank[t] for t in seq if not isinstance(t, Remat)) + bare, sum(remat)
 
-    return tuple(tuple(sorted(g, key=likeliest)) for k, g in sorted(groups.items(), key=lambda kg: idle(kg[0])))
+    return tuple(tuple(sorted(g, key=likeliest)) for _, g in sorted(groups.items(), key=lambda kg: idle(kg[0])))
 
 
 def unrematerialized(seq) -> tuple:
