@@ -409,17 +409,18 @@ class TreeSearch:
                 continue
             out.append(self.seed_path([Action.macro(t) for t in seq], dead))
             seeded.add(seq)
-            k = next((k for k in range(1, len(seq) + 1) if seq[:k] in dead), None)
-            if k is not None:
-                failed.add(seq[k - 1])
+            stuck = _seeds.stuck_at(seq, dead)
+            if stuck is not None:
+                failed.add(stuck)
                 continue
-            kept = _seeds.unrematerialized(seq)
-            for other in variants if out[-1].peak > self.limit else ():
-                if not self.room():
-                    break
-                if other not in seeded and _seeds.unrematerialized(other) == kept:
-                    out.append(self.seed_path([Action.macro(t) for t in other], dead))
-                    seeded.add(other)
+            if out[-1].peak > self.limit:
+                kept = _seeds.unrematerialized(seq)
+                for other in variants:
+                    if not self.room():
+                        break
+                    if other not in seeded and _seeds.unrematerialized(other) == kept:
+                        out.append(self.seed_path([Action.macro(t) for t in other], dead))
+                        seeded.add(other)
             break
         return out
 

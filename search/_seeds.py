@@ -165,6 +165,8 @@ def variant_ranks(seeds, score) -> dict:
 #: The roles an assignment of roles to axes tells apart (`skeletons`): ZeRO-1 is a way to
 #: run data parallelism and sequence parallelism a way to run Megatron, on the same axis.
 COARSE = {"zero": "data", "SequenceParallel": "tensor"}
+#: The way to run a role that `skeletons` tries first: the inverse of `COARSE`.
+ADD_ON = {role: way for way, role in COARSE.items()}
 
 
 def skeletons(seeds, score, axes) -> tuple[tuple[tuple, ...], ...]:
@@ -183,19 +185,17 @@ def skeletons(seeds, score, axes) -> tuple[tuple[tuple, ...], ...]:
     rank = variant_ranks(seeds, score)
     groups: dict = {}
     for seq in seeds:
-        groups.setdefault(frozenset(_coarse(t) for t in seq if not isinstance(t, Remat)), []).append(seq)
+        groups.setdefault(frozenset(map(_coarse, unrematerialized(seq))), []).append(seq)
     everywhere = set(axes)
 
     def idle(key) -> bool:
         return not everywhere <= {axis for axis, _ in key}
 
     def likeliest(seq) -> tuple:
-        roles = [variant_key(t) for t in seq]
-        bare = sum(1 for axis, role in {_coarse(t) for t in seq if not isinstance(t, Remat)}
-                   if role in ("data", "tensor") and (axis, "zero" if role == "data" else "SequenceParallel")
-                   not in roles)
-        remat = [rank[t] + 1 for t in seq if isinstance(t, Remat)]
-        return sum(rank[t] for t in seq if not isinstance(t, Remat)) + bare, sum(remat)
+        kept = unrematerialized(seq)
+        roles = {variant_key(t) for t in kept}
+        bare = sum((axis, ADD_ON[role]) not in roles for axis, role in set(map(_coarse, kept)) if role in ADD_ON)
+        return sum(rank[t] for t in kept) + bare, sum(rank[t] + 1 for t in seq if isinstance(t, Remat))
 
     return tuple(tuple(sorted(g, key=likeliest)) for _, g in sorted(groups.items(), key=lambda kg: idle(kg[0])))
 
@@ -214,7 +214,13 @@ def dead_end(seq, dead) -> bool:
     """Whether the tactics `seq` begin with a sequence in `dead`, one whose last tactic
     did not apply after the others: seeding `seq` would stop there and score that
     state again (the states a sequence reaches are its own, whatever came before)."""
-    return any(seq[:k] in dead for k in range(1, len(seq) + 1))
+    return stuck_at(seq, dead) is not None
+
+
+def stuck_at(seq, dead):
+    """The tactic of `seq` that ends its first prefix in `dead` (the one that did not
+    apply after those before it), or None where `seq` is no `dead_end`."""
+    return next((seq[k - 1] for k in range(1, len(seq) + 1) if seq[:k] in dead), None)
 
 
 def _roles(axis, offered) -> list[tuple]:
