@@ -37,13 +37,13 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT
+from .._pipeline import SAME, SPLIT, SUM
 from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import _block, _keep, _micro, gather_once, micro_const, thin_consts
+from ._shardmap_pipeline import _add_row, _block, _keep, _micro, gather_once, micro_const, thin_consts
 from ._spmd import move
 
 
@@ -164,26 +164,39 @@ class _Loop:
         return ((f >= 0) & (f < self.M), jnp.clip(f, 0, self.M - 1),
                 (b >= 0) & (b < self.M), jnp.clip(b, 0, self.M - 1))
 
-    def _layers(self, side, c_in, m, xs_m, reverse: bool):
-        """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs).
-        Where they recompute (`remat`), the forward layers give a scalar for each
+    def _layers(self, side, c_in, m, xs_m, reverse: bool, sums=()):
+        """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs,
+        `sums`). Where they recompute (`remat`), the forward layers give a scalar for each
         recomputed residual and, after their outputs, what recomputing needs
         (`StageRemat.made`); the backward layers take that after their stacked inputs
-        (`xs_m`), and the constants recomputing reads (`StageRemat.per_tick`)."""
+        (`xs_m`), and the constants recomputing reads (`StageRemat.per_tick`). The
+        backward layers add each sum over the microbatches (`_summed`) into its kept
+        rows `sums` layer by layer, in place, and give a scalar for it instead."""
         inner, call, nk, remat, nx = self.inner, side.call, len(side.call.carry), self.remat, len(side.xs)
         consts_m = [micro_const(c, i, m, self.M) for c, i in zip(side.consts, side.d.consts)]
         more = remat.per_tick(m, self.M, _micro) if remat is not None and reverse else {}
+        summed = self._summed() if reverse else ()
 
-        def layer(c, xl):
+        def layer(state, xl):
+            (c, kept), row = state, xl[-1]
             if remat is not None and reverse:
-                remat.enter(xl[nx:], more)
+                remat.enter(xl[nx:-1], more)
             outs = inner.region(call.body, list(consts_m) + list(c) + list(xl[:nx]))
             if remat is None or reverse:
-                return tuple(outs[:nk]), tuple(outs[nk:])
+                made = [y for y, s in zip(outs[nk:], summed) if s]
+                ys = tuple(jnp.zeros((), y.dtype) if summed and summed[j] else y for j, y in enumerate(outs[nk:]))
+                return (tuple(outs[:nk]), tuple(_add_row(b, y, row, True) for b, y in zip(kept, made))), ys
             ys = tuple(jnp.zeros((), y.dtype) if j in self.dropped else y for j, y in enumerate(outs[nk:]))
-            return tuple(outs[:nk]), ys + remat.made()
+            return (tuple(outs[:nk]), kept), ys + remat.made()
 
-        return jax.lax.scan(layer, c_in, xs_m, reverse=reverse)
+        rows = jnp.arange(call.length // self.S)
+        (c_out, sums), ys = jax.lax.scan(layer, (c_in, sums), tuple(xs_m) + (rows,), reverse=reverse)
+        return c_out, ys, sums
+
+    def _summed(self) -> tuple:
+        """Per output of the backward layers, whether it is a sum over the microbatches."""
+        lay, nb = self.layouts[1], len(self.bwd.call.carry)
+        return tuple(k == SUM for k in lay.out_kinds[nb:])
 
     def _forward_zeros(self, per: int) -> tuple:
         """Zeros shaped as the forward unit's per-layer outputs (see `_layers`)."""
@@ -200,8 +213,8 @@ class _Loop:
         c_in = tuple(jnp.where(first, a, r) for a, r in zip(c0, recv_f))
         xs_f = tuple(_micro(a, None if i is None else i + 1, mf, self.M) for a, i in zip(fwd.xs, fwd.d.xs))
         per = fcall.length // self.S
-        zeros_f = (c_in, self._forward_zeros(per))
-        c_f, ys_f = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
+        zeros_f = (c_in, self._forward_zeros(per), ())
+        c_f, ys_f, _ = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
         taken, rings = self._take(rings, ys_f, mb, last)
         rings = self._store(rings, ys_f, mf, fv)
         slots = self._slots(taken, rings, mb)
@@ -211,15 +224,18 @@ class _Loop:
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
         if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots)
             xs_b += self.remat.per_layer(mb, self.M, _micro, made=(slots[len(self.ringed):], 0, 1))
-        nb = len(bwd.call.carry)
-        zeros_b = (c_b_in, tuple(self._micro_block(v, bwd.call.length // self.S)
-                                 for v in bwd.body.outvars[nb:]))
-        c_b, ys_b = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True), lambda: zeros_b)
-        lay = self.layouts[1]
+        nb, summed = len(bwd.call.carry), self._summed()
+        sums = tuple(k for k, s in zip(ys_kept, summed) if s)
+        zeros_b = (c_b_in, tuple(jnp.zeros((bwd.call.length // self.S,), self.inner.prog.values[v].dtype) if s
+                                 else self._micro_block(v, bwd.call.length // self.S)
+                                 for v, s in zip(bwd.body.outvars[nb:], summed)), sums)
+        c_b, ys_b, sums = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True, sums), lambda: zeros_b)
+        lay, sums = self.layouts[1], iter(sums)
         kept = tuple(_keep(k, c, lay.out_kinds[i], lay.out_dims[i], mb, bv & first)
                      for i, (k, c) in enumerate(zip(kept, c_b)))
-        ys_kept = tuple(_keep(k, y, lay.out_kinds[nb + i], None if lay.out_dims[nb + i] is None
-                              else lay.out_dims[nb + i] + 1, mb, bv) for i, (k, y) in enumerate(zip(ys_kept, ys_b)))
+        ys_kept = tuple(next(sums) if summed[i] else _keep(k, y, lay.out_kinds[nb + i], None if lay.out_dims[nb + i]
+                                                           is None else lay.out_dims[nb + i] + 1, mb, bv)
+                        for i, (k, y) in enumerate(zip(ys_kept, ys_b)))
         axis, S = self.pipe.axis, self.S
         recv_f = tuple(jax.lax.ppermute(c, axis, [(i, i + 1) for i in range(S - 1)]) for c in c_f)
         recv_b = tuple(jax.lax.ppermute(c, axis, [(i + 1, i) for i in range(S - 1)]) for c in c_b)

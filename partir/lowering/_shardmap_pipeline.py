@@ -10,7 +10,10 @@ the scan's initial carry instead. A tick without a microbatch (the bubble) compu
 what it holds and writes nothing. Each per-layer output is kept as the microbatch's
 block of its split dim, summed over microbatches, or kept once (`partir.ScanLayout`);
 the last position's final carries are sent to every stage (one all-reduce over the
-stage axis of the carry, zeros elsewhere), whole along it as the plan keeps them.
+stage axis of the carry, zeros elsewhere), whole along it as the plan keeps them. A sum
+(a weight's gradient) is added into its kept rows by each layer as it makes it, in
+place: stacked over the stage's layers first, it was a second stage-sized buffer of
+every such gradient in each tick.
 
 With `repeats` R > 1 (the circular schedule) the loop has M*R + S - 1 ticks of one
 chunk of L/(S*R) layers each, the sends form a ring (the last position sends to the
@@ -266,6 +269,12 @@ def _rows(buf, y, slot, fn):
     return jax.lax.dynamic_update_slice_in_dim(buf, fn(rows, y), slot * n, 0)
 
 
+def _add_row(buf, y, row, valid):
+    """`buf` with `y` added to its row `row` (its leading dim), in place, where `valid`."""
+    now = jax.lax.dynamic_index_in_dim(buf, row, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, now + jnp.where(valid, y, jnp.zeros_like(y)), row, 0)
+
+
 def _first_input(fresh, recv, held, k, mc, ticks: _Ticks):
     """The carry the first position runs: a fresh microbatch in the first repeat, then
     the last position's output of the same microbatch's previous repeat (`recv` this
@@ -325,7 +334,14 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
     waits = pipe.repeats > 1 and M > S  # the first position keeps returning carries until their turn
     consts = thin_consts(interp.prog, call, consts, d.consts, M)
 
-    def layer(c, xl, consts_m, more):
+    # A sum over the microbatches (a weight's gradient) is added into its kept rows layer
+    # by layer, in place, rather than stacked over the stage's layers and added after:
+    # the stack would be a second stage-sized buffer of every such gradient in each tick.
+    summed = tuple(not dropped and kinds[nk + i] == SUM for i, dropped in enumerate(drop))
+
+    def layer(state, xl, consts_m, more, base, valid):
+        c, sums = state
+        xl, row = xl[:-1], base + xl[-1]
         if real is not None:  # a padding slot passes its carry on and makes zeros
             here, xl = xl[-1], xl[:-1]
         if reading:
@@ -334,8 +350,9 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         if real is not None:
             outs = [jnp.where(here, o, a) for o, a in zip(outs[:nk], c)] + [
                 jnp.where(here, o, jnp.zeros_like(o)) for o in outs[nk:]]
-        ys = tuple(jnp.zeros((), y.dtype) if dropped else y for y, dropped in zip(outs[nk:], drop))
-        return tuple(outs[:nk]), (ys, remat.made() if saving else ())
+        added = (_add_row(b, y, row, valid) for b, y in zip(sums, [y for y, s in zip(outs[nk:], summed) if s]))
+        ys = tuple(jnp.zeros((), y.dtype) if dropped or s else y for y, dropped, s in zip(outs[nk:], drop, summed))
+        return (tuple(outs[:nk]), tuple(added)), (ys, remat.made() if saving else ())
 
     def tick(state, t):
         recv, back, kept, ys_kept, made_kept = state
@@ -349,11 +366,14 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         more = remat.per_tick(mc, M, _micro) if reading else {}
         xs_m = _unit_xs(xs, d, held, mc, M, remat.per_layer(mc, M, _micro) if reading else (), real,
                         slot * chunk if pipe.repeats > 1 else None, chunk)
-        c_out, (ys, made) = jax.lax.scan(lambda c, xl: layer(c, xl, consts_m, more), c_in, xs_m,
-                                         reverse=not forward)
+        sums = tuple(b for b, s in zip(ys_kept, summed) if s)
+        (c_out, sums), (ys, made) = jax.lax.scan(
+            lambda st, xl: layer(st, xl, consts_m, more, slot * chunk, valid), (c_in, sums),
+            xs_m + (jnp.arange(chunk),), reverse=not forward)
         done = valid & last & (k == pipe.repeats - 1)
         kept = tuple(_keep(b, c, kinds[i], dims[i], mc, done) for i, (b, c) in enumerate(zip(kept, c_out)))
-        ys_kept = tuple(b if drop[i] else _rows(b, y, slot, lambda rows, y, i=i: _keep(
+        sums = iter(sums)
+        ys_kept = tuple(next(sums) if summed[i] else b if drop[i] else _rows(b, y, slot, lambda rows, y, i=i: _keep(
             rows, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid))
             for i, (b, y) in enumerate(zip(ys_kept, ys)))
         made_kept = tuple(_rows(b, y, slot, lambda rows, y, s=s: _keep(
