@@ -174,9 +174,10 @@ def test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in
     keeps its slots' layer inputs per microbatch and runs its layers again in the
     backward ticks; the step equals jax.jit's, the residuals in flight are the stage's 2
     slots' layer inputs (a device's 4 sequences x 8 tokens x 16 wide, f32), and the
-    modeled peak falls as XLA's does: 292 -> 140 KB against 320 -> 170 KB (0.91 and 0.82
-    of XLA's; 0.59 and 0.65 before the tick loops' own buffers and the stage's padded
-    rows, exchanged in and accumulated out, were modeled)."""
+    modeled peak falls as XLA's does: 298 -> 144 KB against 311 -> 161 KB (0.96 and 0.89
+    of XLA's; 0.91 and 0.82 while the model packed the tick loops' buffers into the
+    step's output allocations, 0.59 and 0.65 before the tick loops' own buffers and the
+    stage's padded rows, exchanged in and accumulated out, were modeled)."""
     step, args, prog = _lifted(THREE)
     peaks = {}
     for remat in (False, True):

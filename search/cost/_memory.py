@@ -132,7 +132,8 @@ class Liveness:
         start[held], end[held] = 0, end_of_program
         return start, np.maximum(end, start)
 
-    def peak(self, value_bytes: np.ndarray, extra=None, *, exact: bool = False) -> tuple[float, int, np.ndarray]:
+    def peak(self, value_bytes: np.ndarray, extra=None, *, exact: bool = False,
+             hostable=None) -> tuple[float, int, np.ndarray]:
         """(peak bytes, op index where the most temporaries are live, bytes of every
         buffer) for per-device `value_bytes` (one entry per value), plus `extra`
         temporaries `(starts, ends, bytes)` (the reshard buffers of the current
@@ -157,7 +158,8 @@ class Liveness:
             temps = np.nonzero(temp > 0)[0]
             outs = np.nonzero(self.kind == OUTPUT)[0]
             size = arena(np.concatenate([self.start[temps], starts]), np.concatenate([self.end[temps], ends]),
-                         np.concatenate([temp[temps], sizes]), self.defined[outs], buf[outs])
+                         np.concatenate([temp[temps], sizes]), self.defined[outs], buf[outs],
+                         None if hostable is None else np.concatenate([np.ones(len(temps), bool), hostable]))
         else:
             size = float(np.max(live - self._unwritten(buf), initial=0.0))
         return float(held + size), t, np.concatenate([buf, sizes])

@@ -366,7 +366,10 @@ class PipelinePricing:
         the microbatch axis, M over the microbatches in flight for 1F1B's residuals
         between the scans (its ring), L/ceil(L/S) for uneven stages' residuals between
         the scans (held whole along the stage axis by the plan, kept as each stage's
-        slots by the lowering: `partir.kept_in_slots`), else 1."""
+        slots by the lowering: `partir.kept_in_slots`), else 1; over the devices of the
+        axes a deferred sum is held whole along (`ScanLayout.widened`: a weight's
+        gradient the stage reduce-scatters once, after its loops), less: the plan splits
+        it over them, the tick loop does not."""
         out = np.ones(n)
         prog = self.part.program
         for (pipe, ext, layouts, _), head in zip(self.costs, self.heads):
@@ -383,6 +386,10 @@ class PipelinePricing:
             split = pipe.split(self.part.mesh.size(pipe.axis))
             if split.exchanged:
                 out[sorted(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots
+            for lay in layouts:  # a deferred sum: whole along the axes its reduction left for after the loop
+                for v, held in lay.widened:
+                    out[v] /= self.part.mesh.devices_along(
+                        a for a in ext.tiling(v).axes() if a != partir.MICROBATCH and a not in held.axes())
         return out
 
     def stacks(self, entries, value_div) -> list:

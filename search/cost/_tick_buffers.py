@@ -16,7 +16,9 @@ tick loop adds, per pass:
   before it is written into the kept stack, and slices that microbatch out of every
   stacked input split over the microbatches (the residuals, in the backward ticks)
   into a copy the inner scan reads: one microbatch's stage-sized block of each, live
-  through the tick, beside the kept stacks of all microbatches.
+  through the tick, beside the kept stacks of all microbatches. A sum over the
+  microbatches (a weight's gradient) is not stacked: each layer adds its block into the
+  kept rows in place, one layer's block live at a time (`_Pass.summed`).
 - **1F1B's conds and ring.** Under 1F1B each unit runs under a `lax.cond`, whose
   operands and results are whole buffers: a tick's stacks are made even for a stage of
   one layer. The ring is held once, updated in place: the backward unit takes its
@@ -77,6 +79,7 @@ class _Pass:
     ring: bool
     consts: tuple[tuple[int, int], ...]
     thin: frozenset = frozenset()
+    summed: tuple[int, ...] = ()
 
     def ticks(self, virtual, value_div) -> list:
         """`(start, end, value, scale)` of a tick's stacks and constants (see
@@ -88,6 +91,7 @@ class _Pass:
         if self.layers > 1 or self.ring:
             out += [(self.start, self.end, w, float(self.layers)) for w in self.inputs if value_div[w] > 1]
             out += [(self.start, self.end, y, float(self.layers)) for y in self.outputs]
+            out += [(self.start, self.end, y, 1.0) for y in self.summed]
             out += [(self.start, self.end, w, 1.0) for o, w in self.consts if virtual[o] and value_div[w] > 1]
         for v in self.kept:  # copies: the stack the model re-derives instead
             if virtual[v]:
@@ -194,6 +198,10 @@ def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
     outs = body.outvars[len(call.carry_out):]
     reads = [w for w, outer in zip(ins, call.xs) if w >= 0 and outer >= 0 and outer not in gone]
     made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
+    # A tick adds a sum over the microbatches into its kept rows layer by layer
+    # (`lowering/_shardmap_pipeline`, `_onef`): one layer's block of it at a time.
+    summed = [y for y, k in zip(outs, lay.out_kinds[len(call.carry_out):]) if k == partir.SUM and y in made]
+    made = [y for y in made if y not in summed]
     forward = call is pipe.scans.forward
     kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
     consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
@@ -205,7 +213,8 @@ def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
         thin |= {o for o, d in zip(ahead.consts, _const_dims(ext, ahead)) if o >= 0 and d is not None
                  and d in partir.uniform_dims(prog, o)}  # (saved as one row for it too)
     return _Pass(span[0], span[1], last, tuple(reads + ([] if forward else list(extra))),
-                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts, thin)
+                 tuple(made + (list(extra) if forward else [])), layers, kept, pipe.schedule == "1f1b", consts, thin,
+                 tuple(summed))
 
 
 def _const_dims(ext, call) -> list:
