@@ -292,6 +292,22 @@ def test_a_stage_adds_each_layers_weight_gradients_into_its_accumulator_in_place
     assert temp < 1.5 * stage
 
 
+def test_the_peak_names_the_weights_and_gradients_a_stage_holds_across_its_tick_loops():
+    """What a stage gathers and accumulates once a step is listed at the peak by the value
+    and what the stage does with it (it was listed under an unrelated op's name): FSDP
+    stages with 'dots' under 1F1B, weights four times the tiny config's, whose MLP
+    gradients the stage accumulates whole, 2 layers x 64 x 128 float32 each."""
+    config = dataclasses.replace(TINY, d_model=4 * TINY.d_model, d_ff=4 * TINY.d_ff)
+    _, _, prog = _gpt(config)
+    part = T.apply_schedule(prog, _mesh(2), [T.FSDP("data"), T.Remat("dots"),
+                                             T.Pipeline("stage", microbatches=4, schedule="1f1b")]).partitioning
+    held = dict(search.CostModel(part, "cpu").cost().memory_at_peak)
+    summed = [b for n, b in held.items() if n.endswith(" accumulated over the microbatches")]
+    assert sorted(summed)[-2:] == [2 * 64 * 128 * 4] * 2
+    assert any(n.endswith(" gathered for the ticks") for n in held)
+    assert not any(n.endswith(" as computed") and b >= 2 * 64 * 128 * 4 for n, b in held.items())
+
+
 @pytest.mark.slow
 def test_the_peak_of_rematerializing_stages_moving_once_a_step_is_xlas():
     """ZeRO-1 with 'dots' under 1F1B: the stage's whole gradient accumulator lives

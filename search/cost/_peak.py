@@ -130,6 +130,10 @@ class CostMemory:
                 return f"{self.program.name(key[1])} in the tick loop"
             if key[0] == "accumulated":
                 return f"{self.program.name(key[1])}'s gradient accumulated"
+            if key[0] == "pipeline":  # (`_pipeline_once`: what a stage moves once a step)
+                v, cols, _ = next(iter(self._dedup[key].values()))
+                held = "accumulated over the microbatches" if any(c.gradient for c in cols) else "gathered for the ticks"
+                return f"{self.program.name(v)} {held}"
             return f"{op_label(self.program, key[1])} as computed"
         cache = self._buffer_name.setdefault(id(liveness), {})
         name = cache.get(b)
