@@ -13,7 +13,7 @@ import partir
 from partir import Kind, Tiling
 
 from ._comm import CollectiveCost
-from ._tick_buffers import _span
+from ._tick_buffers import body_span
 
 
 def loops_span(prog, layouts) -> tuple[int, int]:
@@ -25,7 +25,7 @@ def loops_span(prog, layouts) -> tuple[int, int]:
     buffer assignments show (a 1F1B tick loop runs the forward and the backward layers
     in every tick: the weights the forward layers read live through the backward
     ticks too). `PipelinePricing.spans` holds it per pipeline."""
-    spans = [_span(prog, lay.call.body) for lay in layouts]
+    spans = [body_span(prog, lay.call.body) for lay in layouts]
     return min(a for a, _ in spans), max(b for _, b in spans)
 
 

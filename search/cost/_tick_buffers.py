@@ -116,7 +116,7 @@ class TickBuffers:
         for pipe, ext, layouts, gone, extra in pipes:
             self.rows += _padded_rows(part, pipe, layouts)
             layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
-            spans = [_span(prog, lay.call.body) for lay in layouts]
+            spans = [body_span(prog, lay.call.body) for lay in layouts]
             last = max(end for _, end in spans)
             for lay, span in zip(layouts, spans):
                 self.bodies.update(partir.body_regions(prog, lay.call.body))
@@ -240,7 +240,7 @@ def _padded_rows(part, pipe, layouts) -> list:
     prog, kept = part.program, partir.kept_in_slots(part, pipe)
     roots, spans, first = partir.call_roots(prog), {}, {}
     for lay in layouts:
-        start, end = _span(prog, lay.call.body)
+        start, end = body_span(prog, lay.call.body)
         for outer in lay.call.xs:
             if outer < 0 or outer in kept:
                 continue
@@ -252,7 +252,7 @@ def _padded_rows(part, pipe, layouts) -> list:
             for key in spans}
     out = [(start, end, first[key], rows[key]) for key, (start, end) in spans.items()]
     for lay in layouts:  # the stacked outputs' rows, accumulated through the loop
-        start, end = _span(prog, lay.call.body)
+        start, end = body_span(prog, lay.call.body)
         for outer in lay.call.ys:
             if outer >= 0 and outer not in kept and partir.state_dim(part.tiling(outer), pipe.axis) is not None:
                 out.append((start, end, outer, split.slots * stages / split.length - 1))
@@ -272,7 +272,7 @@ def _sunk(prog, v: int) -> bool:
         v = op.operands[0]
 
 
-def _span(prog, body: int) -> tuple[int, int]:
+def body_span(prog, body: int) -> tuple[int, int]:
     """The first and last op of scan body `body` (its nested regions included)."""
     inside = set(partir.body_regions(prog, body))
     ids = [op.id for op in prog.ops if op.region in inside]
