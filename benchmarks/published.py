@@ -251,7 +251,7 @@ PIPELINE_FACTORS = (0.5, 1, 2)
 #: over three axes with ZeRO-1 and full Remat (16.16 s a step, 1.12x the published
 #: configuration's); at 2000 a 1F1B pipeline over two stages with CP, Megatron and SP,
 #: ZeRO-1 and Remat('dots_with_context') (14.13 s, 0.98x); at 4000 the same over other
-#: axes (14.04 s, 0.97x, 64 GiB).
+#: axes (14.04 s, 0.97x, 63 GiB).
 PIPELINED_EPISODES = 4
 
 
