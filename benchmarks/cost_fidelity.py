@@ -21,8 +21,12 @@ Footnotes, where XLA:CPU does what GPU XLA would not:
       `dots`), marked [2], compared with the same model under `scan` (which XLA:CPU
       honours), as GPU XLA would run both.
 
+`--pipelines` adds the GPT under `scan` pipelined over data=4 x stage=2 (`PIPELINED`:
+GPipe and 1F1B beside data parallelism, ZeRO-1 or FSDP, with and without `Remat`),
+lowered by `shard_map`, as `tests/test_pipeline*.py` hold them.
+
 Run: `make bench` or `python benchmarks/cost_fidelity.py [--models gpt mlp] [--meshes 2x4]
-[--plans hand searched random] [--max-pool] [--remat] [--json out.json]`.
+[--plans hand searched random] [--max-pool] [--remat] [--pipelines] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from examples.plans import FIDELITY_CONFIGS, STRATEGIES, random_plan, searched_p
 
 #: Random valid plans per example and mesh.
 RANDOM_PLANS = 3
+#: `--pipelines`: (the plan's role on `data`, Remat policy or None, schedule) of the GPT of 4 layers
+#: pipelined over data=4 x stage=2 in 2 microbatches (the fidelity GPT's batch of 8).
+PIPELINED = (("dp", None, "gpipe"), ("zero1", "dots", "gpipe"), ("fsdp", "full", "gpipe"),
+             ("dp", None, "1f1b"), ("zero1", "dots", "1f1b"), ("fsdp", "dots", "1f1b"))
 
 
 def plans(name, program, mesh, kinds):
@@ -85,6 +93,21 @@ def cases(args):
                 yield label, note, *gpt.make_train_step(cfg, abstract=True), name
 
 
+def pipelined():
+    """(label, partitioning, example args) of the `PIPELINED` plans."""
+    import tactics
+
+    step, ex = gpt.make_train_step(dataclasses.replace(FIDELITY_CONFIGS["gpt"], scan_layers=True, n_layers=4), abstract=True)
+    program = partir.lift(step, *ex)
+    roles = {"dp": [tactics.DataParallel("data")], "fsdp": [tactics.FSDP("data")],
+             "zero1": [tactics.DataParallel("data"), tactics.ZeRO("data", stage=1)]}
+    for role, policy, schedule in PIPELINED:
+        plan = roles[role] + ([tactics.Remat(policy)] if policy else []) + [
+            tactics.Pipeline("stage", microbatches=2, schedule=schedule)]
+        part = tactics.apply_schedule(program, partir.MeshSpec.of(data=4, stage=2), plan).partitioning
+        yield f"{role}" + (f" {policy}" if policy else "") + f" {schedule}", part, ex
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "gpt", "convnet", "moe"])
@@ -92,6 +115,7 @@ def main(argv=None) -> None:
     parser.add_argument("--plans", nargs="+", default=["hand", "searched", "random"])
     parser.add_argument("--max-pool", action="store_true", help="add the convnet with max pooling [1]")
     parser.add_argument("--remat", action="store_true", help="add the GPT with remat per layer [2]")
+    parser.add_argument("--pipelines", action="store_true", help="add the GPT pipelined over data=4 x stage=2")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)
@@ -118,6 +142,17 @@ def main(argv=None) -> None:
                                   kind, f"{mc}/{xc}", f"{mb:,.0f}", f"{xb:,.0f}", f"{err:.1%}",
                                   f"{f.flops_model / f.flops_xla:.3f}" if first and f.flops_xla else "",
                                   f"{f.memory_ratio:.2f}" if first else "")
+    for plan, part, ex in pipelined() if args.pipelines else ():
+        f = search.compare_with_xla(part, ex, backend="shard_map")
+        rows.append(_row("gpt pipelined", plan, "4x2", f))
+        kinds = f.rows() or [("-", 0, 0.0, 0, 0.0, 0.0)]
+        worst_bytes = max([worst_bytes] + [k[-1] for k in kinds])
+        worst_memory = max(worst_memory, f.memory_ratio, 1 / f.memory_ratio)
+        for i, (kind, mc, mb, xc, xb, err) in enumerate(kinds):
+            table.add_row("gpt pipelined" if i == 0 else "", plan if i == 0 else "", "4x2" if i == 0 else "", kind,
+                          f"{mc}/{xc}", f"{mb:,.0f}", f"{xb:,.0f}", f"{err:.1%}",
+                          f"{f.flops_model / f.flops_xla:.3f}" if i == 0 and f.flops_xla else "",
+                          f"{f.memory_ratio:.2f}" if i == 0 else "")
     console = Console(width=170)
     console.print(table)
     console.print(f"largest bytes error per kind: {worst_bytes:.1%}; memory model/xla within "
