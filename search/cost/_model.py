@@ -440,14 +440,16 @@ class CostModel(CostTime, CostMemory):
         order = np.argsort(-times, kind="stable")[:top]
         work = self._flops / div * self.materialization.live_op
         view = self._view()
-        redo, skip = view.work(work, self._mult) if view is not None else (0.0, 0.0)
+        redo = view.work(work, self._mult) if view is not None else 0.0
+        # Loops once, as XLA's cost analysis counts a loop body: the recomputation too.
+        once = view.work(work, np.ones_like(work)) if view is not None else 0.0
         if self._online is not None:  # the blockwise attentions' backward Q K^T, computed again
             redo += sum(float(work[o] * self._mult[o]) for o in self._online.recomputed(self._rings))
         return Cost(
             device=self.device.name,
             mesh=str(self.part.mesh),
             flops=float((work * self._mult).sum() + redo) + sum(c.flops * c.count for c in cols),
-            flops_loops_once=float(work.sum()) - skip + sum(c.flops for c in cols),
+            flops_loops_once=float(work.sum()) + once + sum(c.flops for c in cols),
             transcendentals=float((self._trans / div * self._mult * self.materialization.live_op).sum()),
             compute_time=compute,
             backward_compute_time=float(times[self._backward].sum()) + again + float(kernel_again.sum()),

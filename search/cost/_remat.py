@@ -110,11 +110,10 @@ class RematView:
         kept = ((key, {o: x for o, x in e.items() if o not in skipped}) for key, e in dedup.items())
         return [(key, e) for key, e in kept if e]
 
-    def work(self, work, mult) -> tuple[float, float]:
-        """(flops run again per step, net of the skipped ops; flops of the skipped ops,
-        loops once) for per-op `work` run `mult` times per step."""
-        again = float((work * mult)[self.ops].sum()) - float((work * mult)[self.skipped].sum())
-        return again, float(work[self.skipped].sum())
+    def work(self, work, mult) -> float:
+        """Flops run again per step, net of the skipped ops, for per-op `work` run `mult`
+        times per step (`mult` of ones: each loop body once, as XLA's cost analysis)."""
+        return float((work * mult)[self.ops].sum()) - float((work * mult)[self.skipped].sum())
 
     def buffers(self, value_bytes):
         """(starts, ends, bytes) of the extra temporaries for per-device `value_bytes`."""
