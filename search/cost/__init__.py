@@ -11,8 +11,8 @@ and nothing of the search around it, which scores its plans with `CostModel`.
 - Work (`_flops`, from the op traits), communication (`_comm`; sums of reductions
   reduced once on XLA:GPU, `_reassociate`), what XLA materializes
   (`_fusion`, `_stacks`, `_attention`), buffer lifetimes (`_memory`, `_arena`,
-  `_move_buffers`, `_remat`), hand-partitioned regions (`_manual`), pipeline stages (`_pipeline`: `pipeline_cost`,
-  `gpipe_timeline`).
+  `_move_buffers`, `_remat`), hand-partitioned regions (`_manual`), pipeline stages (`_pipeline`: `pipeline_cost`;
+  their timelines, `_timeline`: `gpipe_timeline`).
 - Devices (`_device`): presets (`h100`, `h200`, `a100`, `v100`, `tpu-v4`, `tpu-v5e`,
   `tpu-v5p`, `cpu`) or a user's JSON/TOML description; `_validate` holds the model
   against XLA's compiled HLO and memory.
@@ -23,7 +23,8 @@ from ._comm import CollectiveCost, LinkModel
 from ._device import DEFAULT_DEVICE, PRESETS, DeviceError, DeviceSpec, get_device, link_levels
 from ._fusion import Materialization, materialization
 from ._model import BACKENDS, CostModel
-from ._pipeline import PipelineCost, Slot, TickTimes, bubble as pipeline_bubble, gpipe_timeline, onef_timeline, pipeline_cost
+from ._pipeline import PipelineCost, bubble as pipeline_bubble, pipeline_cost
+from ._timeline import Slot, TickTimes, gpipe_timeline, onef_timeline
 from ._report import collectives_table
 from ._units import bytes_str, time_str
 from ._validate import Fidelity, compare_with_xla

@@ -31,7 +31,7 @@ class Cost:
     memory_limit: float
     top_ops: tuple[tuple[str, float], ...]
     #: Per pipeline of the plan (`Partitioning.pipelines`), one tick's seconds per pass
-    #: (`_pipeline.TickTimes`): what the schedule's timeline is drawn from.
+    #: (`_timeline.TickTimes`): what the schedule's timeline is drawn from.
     pipeline_ticks: tuple = ()
 
     @property
