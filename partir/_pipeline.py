@@ -138,6 +138,12 @@ class ScanLayout:
     widened_ops: tuple = ()  # (op id, mesh axes): ops run on blocks whole along the axes
     recomputed: tuple = ()  # (value id, Tiling): slices of recomputed residuals, held as remade
 
+    @property
+    def summed(self) -> tuple[bool, ...]:
+        """Per per-layer output (the body's outputs after its carries), whether it is a sum
+        over the microbatches (a weight's gradient), which a tick adds in place."""
+        return tuple(k == SUM for k in self.out_kinds[len(self.call.carry):])
+
     def left_partial(self, v: int) -> tuple[str, ...]:
         """The mesh axes value `v` is left partial over (completed once the microbatches
         are summed, not once per microbatch)."""

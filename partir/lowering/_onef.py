@@ -37,13 +37,13 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, SUM
+from .._pipeline import SAME, SPLIT
 from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import _add_row, _block, _keep, _micro, gather_once, micro_const, thin_consts
+from ._shardmap_pipeline import _block, _keep, _micro, add_summed, gather_once, micro_const, thin_consts
 from ._spmd import move
 
 
@@ -170,12 +170,12 @@ class _Loop:
         recomputed residual and, after their outputs, what recomputing needs
         (`StageRemat.made`); the backward layers take that after their stacked inputs
         (`xs_m`), and the constants recomputing reads (`StageRemat.per_tick`). The
-        backward layers add each sum over the microbatches (`_summed`) into its kept
-        rows `sums` layer by layer, in place, and give a scalar for it instead."""
+        backward layers add each sum over the microbatches into its kept rows `sums`
+        layer by layer, in place, and give a scalar for it instead (`add_summed`)."""
         inner, call, nk, remat, nx = self.inner, side.call, len(side.call.carry), self.remat, len(side.xs)
         consts_m = [micro_const(c, i, m, self.M) for c, i in zip(side.consts, side.d.consts)]
         more = remat.per_tick(m, self.M, _micro) if remat is not None and reverse else {}
-        summed = self._summed() if reverse else ()
+        summed = self.layouts[1].summed if reverse else (False,) * (len(self.layouts[0].out_kinds) - nk)
 
         def layer(state, xl):
             (c, kept), row = state, xl[-1]
@@ -183,20 +183,14 @@ class _Loop:
                 remat.enter(xl[nx:-1], more)
             outs = inner.region(call.body, list(consts_m) + list(c) + list(xl[:nx]))
             if remat is None or reverse:
-                made = [y for y, s in zip(outs[nk:], summed) if s]
-                ys = tuple(jnp.zeros((), y.dtype) if summed and summed[j] else y for j, y in enumerate(outs[nk:]))
-                return (tuple(outs[:nk]), tuple(_add_row(b, y, row, True) for b, y in zip(kept, made))), ys
+                added, ys = add_summed(kept, outs[nk:], summed, row, True)
+                return (tuple(outs[:nk]), added), ys
             ys = tuple(jnp.zeros((), y.dtype) if j in self.dropped else y for j, y in enumerate(outs[nk:]))
             return (tuple(outs[:nk]), kept), ys + remat.made()
 
         rows = jnp.arange(call.length // self.S)
         (c_out, sums), ys = jax.lax.scan(layer, (c_in, sums), tuple(xs_m) + (rows,), reverse=reverse)
         return c_out, ys, sums
-
-    def _summed(self) -> tuple:
-        """Per output of the backward layers, whether it is a sum over the microbatches."""
-        lay, nb = self.layouts[1], len(self.bwd.call.carry)
-        return tuple(k == SUM for k in lay.out_kinds[nb:])
 
     def _forward_zeros(self, per: int) -> tuple:
         """Zeros shaped as the forward unit's per-layer outputs (see `_layers`)."""
@@ -224,7 +218,7 @@ class _Loop:
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
         if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots)
             xs_b += self.remat.per_layer(mb, self.M, _micro, made=(slots[len(self.ringed):], 0, 1))
-        nb, summed = len(bwd.call.carry), self._summed()
+        nb, summed = len(bwd.call.carry), self.layouts[1].summed
         sums = tuple(k for k, s in zip(ys_kept, summed) if s)
         zeros_b = (c_b_in, tuple(jnp.zeros((bwd.call.length // self.S,), self.inner.prog.values[v].dtype) if s
                                  else self._micro_block(v, bwd.call.length // self.S)

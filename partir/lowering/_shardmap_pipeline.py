@@ -269,6 +269,17 @@ def _rows(buf, y, slot, fn):
     return jax.lax.dynamic_update_slice_in_dim(buf, fn(rows, y), slot * n, 0)
 
 
+def add_summed(sums, ys, summed, row, valid) -> tuple:
+    """(the kept rows `sums` of the per-layer outputs `ys` that are sums over the
+    microbatches (`summed`, `ScanLayout.summed`), each such output added into its row
+    `row` in place where `valid`; `ys` with a scalar in place of those). A layer adds
+    its gradient as it makes it: stacked over the stage's layers and added after, it
+    would be a second stage-sized buffer of every such gradient in each tick."""
+    made = [y for y, s in zip(ys, summed) if s]
+    return (tuple(_add_row(b, y, row, valid) for b, y in zip(sums, made)),
+            tuple(jnp.zeros((), y.dtype) if s else y for y, s in zip(ys, summed)))
+
+
 def _add_row(buf, y, row, valid):
     """`buf` with `y` added to its row `row` (its leading dim), in place, where `valid`."""
     now = jax.lax.dynamic_index_in_dim(buf, row, 0, keepdims=False)
@@ -314,6 +325,31 @@ def _unit_xs(xs, d, held, mc, M: int, recomputing: tuple, real, start, chunk: in
     return tuple(jax.lax.dynamic_slice_in_dim(a, start, chunk, 0) for a in out)
 
 
+def _waiting(back, recv, t, S: int, M: int) -> tuple:
+    """The carries waiting at the first position for their next round, one per
+    microbatch, with the last position's output of unit t - S (`recv`) kept."""
+    return tuple(jnp.where(t >= S, jax.lax.dynamic_update_index_in_dim(b, r, (t - S) % M, 0), b)
+                 for b, r in zip(back, recv))
+
+
+def _kept_ys(ys_kept, ys, sums, summed, drop, layout, nk: int, slot, mc, valid) -> tuple:
+    """The per-layer outputs kept after a tick: the sums as the layers added them
+    (`sums`), the dropped ones as they were, the others with the tick's stacks `ys` kept
+    in the rows of chunk `slot` as their kinds say (`_keep`, microbatch `mc`)."""
+    kinds, dims, sums = layout.out_kinds[nk:], layout.out_dims[nk:], iter(sums)
+    return tuple(next(sums) if s else b if dropped else _rows(b, y, slot, lambda rows, y, k=k, dim=dim: _keep(
+        rows, y, k, None if dim is None else dim + 1, mc, valid))
+        for b, y, s, dropped, k, dim in zip(ys_kept, ys, summed, drop, kinds, dims))
+
+
+def _kept_made(made_kept, made, extra, remat, slot, mc, valid) -> tuple:
+    """What recomputing needs (`extra`, made by the forward ticks), kept after a tick
+    with the tick's `made` in the rows of chunk `slot`, microbatch `mc`."""
+    return tuple(_rows(b, y, slot, lambda rows, y, s=s: _keep(
+        rows, y, SAME if remat.dims[s] is None else SPLIT, None if remat.dims[s] is None else remat.dims[s] + 1,
+        mc, valid)) for s, b, y in zip(extra, made_kept, made))
+
+
 def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, drop):
     """The stage's M*R + S - 1 ticks: (the final carries kept by the last position, the
     per-layer outputs kept over the microbatches). `held[k]`: stacked input k is a
@@ -334,10 +370,7 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
     waits = pipe.repeats > 1 and M > S  # the first position keeps returning carries until their turn
     consts = thin_consts(interp.prog, call, consts, d.consts, M)
 
-    # A sum over the microbatches (a weight's gradient) is added into its kept rows layer
-    # by layer, in place, rather than stacked over the stage's layers and added after:
-    # the stack would be a second stage-sized buffer of every such gradient in each tick.
-    summed = tuple(not dropped and kinds[nk + i] == SUM for i, dropped in enumerate(drop))
+    summed = tuple(s and not dropped for s, dropped in zip(layout.summed, drop))  # (`add_summed`)
 
     def layer(state, xl, consts_m, more, base, valid):
         c, sums = state
@@ -350,16 +383,14 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
         if real is not None:
             outs = [jnp.where(here, o, a) for o, a in zip(outs[:nk], c)] + [
                 jnp.where(here, o, jnp.zeros_like(o)) for o in outs[nk:]]
-        added = (_add_row(b, y, row, valid) for b, y in zip(sums, [y for y, s in zip(outs[nk:], summed) if s]))
-        ys = tuple(jnp.zeros((), y.dtype) if dropped or s else y for y, dropped, s in zip(outs[nk:], drop, summed))
-        return (tuple(outs[:nk]), tuple(added)), (ys, remat.made() if saving else ())
+        added, ys = add_summed(sums, outs[nk:], summed, row, valid)
+        ys = tuple(jnp.zeros((), y.dtype) if dropped else y for y, dropped in zip(ys, drop))
+        return (tuple(outs[:nk]), added), (ys, remat.made() if saving else ())
 
     def tick(state, t):
         recv, back, kept, ys_kept, made_kept = state
         valid, mc, k, slot = ticks.unit(t, pos)
-        if waits:  # the last position's output of unit t - S, kept by microbatch
-            back = tuple(jnp.where(t >= S, jax.lax.dynamic_update_index_in_dim(b, r, (t - S) % M, 0), b)
-                         for b, r in zip(back, recv))
+        back = _waiting(back, recv, t, S, M) if waits else back
         c_in = tuple(jnp.where(first, _first_input(_micro(a, i, mc, M), r, b if waits else None, k, mc, ticks), r)
                      for a, i, r, b in zip(carry, d.carry, recv, back or recv))
         consts_m = [micro_const(c, i, mc, M) for c, i in zip(consts, d.consts)]
@@ -372,13 +403,8 @@ def _tick_loop(interp, pipe, layout, inner, remat, d, consts, carry, xs, held, d
             xs_m + (jnp.arange(chunk),), reverse=not forward)
         done = valid & last & (k == pipe.repeats - 1)
         kept = tuple(_keep(b, c, kinds[i], dims[i], mc, done) for i, (b, c) in enumerate(zip(kept, c_out)))
-        sums = iter(sums)
-        ys_kept = tuple(next(sums) if summed[i] else b if drop[i] else _rows(b, y, slot, lambda rows, y, i=i: _keep(
-            rows, y, kinds[nk + i], None if dims[nk + i] is None else dims[nk + i] + 1, mc, valid))
-            for i, (b, y) in enumerate(zip(ys_kept, ys)))
-        made_kept = tuple(_rows(b, y, slot, lambda rows, y, s=s: _keep(
-            rows, y, SAME if remat.dims[s] is None else SPLIT, None if remat.dims[s] is None else remat.dims[s] + 1,
-            mc, valid)) for s, b, y in zip(extra, made_kept, made))
+        ys_kept = _kept_ys(ys_kept, ys, sums, summed, drop, layout, nk, slot, mc, valid)
+        made_kept = _kept_made(made_kept, made, extra, remat, slot, mc, valid)
         recv = tuple(jax.lax.ppermute(c, pipe.axis, perm) for c in c_out)
         return (recv, back, kept, ys_kept, made_kept), None
 

@@ -200,7 +200,7 @@ def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
     made = [y for y, outer in zip(outs, call.ys) if y >= 0 and outer >= 0 and outer not in gone]
     # A tick adds a sum over the microbatches into its kept rows layer by layer
     # (`lowering/_shardmap_pipeline`, `_onef`): one layer's block of it at a time.
-    summed = [y for y, k in zip(outs, lay.out_kinds[len(call.carry_out):]) if k == partir.SUM and y in made]
+    summed = [y for y, s in zip(outs, lay.summed) if s and y in made]
     made = [y for y in made if y not in summed]
     forward = call is pipe.scans.forward
     kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
