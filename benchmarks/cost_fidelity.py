@@ -97,7 +97,8 @@ def pipelined():
     """(label, partitioning, example args) of the `PIPELINED` plans."""
     import tactics
 
-    step, ex = gpt.make_train_step(dataclasses.replace(FIDELITY_CONFIGS["gpt"], scan_layers=True, n_layers=4), abstract=True)
+    config = dataclasses.replace(FIDELITY_CONFIGS["gpt"], scan_layers=True, n_layers=4)
+    step, ex = gpt.make_train_step(config, abstract=True)
     program = partir.lift(step, *ex)
     roles = {"dp": [tactics.DataParallel("data")], "fsdp": [tactics.FSDP("data")],
              "zero1": [tactics.DataParallel("data"), tactics.ZeRO("data", stage=1)]}
@@ -106,6 +107,19 @@ def pipelined():
             tactics.Pipeline("stage", microbatches=2, schedule=schedule)]
         part = tactics.apply_schedule(program, partir.MeshSpec.of(data=4, stage=2), plan).partitioning
         yield f"{role}" + (f" {policy}" if policy else "") + f" {schedule}", part, ex
+
+
+def compared(args):
+    """(model label, footnote, plan, mesh, `search.Fidelity`) of every row: the cases'
+    plans on each mesh, then the `--pipelines` plans."""
+    for label, note, step, ex, name in cases(args):
+        program = partir.lift(step, *ex)
+        for mesh_text in args.meshes:
+            d, m = map(int, mesh_text.split("x"))
+            for plan, part in plans(name, program, partir.MeshSpec.of(data=d, model=m), args.plans):
+                yield label, note, plan, mesh_text, search.compare_with_xla(part, ex)
+    for plan, part, ex in pipelined() if args.pipelines else ():
+        yield "gpt pipelined", "", plan, "4x2", search.compare_with_xla(part, ex, backend="shard_map")
 
 
 def main(argv=None) -> None:
@@ -124,35 +138,18 @@ def main(argv=None) -> None:
                 "flops model/xla", "memory model/xla"):
         table.add_column(col, justify="left" if col in ("model", "plan", "mesh", "kind") else "right")
     rows, worst_bytes, worst_memory = [], 0.0, 1.0
-    for label, note, step, ex, name in cases(args):
-        program = partir.lift(step, *ex)
-        for mesh_text in args.meshes:
-            d, m = map(int, mesh_text.split("x"))
-            mesh = partir.MeshSpec.of(data=d, model=m)
-            for plan, part in plans(name, program, mesh, args.plans):
-                f = search.compare_with_xla(part, ex)
-                rows.append(_row(label + note, plan, mesh_text, f))
-                kinds = f.rows() or [("-", 0, 0.0, 0, 0.0, 0.0)]
-                if not note:
-                    worst_bytes = max([worst_bytes] + [k[-1] for k in kinds])
-                    worst_memory = max(worst_memory, f.memory_ratio, 1 / f.memory_ratio)
-                for i, (kind, mc, mb, xc, xb, err) in enumerate(kinds):
-                    first = i == 0
-                    table.add_row(label + note if first else "", plan if first else "", mesh_text if first else "",
-                                  kind, f"{mc}/{xc}", f"{mb:,.0f}", f"{xb:,.0f}", f"{err:.1%}",
-                                  f"{f.flops_model / f.flops_xla:.3f}" if first and f.flops_xla else "",
-                                  f"{f.memory_ratio:.2f}" if first else "")
-    for plan, part, ex in pipelined() if args.pipelines else ():
-        f = search.compare_with_xla(part, ex, backend="shard_map")
-        rows.append(_row("gpt pipelined", plan, "4x2", f))
+    for label, note, plan, mesh_text, f in compared(args):
+        rows.append(_row(label + note, plan, mesh_text, f))
         kinds = f.rows() or [("-", 0, 0.0, 0, 0.0, 0.0)]
-        worst_bytes = max([worst_bytes] + [k[-1] for k in kinds])
-        worst_memory = max(worst_memory, f.memory_ratio, 1 / f.memory_ratio)
+        if not note:
+            worst_bytes = max([worst_bytes] + [k[-1] for k in kinds])
+            worst_memory = max(worst_memory, f.memory_ratio, 1 / f.memory_ratio)
         for i, (kind, mc, mb, xc, xb, err) in enumerate(kinds):
-            table.add_row("gpt pipelined" if i == 0 else "", plan if i == 0 else "", "4x2" if i == 0 else "", kind,
-                          f"{mc}/{xc}", f"{mb:,.0f}", f"{xb:,.0f}", f"{err:.1%}",
-                          f"{f.flops_model / f.flops_xla:.3f}" if i == 0 and f.flops_xla else "",
-                          f"{f.memory_ratio:.2f}" if i == 0 else "")
+            first = i == 0
+            table.add_row(label + note if first else "", plan if first else "", mesh_text if first else "",
+                          kind, f"{mc}/{xc}", f"{mb:,.0f}", f"{xb:,.0f}", f"{err:.1%}",
+                          f"{f.flops_model / f.flops_xla:.3f}" if first and f.flops_xla else "",
+                          f"{f.memory_ratio:.2f}" if first else "")
     console = Console(width=170)
     console.print(table)
     console.print(f"largest bytes error per kind: {worst_bytes:.1%}; memory model/xla within "
