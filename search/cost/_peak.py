@@ -94,7 +94,8 @@ class CostMemory:
             vs, ve, vz = extra_buffers(entries, value_bytes)
             starts, ends, sizes = np.concatenate([starts, vs]), np.concatenate([ends, ve]), np.concatenate([sizes, vz])
             keys = keys + [(kind, v) for _, _, v, _ in entries]
-        hostable = np.array([k[0] != "tick" for k in keys], dtype=bool)  # (`_arena`, rule 1)
+        # (`_arena`, rule 1; the fast estimate, which `evaluate` takes, packs nothing)
+        hostable = np.array([k[0] != "tick" for k in keys], dtype=bool) if exact else None
         peak, t, buf = liveness.peak(value_bytes, (starts, ends, sizes), exact=exact, hostable=hostable)
         return peak, t, buf, liveness, (starts, ends, sizes, keys)
 
