@@ -21,17 +21,11 @@ from __future__ import annotations
 
 from ._microbatch import LINEARITY, MICROBATCH as micro, SUM, _strip as strip
 from ._pipeline_hoist import call_link
-from ._tiling import Tiling
 
 #: How `LINEARITY` ops may run on blocks whole along the deferred axes: those taking
 #: sums alone (a `multilinear` op would read its other operand whole too, a move the
 #: plan does not make).
 _WIDENABLE = ("unary", "additive")
-
-
-def _without(t: Tiling, axes) -> Tiling:
-    """`t` with mesh `axes` taken off its dims (its partial state kept)."""
-    return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims), t.partial, t.reduce_kind)
 
 
 def deferred_scatters(ext, ops, kinds: dict):
@@ -55,7 +49,7 @@ def deferred_scatters(ext, ops, kinds: dict):
                 continue
             if micro in made.partial:  # the reduction over the batch
                 axes = frozenset(made.partial) - {micro}
-                if strip(made).dims != _without(strip(rest), axes).dims:
+                if strip(made).dims != strip(rest).without_axes(axes).dims:
                     return None
             else:
                 if len(set(ins)) > 1:
@@ -67,7 +61,7 @@ def deferred_scatters(ext, ops, kinds: dict):
                     wide_ops[op.id] = axes
             if axes:
                 left[v] = axes
-    widened = tuple((v, _without(ext.tiling(v), axes)) for v, axes in left.items()
+    widened = tuple((v, ext.tiling(v).without_axes(axes)) for v, axes in left.items()
                     if axes & set(ext.tiling(v).axes()))
     if not widened:
         return None

@@ -64,6 +64,12 @@ class Tiling:
         """The same dims, fully reduced."""
         return Tiling(self.dims) if self.partial else self
 
+    def without_axes(self, axes, partial: bool = False) -> "Tiling":
+        """The tiling with mesh `axes` taken off its dims (whole along them), and off
+        its partial axes too where `partial` (else its partial state kept)."""
+        kept = tuple(a for a in self.partial if a not in axes) if partial else self.partial
+        return Tiling(tuple(tuple(a for a in d if a not in axes) for d in self.dims), kept, self.reduce_kind)
+
     def spec(self):
         """The `jax.sharding.PartitionSpec` of the dims (partial state is not expressible)."""
         from jax.sharding import PartitionSpec

@@ -135,7 +135,7 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
     # (A recomputed residual's placeholder, a scalar per layer, as it is.)
     held = [remat is not None and u >= 0 and remat.placeholder(u) for u in g.xs]
-    xs = [a if h else move(a, _without(Tiling(((),) + interp.rest(u).dims[1:]), pipe.axis),
+    xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v, h in zip(xs, g.xs, w.xs, held)]
     xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
@@ -205,10 +205,6 @@ def _per_layer(interp, op, a):
     local = LocalOp(eqn, (interp.rest(v),), (interp.rest(r),), (interp.prog.values[v].shape,),
                     (interp.prog.values[r].shape,), interp.mesh)
     return bind_local(local, [a])[0]
-
-
-def _without(t: Tiling, axis: str) -> Tiling:
-    return Tiling(tuple(tuple(a for a in d if a != axis) for d in t.dims), t.partial, t.reduce_kind)
 
 
 def _rows_in(a, rest: Tiling, axis: str, split):

@@ -220,12 +220,6 @@ def _recomputing(part, pipe) -> tuple[set, list]:
     return {stacked[r] for r in mine if r in stacked}, list(extra)
 
 
-def _without(t: Tiling, axes) -> Tiling:
-    """`t` with mesh `axes` taken off its dims and partial axes."""
-    return Tiling(tuple(tuple(a for a in d if a not in axes) for d in t.dims),
-                  tuple(a for a in t.partial if a not in axes), t.reduce_kind)
-
-
 class PipelinePricing:
     """How `CostModel` prices the ops of pipelined layers (`part.pipelines`): on the
     microbatched partitioning (`partir.microbatched`), as the shard_map lowering runs
@@ -355,7 +349,7 @@ class PipelinePricing:
                 continue  # (a weight the stage gathered before its loop, or remade from one: `hoisted`)
             off = micro + ((self.stacked[r.value],) if r.value in self.stacked else ())
             off += lay.left_partial(r.value) if r.side == "result" and lay is not None else ()
-            src, dst = _without(r.src, off), _without(r.dst, off)
+            src, dst = r.src.without_axes(off, partial=True), r.dst.without_axes(off, partial=True)
             if src == dst:
                 continue
             val = prog.values[r.value]
@@ -370,7 +364,7 @@ class PipelinePricing:
             buf = full / shards(a for d in dst.dims for a in d) if r.side == "operand" else max(
                 0.0, full / shards(a for d in src.dims for a in d) - full / shards(a for d in dst.dims for a in d))
             # The move is keyed on the mesh's own axes: the microbatch axis is none.
-            key = _without(r.dst, (partir.MICROBATCH,)).dims if r.side == "operand" else None
+            key = r.dst.without_axes((partir.MICROBATCH,)).dims if r.side == "operand" else None
             out.append((slot_of[(r.side, r.index)], r.side, r.index, key, cols, buf))
         return div, moved, tuple(out), 1.0
 
