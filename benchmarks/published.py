@@ -46,7 +46,8 @@ accumulation, as in the published pipelined runs) and ZeRO-1; the row keeps the 
 plan that fits (`_search`), and says which form it is (`Searched.form`).
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
-[--episodes N] [--json out.json] [--fit] [--ablate]`. `--fit` re-derives the time model's
+[--episodes N] [--json out.json] [--jobs N] [--fit] [--ablate]`. `--jobs` models rows
+in that many worker processes (`model_rows`; default one a CPU), the figures the same. `--fit` re-derives the time model's
 fitted constants (`search.cost._device`) on the `fit` rows only, by least squares on log
 step time; `--ablate` prints each row's modeled error with each mechanism of the time
 model switched off in turn (`published_ablate`), what moved which row.
@@ -196,14 +197,51 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
     out["error"] = out["published"]["mfu"] / out["published_mfu"] - 1
     if episodes > 0:
         searches = {} if searches is None else searches
-        key = (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.loss, r.global_batch // r.grad_accum,
-               r.grad_accum, r.master_weights, r.mesh_axes, device, episodes)
+        key = search_key(r, episodes, device)
         if key not in searches:
             searches[key] = _search(r, mesh, device, episodes)
         found = searches[key]
         out["plan"], out["searched_form"], out["searched"] = found.plan, found.form, found.summary(r, device)
         out["searched_over_published"] = out["searched"]["step_s"] / out["published"]["step_s"]
     return out
+
+
+def search_key(r: Row, episodes: int, device=None) -> tuple:
+    """What the row's search sees (shape, loss, micro-batch, accumulation, state, mesh,
+    device, episodes): rows with one key share one search (`model_row`'s `searches`)."""
+    return (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.loss, r.global_batch // r.grad_accum,
+            r.grad_accum, r.master_weights, r.mesh_axes, row_device(r, device), episodes)
+
+
+def _model_group(group: list[tuple[Row, int]]) -> list[dict]:
+    """`model_row` of each (row, episodes) of `group`, sharing their searches."""
+    searches: dict = {}
+    return [model_row(r, episodes, searches=searches) for r, episodes in group]
+
+
+def model_rows(rows: list[Row], episodes: int | None, jobs: int) -> dict[str, dict]:
+    """`model_row` of every expressible row (each with its own episodes unless
+    `episodes` is given), by id in row order, in `jobs` worker processes: rows that share
+    a search (`search_key`) go to one worker, so each search runs once, and every row's
+    figures are what one process computing them all gives (the workers are spawned, no
+    state carried over)."""
+    groups: dict = {}
+    for r in rows:
+        if r.expressible:
+            n = r.episodes if episodes is None else episodes
+            groups.setdefault(search_key(r, n) if n > 0 else r.id, []).append((r, n))
+    if jobs <= 1:
+        done = [_model_group(g) for g in groups.values()]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # Largest searches first, so that one does not start last and run alone.
+        order = sorted(groups.values(), key=lambda g: -max(n for _, n in g))
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(_model_group, order))
+    results = {out["id"]: out for outs in done for out in outs}
+    return {r.id: results[r.id] for r in rows if r.id in results}
 
 
 def published_plan(r: Row) -> tuple:
@@ -462,6 +500,9 @@ def main(argv=None) -> None:
     parser.add_argument("--fit", action="store_true", help="re-derive the fitted constants on the fit rows")
     parser.add_argument("--ablate", action="store_true",
                         help="each row's modeled error with each mechanism of the time model off (no search)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="worker processes modeling rows side by side (default: one a CPU; the figures do not "
+                             "depend on it)")
     args = parser.parse_args(argv)
     rows = load()
     if args.fit:
@@ -474,11 +515,7 @@ def main(argv=None) -> None:
 
         print_table(ablate(sys.modules[__name__], chosen))
         return
-    results: dict[str, Any] = {}
-    searches: dict = {}
-    for r in chosen:
-        if r.expressible:
-            results[r.id] = model_row(r, r.episodes if args.episodes is None else args.episodes, searches=searches)
+    results = model_rows(chosen, args.episodes, args.jobs)
     _table(chosen, results)
     pairs = rankings(chosen, results)
     _ranking_table(pairs)
