@@ -236,10 +236,13 @@ def model_rows(rows: list[Row], episodes: int | None, jobs: int) -> dict[str, di
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        # By its importable name: this file also runs as a script and loads under others.
+        from benchmarks.published import _model_group as work
+
         # Largest searches first, so that one does not start last and run alone.
         order = sorted(groups.values(), key=lambda g: -max(n for _, n in g))
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(_model_group, order))
+            done = list(pool.map(work, order))
     results = {out["id"]: out for outs in done for out in outs}
     return {r.id: results[r.id] for r in rows if r.id in results}
 
