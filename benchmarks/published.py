@@ -47,10 +47,11 @@ plan that fits (`_search`), and says which form it is (`Searched.form`).
 
 Run: `make bench-published` or `python benchmarks/published.py [--rows ID ...]
 [--episodes N] [--json out.json] [--jobs N] [--fit] [--ablate]`. `--jobs` models rows
-in that many worker processes (`model_rows`; default one a CPU), the figures the same. `--fit` re-derives the time model's
-fitted constants (`search.cost._device`) on the `fit` rows only, by least squares on log
-step time; `--ablate` prints each row's modeled error with each mechanism of the time
-model switched off in turn (`published_ablate`), what moved which row.
+in that many worker processes (`model_rows`; default one a CPU), the figures the same.
+`--fit` re-derives the time model's fitted constants (`search.cost._device`) on the
+`fit` rows only, by least squares on log step time; `--ablate` prints each row's
+modeled error with each mechanism of the time model switched off in turn
+(`published_ablate`), what moved which row.
 """
 
 from __future__ import annotations
@@ -206,11 +207,12 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
     return out
 
 
-def search_key(r: Row, episodes: int, device=None) -> tuple:
+def search_key(r: Row, episodes: int, device) -> tuple:
     """What the row's search sees (shape, loss, micro-batch, accumulation, state, mesh,
-    device, episodes): rows with one key share one search (`model_row`'s `searches`)."""
+    `device` as `row_device` gives it, episodes): rows with one key share one search
+    (`model_row`'s `searches`)."""
     return (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.loss, r.global_batch // r.grad_accum,
-            r.grad_accum, r.master_weights, r.mesh_axes, row_device(r, device), episodes)
+            r.grad_accum, r.master_weights, r.mesh_axes, device, episodes)
 
 
 def _model_group(group: list[tuple[Row, int]]) -> list[dict]:
@@ -229,7 +231,7 @@ def model_rows(rows: list[Row], episodes: int | None, jobs: int) -> dict[str, di
     for r in rows:
         if r.expressible:
             n = r.episodes if episodes is None else episodes
-            groups.setdefault(search_key(r, n) if n > 0 else r.id, []).append((r, n))
+            groups.setdefault(search_key(r, n, row_device(r)) if n > 0 else r.id, []).append((r, n))
     if jobs <= 1:
         done = [_model_group(g) for g in groups.values()]
     else:
