@@ -232,9 +232,9 @@ def test_the_search_chooses_its_plan_by_the_accumulated_step():
 
 #: Expressible rows whose searched plan is slower than the published configuration, or
 #: does not fit, and why. NeMo's Llama 3.1 70B on 256 H100s (TP4 PP4 CP2 DP8): 1.008x.
-#: Its published configuration does not fit the model (113.5 GiB, `NO_FIT`: this
-#: project's lockstep 1F1B keeps 2S - 1 microbatches in flight where Megatron's keeps
-#: S - s); the same plan with Remat('dots_with_context') fits at 14.55 s (1.0076x), and
+#: Its published configuration does not fit the model (113.5 GiB; `NO_FIT` says why:
+#: the 2S - 1 microbatches the lockstep 1F1B keeps, each about 11 GiB, and the float32
+#: values each keeps); the same plan with Remat('dots_with_context') fits at 14.55 s (1.0076x), and
 #: the search returns 1F1B over the two-device axis with the sequence over data (8),
 #: 14.56 s, the same plan at 8000 episodes as at its 4000. On 64 and 128 GPUs the
 #: sequence split over the smaller data axis costs less and the search's plan wins
