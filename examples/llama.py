@@ -40,6 +40,12 @@ matmuls (no batch dims in their ``dot_general``) are saved, the attention matmul
 ``"dots_with_context"`` saves the attention's output (named ``"context"``) too, as
 MaxText's ``minimal_with_context``.
 
+**Fused kernels.** ``fused_kernels=True`` differentiates RMSNorm and SwiGLU as
+Transformer Engine's and Megatron-LM's fused kernels do (`examples._fused`): the same
+values and gradients, but each keeps only its inputs (and the norm its per-row
+statistic) for the backward pass, where written out JAX keeps the norm's float32 copies
+and SwiGLU's activation too. NeMo's Llama configurations run with both.
+
 **Expert schedules.** ``SCHEDULES`` maps a name to a function of the mesh axis names
 returning a list of tactics for ``tactics.apply_schedule`` (see their docstrings).
 """
@@ -56,6 +62,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from examples._common import (build_master_weights_train_step, build_train_step, dense_init, next_token_loss, normal,
                               stack_layers, token_batch)
+from examples._fused import fused_rms_norm, fused_swiglu
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 #: The named policies -> the values they save, by the names the layer gives them
@@ -111,6 +118,7 @@ class LlamaConfig:
     adam_eps: float = 1e-8
     master_weights: bool = False  # parameters in `dtype`, float32 master copy in the optimizer state
     loss: str = "gather"  # how the cross-entropy picks the targets: a key of LOSSES
+    fused_kernels: bool = False  # RMSNorm and SwiGLU keep only their inputs, as fused kernels do
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -179,8 +187,11 @@ def make_batch(config: LlamaConfig, key: jax.Array) -> dict:
     return token_batch(key, config.batch, config.seq_len, config.vocab)
 
 
-def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
-    """RMS normalisation over the last axis (statistics in float32), learned scale."""
+def rms_norm(p: dict, x: jax.Array, eps: float, fused: bool = False) -> jax.Array:
+    """RMS normalisation over the last axis (statistics in float32), learned scale;
+    ``fused``: as a fused kernel differentiates it (`examples._fused`)."""
+    if fused:
+        return fused_rms_norm(x, p["scale"], eps)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     return normed.astype(x.dtype) * p["scale"].astype(x.dtype)
@@ -224,8 +235,11 @@ def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: 
     return tag(jnp.einsum("bshk,hkd->bsd", out, p["wo"]), "out_proj")
 
 
-def mlp(p: dict, x: jax.Array, tag=_unnamed) -> jax.Array:
-    """SwiGLU feed-forward block: ``(silu(x W_gate) * x W_up) W_down``."""
+def mlp(p: dict, x: jax.Array, tag=_unnamed, fused: bool = False) -> jax.Array:
+    """SwiGLU feed-forward block: ``(silu(x W_gate) * x W_up) W_down``; ``fused``: the
+    gating as a fused kernel differentiates it (`examples._fused`)."""
+    if fused:
+        return tag(fused_swiglu(tag(x @ p["w_gate"], "mlpwi_0"), x @ p["w_up"]) @ p["w_down"], "mlpwo")
     return tag((jax.nn.silu(tag(x @ p["w_gate"], "mlpwi_0")) * (x @ p["w_up"])) @ p["w_down"], "mlpwo")
 
 
@@ -235,8 +249,9 @@ def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: Llam
     # Names only those the policy reads: other programs stay as they were.
     read = _READ.get(config.remat_policy, ()) if config.remat else ()
     tag = functools.partial(_named, read) if read else _unnamed
-    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps), rope, config.causal, tag)
-    return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps), tag)
+    fused = config.fused_kernels
+    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps, fused), rope, config.causal, tag)
+    return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps, fused), tag, fused)
 
 
 def forward(params: dict, tokens: jax.Array, config: LlamaConfig) -> jax.Array:
@@ -252,7 +267,7 @@ def forward(params: dict, tokens: jax.Array, config: LlamaConfig) -> jax.Array:
     else:
         for p in params["layers"]:
             x = layer(p, x, rope)
-    x = rms_norm(params["final_norm"], x, config.norm_eps)
+    x = rms_norm(params["final_norm"], x, config.norm_eps, config.fused_kernels)
     return (x @ params["head"]["w"].astype(config.dtype)).astype(jnp.float32)
 
 

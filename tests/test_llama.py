@@ -103,6 +103,67 @@ def test_forms_compute_the_same_step(variant):
     jax.tree.map(close, (other_new, other_state), (new_params, opt_state))
 
 
+def test_fused_kernels_compute_the_plain_step():
+    """RMSNorm and SwiGLU as fused kernels differentiate them (`fused_kernels`, custom
+    VJPs) give the written-out forms' loss, updated parameters and adam state."""
+    (params, _, _), plain = _step_outputs(TINY)
+    (fused_params, _, _), fused = _step_outputs(dataclasses.replace(TINY, fused_kernels=True))
+    jax.tree.map(np.testing.assert_array_equal, fused_params, params)
+    np.testing.assert_allclose(fused[2], plain[2], rtol=1e-6)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-7)
+    jax.tree.map(close, fused[:2], plain[:2])
+
+
+def _kept(config) -> list:
+    """The avals the forward layer scan of `config`'s step keeps for the backward (its
+    stacked outputs, [L, ...]), from the step's jaxpr."""
+    step, args = llama.make_train_step(config, abstract=True)
+    scan = next(e for e in jax.make_jaxpr(step)(*args).eqns if e.primitive.name == "scan")
+    return [v.aval for v in scan.outvars[scan.params["num_carry"]:]]
+
+
+def test_fused_kernels_keep_their_inputs_and_no_float32_copy_of_the_residual_stream():
+    """Written out, a bfloat16 layer keeps its norms' float32 copies of the residual
+    stream [B, S, D]; as fused kernels it keeps none (the norms' per-row statistics, and
+    the XLA attention's float32 softmax, as before), and fewer bytes in all."""
+    config = dataclasses.replace(TINY, dtype=jnp.bfloat16, scan_layers=True)
+    stream = (config.n_layers, config.batch, config.seq_len, config.d_model)
+    plain, fused = (_kept(dataclasses.replace(config, fused_kernels=f)) for f in (False, True))
+    copies = [[a for a in kept if a.shape == stream and a.dtype == jnp.float32] for kept in (plain, fused)]
+    assert len(copies[0]) >= 2 and not copies[1]
+    assert sum(a.size * a.dtype.itemsize for a in fused) < sum(a.size * a.dtype.itemsize for a in plain)
+
+
+@pytest.mark.slow  # 5 s; the plan's numerics run by default (next test)
+def test_fused_kernels_keep_less_as_xla_finds():
+    """The modeled peak of a data-parallel step falls with the fused kernels as XLA's
+    does, and is XLA's within a fifth."""
+    import search
+
+    base = llama.LlamaConfig(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_ff=512, vocab=256, seq_len=128,
+                             batch=16, scan_layers=True)
+    found = {}
+    for fused in (False, True):
+        step, args = llama.make_train_step(dataclasses.replace(base, fused_kernels=fused), abstract=True)
+        part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=8),
+                                      [tactics.DataParallel("data")]).partitioning
+        found[fused] = search.compare_with_xla(part, args)
+    assert found[True].memory_xla < found[False].memory_xla and found[True].memory_model < found[False].memory_model
+    assert 0.8 < found[True].memory_ratio < 1.2
+
+
+def test_fused_kernels_plan_matches_jit_under_tensor_sequence_and_pipeline_parallelism():
+    """NeMo's layout on a tiny Llama with fused kernels: data, tensor and sequence
+    parallel, 1F1B over two stages; the plan computes what plain jit does."""
+    config = llama.LlamaConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8,
+                               batch=16, scan_layers=True, adam_eps=EPS, fused_kernels=True)
+    step, args = _train_step(config)
+    schedule = [tactics.DataParallel("data"), tactics.Megatron("model"), tactics.SequenceParallel("model"),
+                tactics.Pipeline("stage", microbatches=4, schedule="1f1b")]
+    res = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=2, stage=2), schedule)
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
+
+
 def test_bfloat16_activations_with_float32_master_weights():
     config = dataclasses.replace(TINY, dtype=jnp.bfloat16, scan_layers=True)
     step, (params, opt_state, batch) = llama.make_train_step(config)
