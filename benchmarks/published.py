@@ -79,23 +79,29 @@ from benchmarks.published_rows import (  # noqa: E402  (the rows and the sources
 ODD_LAYERS = r"re:^params\['layers'\]\[\d*[13579]\]"
 
 
-def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
-    """The lifted train step of `examples/llama.py` set to the row's shape and loss (abstract),
-    on the sequences of `micro_batches` of the row's `grad_accum` micro-batches (all of
-    the global batch for a run of GA 1): its layers under `scan`, unrolled where the row
-    checkpoints some layers only (`scan` overrides)."""
+def llama_config(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
+    """`examples/llama.py`'s config of the row's train step: its shape, loss, state and
+    kernels, on the sequences of `micro_batches` of the row's `grad_accum` micro-batches
+    (all of the global batch for a run of GA 1); its layers under `scan`, unrolled where
+    the row checkpoints some layers only (`scan` overrides)."""
     import jax.numpy as jnp
 
-    import partir
     from examples import llama
 
     scan = r.remat != "full/2" if scan is None else scan
-    config = llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
-                               d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
-                               batch=r.global_batch // r.grad_accum * micro_batches,
-                               dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights,
-                               loss=r.loss)
-    step, args = llama.make_train_step(config, abstract=True)
+    return llama.LlamaConfig(n_layers=r.layers, d_model=r.d_model, n_heads=r.heads, n_kv_heads=r.kv_heads,
+                             d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
+                             batch=r.global_batch // r.grad_accum * micro_batches,
+                             dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights,
+                             loss=r.loss, fused_kernels=r.fused_kernels)
+
+
+def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
+    """The lifted train step (abstract) of the row's `llama_config`."""
+    import partir
+    from examples import llama
+
+    step, args = llama.make_train_step(llama_config(r, scan=scan, micro_batches=micro_batches), abstract=True)
     return partir.lift(step, *args)
 
 
@@ -208,11 +214,10 @@ def model_row(r: Row, episodes: int, device=None, searches: dict | None = None) 
 
 
 def search_key(r: Row, episodes: int, device) -> tuple:
-    """What the row's search sees (shape, loss, micro-batch, accumulation, state, mesh,
-    `device` as `row_device` gives it, episodes): rows with one key share one search
-    (`model_row`'s `searches`)."""
-    return (r.layers, r.d_model, r.heads, r.kv_heads, r.d_ff, r.vocab, r.seq, r.loss, r.global_batch // r.grad_accum,
-            r.grad_accum, r.master_weights, r.mesh_axes, device, episodes)
+    """What the row's search sees (the program of one micro-batch, `llama_config`; the
+    accumulation, mesh, `device` as `row_device` gives it, episodes): rows with one key
+    share one search (`model_row`'s `searches`)."""
+    return llama_config(r, scan=True), r.grad_accum, r.mesh_axes, device, episodes
 
 
 def _model_group(group: list[tuple[Row, int]]) -> list[dict]:

@@ -28,6 +28,8 @@ REMAT = ("none", "dots", "dots_with_context", "dots_except_mlp_in", "every_other
 LOSSES = ("gather", "one_hot")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
 PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
+#: The row's switches (the data file's header says what each means).
+_FLAGS = ("expressible", "master_weights", "tp_comm_overlap", "sequence_parallel", "fused_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Row:
     tp_comm_overlap: bool = False
     sequence_parallel: bool = False
     loss: str = "gather"
+    fused_kernels: bool = False
     pipeline: dict = dataclasses.field(default_factory=dict)
     pipeline_note: str = ""
     episodes: int = EPISODES
@@ -94,6 +97,9 @@ def _check(row: dict, where: str) -> Row:
         problems.append(f"remat {r.remat!r} not in {REMAT}")
     if r.loss not in LOSSES:
         problems.append(f"loss {r.loss!r} not in {LOSSES}")
+    flags = [f for f in _FLAGS if not isinstance(getattr(r, f), bool)]
+    if flags:
+        problems.append(f"{', '.join(flags)} must be true or false")
     if r.measured.get("kind") not in KINDS or not r.measured.get("value", 0) > 0:
         problems.append(f"measured must be {{kind in {KINDS}, value > 0}}, got {r.measured}")
     if r.flops not in FORMULAS and r.flops != "reported":
