@@ -28,7 +28,7 @@ def _toml(d: dict) -> str:
 
 
 def test_presets_are_the_expected_set_and_named_after_their_key():
-    assert set(PRESETS) == {"h100", "h200", "a100", "v100", "tpu-v4", "tpu-v5e", "tpu-v5p", "cpu"}
+    assert set(PRESETS) == {"h100", "h200", "a100", "a100-efa", "v100", "tpu-v4", "tpu-v5e", "tpu-v5p", "cpu"}
     for key, spec in PRESETS.items():
         assert spec.name == key
         assert get_device(key) is spec
@@ -38,7 +38,7 @@ def test_presets_are_the_expected_set_and_named_after_their_key():
     "alias, key",
     [
         ("H100", "h100"), ("h100-sxm", "h100"), ("H100_SXM5_80GB", "h100"), ("nvidia-h100", "h100"),
-        ("h200-sxm", "h200"), ("a100-80gb", "a100"), ("A100_SXM4_80GB", "a100"),
+        ("h200-sxm", "h200"), ("a100-80gb", "a100"), ("A100_SXM4_80GB", "a100"), ("p4de.24xlarge", "a100-efa"),
         ("v100-sxm2", "v100"), ("tpu_v4", "tpu-v4"), ("TPU-V4", "tpu-v4"), ("v5e", "tpu-v5e"),
         ("tpu_v5e", "tpu-v5e"), (" cpu ", "cpu"),
     ],
@@ -67,6 +67,10 @@ def test_headline_figures():
     assert h100.hbm_bandwidth == pytest.approx(3.35e12)
     assert h100.intra_bandwidth == pytest.approx(450e9) and h100.inter_bandwidth == pytest.approx(50e9)
     assert PRESETS["a100"].intra_bandwidth == pytest.approx(300e9)
+    # AWS's A100 nodes: the same board, 400 Gb/s of EFA an instance of 8 GPUs.
+    efa = PRESETS["a100-efa"]
+    assert efa.inter_bandwidth == pytest.approx(6.25e9) and PRESETS["a100"].inter_bandwidth == pytest.approx(25e9)
+    assert dataclasses.replace(efa, name="a100", inter_bandwidth=25e9) == PRESETS["a100"]
     assert PRESETS["v100"].intra_bandwidth == pytest.approx(150e9)
     # The memory a step may use: the datasheet's GiB, less the runtime's share.
     assert PRESETS["h200"].hbm_bytes == pytest.approx(141 * 2**30 * 0.9)

@@ -217,6 +217,7 @@ _NVLINK2 = 150e9  # NVLink 2 (V100 SXM2 datasheet): 300 GB/s bidirectional per G
 _NDR = 50e9  # InfiniBand NDR 400 Gb/s, one HCA per GPU (DGX H100: 8x ConnectX-7)
 _HDR = 25e9  # InfiniBand HDR 200 Gb/s, one HCA per GPU (DGX A100: 8x ConnectX-6)
 _EDR = 12.5e9  # InfiniBand EDR 100 Gb/s per GPU; optimistic: DGX-1 has 4 EDR ports for 8 GPUs
+_EFA_P4 = 400e9 / 8 / 8  # AWS EFA on p4d/p4de: 400 Gb/s (4 x 100) an instance of 8 GPUs, 6.25 GB/s a GPU
 _NVLINK_HOP = 1e-6  # estimate: order of a small-message NVLink/NVSwitch hop
 _IB_HOP = 5e-6  # estimate: order of a small-message RDMA hop through an IB switch
 _ICI_HOP = 1e-6  # estimate: order of a TPU ICI hop
@@ -315,6 +316,11 @@ PRESETS: dict[str, DeviceSpec] = {
                  **_GPU_TIME),
     # A100 SXM 80GB: TF32 312/2, BF16 = FP16 624/2 TFLOPS, no FP8; 80 GB HBM2e, 2,039 GB/s.
     "a100": _gpu("a100", _flops(156e12, 312e12, 312e12), 80, 2.039e12, _NVLINK3, _HDR, **_GPU_TIME),
+    # The same A100 board on AWS (p4de.24xlarge: 8 A100 SXM 80GB on NVSwitch), its nodes
+    # joined by EFA at 400 Gb/s an instance where a DGX A100 has 200 Gb/s of InfiniBand
+    # per GPU: an axis across nodes moves data at an eighth of the `a100` preset's rate.
+    # EFA's small-message latency is taken as InfiniBand's (`_IB_HOP`, an estimate too).
+    "a100-efa": _gpu("a100-efa", _flops(156e12, 312e12, 312e12), 80, 2.039e12, _NVLINK3, _EFA_P4, **_GPU_TIME),
     # V100 SXM2 32GB: FP32 15.7 TFLOPS (no TF32 on Volta), FP16 tensor cores 125 TFLOPS
     # (no sparsity on Volta). No BF16 tensor cores: a bf16 dot runs on the CUDA cores, at
     # best at the FP32 rate, so 'bfloat16' gets that. 32 GB HBM2, 900 GB/s. DGX-1 wires its 8 GPUs
@@ -374,6 +380,7 @@ _ALIASES = {
     **dict.fromkeys(("h100-sxm", "h100-sxm5", "h100-80gb", "h100-sxm-80gb", "h100-sxm5-80gb"), "h100"),
     **dict.fromkeys(("h200-sxm", "h200-141gb", "h200-sxm-141gb"), "h200"),
     **dict.fromkeys(("a100-sxm", "a100-sxm4", "a100-80gb", "a100-sxm-80gb", "a100-sxm4-80gb"), "a100"),
+    **dict.fromkeys(("p4de", "p4de.24xlarge"), "a100-efa"),
     **dict.fromkeys(("v100-sxm2", "v100-32gb", "v100-sxm2-32gb"), "v100"),
     **dict.fromkeys(("tpuv4", "v4"), "tpu-v4"),
     **dict.fromkeys(("tpuv5e", "v5e", "tpu-v5-lite", "v5litepod"), "tpu-v5e"),
