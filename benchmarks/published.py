@@ -406,7 +406,7 @@ def rankings(rows: list[Row], results: dict) -> list[dict]:
 
 
 #: The device presets whose matmuls `GPU_MATMUL_EFFICIENCY` prices (the rest are TPUs).
-GPUS = ("h100", "h200", "a100")
+GPUS = ("h100", "h200", "a100", "a100-efa")
 
 
 def fit(rows: list[Row]) -> dict:
