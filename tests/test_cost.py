@@ -306,6 +306,24 @@ def test_axis_across_nodes_is_slower_than_nvlink():
     assert slow.step_time > fast.step_time and slow.compute_time == fast.compute_time
 
 
+def test_fsdp_over_efa_moves_at_a_quarter_of_infiniband_and_hides_less():
+    # FSDP over 16 A100s, two nodes: each ring crosses the nodes on 8 rails, at 8 x the
+    # per-GPU network rate: 200 GB/s of a DGX A100's InfiniBand, 50 GB/s of an AWS
+    # p4de's EFA (400 Gb/s a node). A layer's weight gather (64 MiB) takes about 4x as
+    # long (its ring's latencies are the same), the compute does not move, and less of
+    # the moves hides behind it.
+    step, args = llama.make_train_step(llama.LlamaConfig(n_layers=2, d_model=2048, n_heads=16, n_kv_heads=4,
+                                                         d_ff=8192, vocab=8192, seq_len=1024, batch=16,
+                                                         dtype=jnp.bfloat16, scan_layers=True), abstract=True)
+    part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(fsdp=16),
+                                  [tactics.FSDP("fsdp", leave_room=False)]).partitioning
+    ib, efa = (search.CostModel(part.copy(), d).cost() for d in ("a100", "a100-efa"))
+    largest = [max(c.collectives, key=lambda x: x.bytes) for c in (ib, efa)]
+    assert largest[0].bytes == largest[1].bytes == 64 * 2**20
+    assert 3.5 < largest[1].time / largest[0].time < 4 and efa.comm_time > 3 * ib.comm_time
+    assert efa.compute_time == ib.compute_time and efa.exposed_comm_time > ib.exposed_comm_time
+
+
 def test_a_ring_across_nodes_pays_the_network_latency_only_between_nodes():
     # NCCL's tuning model: a ring over 4 nodes of 8 H100s takes 31 steps for an
     # all-gather, 3 of them from node to node over InfiniBand, the rest over NVLink
