@@ -152,15 +152,30 @@ def test_fused_kernels_keep_less_as_xla_finds():
     assert 0.8 < found[True].memory_ratio < 1.2
 
 
-def test_fused_kernels_plan_matches_jit_under_tensor_sequence_and_pipeline_parallelism():
-    """NeMo's layout on a tiny Llama with fused kernels: data, tensor and sequence
-    parallel, 1F1B over two stages; the plan computes what plain jit does."""
+#: Plans of a tiny Llama with fused kernels: NeMo's layout (data, tensor and sequence
+#: parallel, 1F1B over two stages) by default; with recomputation in the stages, and
+#: NeMo's 8B layout (context parallel in zigzag order, data parallel, ZeRO-1), in
+#: `make test-slow`.
+FUSED_PLANS = {
+    "dp-tp-sp-1f1b": ([tactics.DataParallel("data"), tactics.Megatron("model"), tactics.SequenceParallel("model"),
+                       tactics.Pipeline("stage", microbatches=4, schedule="1f1b")],
+                      MeshSpec.of(data=2, model=2, stage=2)),
+    "dp-tp-sp-1f1b-remat": ([tactics.DataParallel("data"), tactics.Megatron("model"),
+                             tactics.SequenceParallel("model"), tactics.Pipeline("stage", microbatches=4, schedule="1f1b"),
+                             tactics.Remat("full")], MeshSpec.of(data=2, model=2, stage=2)),
+    "cp-dp-zero1": ([tactics.ContextParallel("context", balance="zigzag"), tactics.DataParallel("data"),
+                     tactics.ZeRO("data", stage=1)], MeshSpec.of(data=4, context=2)),
+}
+
+
+@pytest.mark.parametrize("name", [n if n == "dp-tp-sp-1f1b" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FUSED_PLANS])
+def test_fused_kernels_plan_matches_jit(name):
     config = llama.LlamaConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, vocab=32, seq_len=8,
                                batch=16, scan_layers=True, adam_eps=EPS, fused_kernels=True)
     step, args = _train_step(config)
-    schedule = [tactics.DataParallel("data"), tactics.Megatron("model"), tactics.SequenceParallel("model"),
-                tactics.Pipeline("stage", microbatches=4, schedule="1f1b")]
-    res = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=2, model=2, stage=2), schedule)
+    schedule, mesh = FUSED_PLANS[name]
+    res = tactics.apply_schedule(partir.lift(step, *args), mesh, schedule)
     partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
 
 
