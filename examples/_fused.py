@@ -32,8 +32,7 @@ def _normalise(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
 def fused_rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm of ``x`` over its last axis (statistics in float32) times ``scale``, in
     ``x``'s dtype; its backward keeps ``x`` and the inverse RMS (one float32 a row)."""
-    normed, _ = _normalise(x, eps)
-    return normed.astype(x.dtype) * scale.astype(x.dtype)
+    return _rms_norm_fwd(x, scale, eps)[0]
 
 
 def _rms_norm_fwd(x, scale, eps):
