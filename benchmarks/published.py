@@ -405,10 +405,6 @@ def rankings(rows: list[Row], results: dict) -> list[dict]:
     return out
 
 
-#: The device presets whose matmuls `GPU_MATMUL_EFFICIENCY` prices (the rest are TPUs).
-GPUS = ("h100", "h200", "a100", "a100-efa")
-
-
 def fit(rows: list[Row]) -> dict:
     """The time model's fitted constants (`search.cost._device`: GPU and TPU matmul
     efficiency, fused attention efficiency), by least squares on the log of modeled over
@@ -432,7 +428,8 @@ def fit(rows: list[Row]) -> dict:
         total = 0.0
         for r, model, step in models:
             base = row_device(r)
-            model.device = dataclasses.replace(base, matmul_efficiency=gpu if r.device in GPUS else tpu,
+            # A TPU preset is the one with an ICI torus; the others are priced by the GPU constant.
+            model.device = dataclasses.replace(base, matmul_efficiency=tpu if base.torus_dims else gpu,
                                                attention_efficiency=attention)
             total += float(np.log(model.evaluate()[0] / step)) ** 2
         return total

@@ -13,8 +13,8 @@ and nothing of the search around it, which scores its plans with `CostModel`.
   (`_fusion`, `_stacks`, `_attention`), buffer lifetimes (`_memory`, `_arena`,
   `_move_buffers`, `_remat`), hand-partitioned regions (`_manual`), pipeline stages (`_pipeline`: `pipeline_cost`;
   their timelines, `_timeline`: `gpipe_timeline`).
-- Devices (`_device`): presets (`h100`, `h200`, `a100`, `v100`, `tpu-v4`, `tpu-v5e`,
-  `tpu-v5p`, `cpu`) or a user's JSON/TOML description; `_validate` holds the model
+- Devices (`_device`): presets (`h100`, `h200`, `a100`, `a100-efa`, `v100`, `tpu-v4`,
+  `tpu-v5e`, `tpu-v5p`, `cpu`) or a user's JSON/TOML description; `_validate` holds the model
   against XLA's compiled HLO and memory.
 """
 
