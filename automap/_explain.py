@@ -126,7 +126,8 @@ def stage_table(axis: str, layers: int, repeats: int, names, sizes) -> Table:
 
 
 def _schedule_text(schedule: str, repeats: int, microbatches: int, bubble: float) -> str:
-    rounds = f", {repeats} repeats (circular)" if repeats > 1 else ""
+    kind = "interleaved: virtual stages" if schedule == "1f1b" else "circular"
+    rounds = f", {repeats} repeats ({kind})" if repeats > 1 else ""
     return f"schedule {schedule}{rounds}, {microbatches} microbatches, modeled bubble {bubble:.0%}"
 
 

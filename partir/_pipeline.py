@@ -35,6 +35,7 @@ from ._pipeline_defer import deferred_scatters
 from ._pipeline_hoist import gathered_inputs
 from ._remat import recompute
 from ._scans import LayerScans, ScanCall, body_regions, layer_scans, stacked_outputs
+from ._onef_schedule import OnefSchedule
 from ._stage_split import StageSplit
 from ._tiling import Tiling
 
@@ -95,18 +96,29 @@ class Pipelining:
 
     def ticks(self, stages: int) -> int:
         """Trips of a tick loop over `stages` stages: M*R + S - 1 per pass (GPipe, the
-        circular schedule), M + 2S - 2 for 1F1B's one loop running both passes."""
+        circular schedule), M*R + (R+1)*S - 2 for 1F1B's one loop running both passes
+        (`OnefSchedule`)."""
         if self.schedule == "1f1b":
-            return self.microbatches + 2 * stages - 2
+            return self.onef(stages).ticks
         return self.microbatches * self.repeats + stages - 1
 
+    def onef(self, stages: int) -> OnefSchedule:
+        """The 1F1B tick loop's schedule over `stages` stages (interleaved: R > 1)."""
+        return OnefSchedule(stages, self.repeats, self.microbatches)
+
     def in_flight(self, stages: int) -> int:
-        """The most microbatches whose residuals a stage keeps between their forward and
-        backward: all M under GPipe; under 1F1B the first stage's 2S-1 (stage s keeps
-        2(S-1-s)+1: `lowering/_onef`), at most M."""
+        """The most units (a chunk of the stage's layers on one microbatch) whose
+        residuals a stage keeps between their forward and backward: all M*R under GPipe;
+        under 1F1B its ring (`OnefSchedule.ring`: the first stage's 2S-1 with one
+        repeat, at most M)."""
         if self.schedule == "1f1b":
-            return min(self.microbatches, 2 * stages - 1)
-        return self.microbatches
+            return self.onef(stages).ring
+        return self.microbatches * self.repeats
+
+    def ring_share(self, stages: int) -> float:
+        """The share of all microbatches' residuals a stage keeps at once: 1 under GPipe,
+        its ring's under 1F1B (`in_flight` over M*R)."""
+        return self.in_flight(stages) / (self.microbatches * self.repeats)
 
     def split(self, stages: int) -> "StageSplit":
         """How the layers of the forward scan fall into `stages` stages (`StageSplit`)."""

@@ -187,13 +187,14 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
                                 "step around its head; this program has no backward scan in the region of the "
                                 f"forward one: differentiate the loss in the step that scans the layers, {fix}")
     if pipe.repeats > 1:
-        raise PartitioningError(f"the 1f1b schedule runs one repeat (repeats={pipe.repeats} is the circular "
-                                f"schedule, which runs as gpipe): give repeats=1, {fix}")
+        _check_interleaved(part, pipe, fix)
     split = pipe.split(part.mesh.size(pipe.axis))
     if split.uneven:
+        chunks = f"{split.chunks} chunks ({split.stages} stages x {pipe.repeats} repeats)" if pipe.repeats > 1 else \
+            f"{split.stages} stages over {pipe.axis!r}"
         raise PartitioningError(f"the 1f1b schedule runs even stages, and {split.length} layers do not split into "
-                                f"{part.mesh.size(pipe.axis)} stages over {pipe.axis!r} (uneven stages run as "
-                                f"gpipe): choose a stage count that divides the layers, {fix}")
+                                f"{chunks} (uneven stages run as gpipe): choose a stage count (times repeats) that "
+                                f"divides the layers, {fix}")
     if split.rolled:
         raise PartitioningError("the 1f1b schedule does not run layers rolled from unrolled ones (their stages "
                                 f"exchange the layers as gpipe does): write the layers as a scan, {fix}")
@@ -220,6 +221,19 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
                 raise PartitioningError(f"the plan moves the residual {prog.name(v)} between the forward and the "
                                         f"backward layers ({part.tiling(made)} -> {part.tiling(w)}); the 1f1b "
                                         f"schedule keeps residuals as the forward layers make them: {fix}")
+
+
+def _check_interleaved(part, pipe, fix: str) -> None:
+    """Interleaved 1F1B's own conditions (`OnefSchedule`): whole groups of S
+    microbatches, and no `Remat` in the stages (its ring keeps residuals only)."""
+    stages = part.mesh.size(pipe.axis)
+    if pipe.microbatches % stages:
+        raise PartitioningError(f"interleaved 1f1b (repeats={pipe.repeats}) runs the microbatches in groups of the "
+                                f"{stages} stages over {pipe.axis!r}; {pipe.microbatches} microbatches are not whole "
+                                f"groups: give a multiple of {stages}, repeats=1, {fix}")
+    if part.rematerialized:
+        raise PartitioningError(f"interleaved 1f1b (repeats={pipe.repeats}) does not recompute in its stages yet: "
+                                f"leave Remat out, give repeats=1, {fix}")
 
 
 def onef_outputs(program, pipe, head: HeadLayout) -> tuple[int, ...]:

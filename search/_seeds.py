@@ -75,8 +75,11 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     microbatches than the 2S-1 a stage keeps in flight), the stages are even and the
     step differentiates the layers where it scans them (a backward scan in the
     forward's region, the head between them) from a scan, not layers rolled from
-    unrolled ones (`partir.roll_layers`). Each runs with every remat policy
-    (`compositions` pairs them; 1F1B's ring then keeps what recomputing needs)."""
+    unrolled ones (`partir.roll_layers`); interleaved 1F1B (`CIRCULAR_REPEATS` chunks a
+    stage, `partir.OnefSchedule`) on the same terms, where the chunks are even, the
+    microbatches whole groups of S, and more units than its ring's (R+1)S-1. Each runs
+    with every remat policy (`compositions` pairs them; 1F1B's ring then keeps what
+    recomputing needs), but interleaved 1F1B, which recomputes nothing yet."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
     rolled = scans.forward.rolled  # (its stages exchange their layers: 1F1B does not run so)
@@ -84,9 +87,13 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
         out.append(("gpipe", CIRCULAR_REPEATS))
     back = scans.backward
     even = scans.forward.length % stages == 0
-    if even and microbatches > 2 * stages - 1 and back is not None and back.parent == scans.forward.parent and \
-            not rolled:
+    onef = back is not None and back.parent == scans.forward.parent and not rolled
+    if onef and even and microbatches > 2 * stages - 1:
         out.append(("1f1b", 1))
+    r = CIRCULAR_REPEATS
+    if onef and scans.forward.length % (stages * r) == 0 and microbatches % stages == 0 and \
+            microbatches * r > (r + 1) * stages - 1:
+        out.append(("1f1b", r))
     return tuple(out)
 
 
@@ -115,7 +122,9 @@ def compositions(offered) -> tuple[tuple, ...]:
         kept = {k for role in per_axis for k, _ in role}
         sharded = _sharded_context(per_axis, fsdp, "fsdp") if "fsdp" in kept else \
             _sharded_context(per_axis, zero, "zero") if "zero" in kept else ()
-        for remat in remats:
+        interleaved = any(isinstance(t, Pipeline) and t.schedule == "1f1b" and t.repeats > 1
+                          for role in per_axis for _, t in role)
+        for remat in remats[:1] if interleaved else remats:  # (interleaved 1F1B recomputes nothing yet)
             plan = sorted((t for role in (*per_axis, sharded, remat) for t in role), key=lambda t: ORDER.index(t[0]))
             if len(plan) >= 3:
                 out.append(tuple(tactic for _, tactic in plan))

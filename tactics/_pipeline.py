@@ -48,7 +48,13 @@ class Pipeline(Tactic):
     each tick, so it keeps the residuals of at most 2S-1 microbatches instead of all
     of them, at GPipe's bubble (docs/pipeline.md); with `Remat`, of what the policy
     keeps (and the layer inputs it recomputes from). Needs a train step differentiated
-    where it scans the layers, one repeat and even stages.
+    where it scans the layers and even stages. With `repeats` R > 1 it is interleaved
+    1F1B (Megatron's virtual stages): stage s runs chunks s, s+S, ... as the circular
+    schedule does, a tick runs one chunk's forward and one chunk's backward, the bubble
+    is the circular schedule's, and a stage keeps fewer residuals than with one repeat
+    ((R+1)S-1 chunks' residuals, S + (S-1)/R microbatches' of the stage's layers, in place
+    of 2S-1: `partir.OnefSchedule`).
+    Needs microbatches a multiple of S, S*R dividing the layers, and no `Remat` yet.
     """
 
     axis: str
@@ -99,7 +105,8 @@ class Pipeline(Tactic):
             part.rollback(mark)
             raise TacticError(f"cannot pipeline the layer scan over {self.axis!r}: {e}") from e
         per, units = split.slots, self.microbatches * self.repeats
-        chunks = f" in {self.repeats} chunks of {split.chunk} (circular)" if self.repeats > 1 else ""
+        kind = "interleaved" if self.schedule == "1f1b" else "circular"
+        chunks = f" in {self.repeats} chunks of {split.chunk} ({kind})" if self.repeats > 1 else ""
         if split.uneven:  # (the last chunks run one layer fewer: with one repeat, the last stages)
             which = "chunks " if self.repeats > 1 else ""
             chunks += f" (the last {split.chunks - split.fuller} {which}of {split.chunk - 1}; uneven)"

@@ -42,8 +42,9 @@ from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
+from ._circular import from_slots, to_slots
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import _block, _keep, _micro, add_summed, gather_once, micro_const, thin_consts
+from ._shardmap_pipeline import _block, _keep, _micro, _rows, add_summed, gather_once, micro_const, thin_consts
 from ._spmd import move
 
 
@@ -99,6 +100,9 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals, remat) -> _Sid
                                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(x.xs, g.xs, w.xs)]
     xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
+    stages = interp.mesh.size(pipe.axis)
+    if pipe.repeats > 1:  # (the chunks in the order the stage runs them: `_circular`)
+        xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]
     if remat is not None and not residuals:
         remat.keep_inputs(g, w, xs, consts)
     d = split_operands(eqn, list(layout.in_dims))
@@ -111,9 +115,14 @@ class _Loop:
     def __init__(self, interp, pipe, layouts, inner, head, frame, fwd, bwd, after, remat):
         self.interp, self.pipe, self.layouts, self.inner, self.head = interp, pipe, layouts, inner, head
         self.fwd, self.bwd, self.after, self.remat = fwd, bwd, after, remat
-        self.S, self.M = interp.mesh.size(pipe.axis), pipe.microbatches
-        self.ticks, self.ring = pipe.ticks(self.S), pipe.in_flight(self.S)  # the ring: one slot per microbatch in flight
+        self.S, self.M, self.R = interp.mesh.size(pipe.axis), pipe.microbatches, pipe.repeats
+        self.sched = pipe.onef(self.S)
+        self.ticks, self.ring = self.sched.ticks, self.sched.ring  # the ring: one slot per unit in flight
+        self.chunk = fwd.call.length // (self.S * self.R)  # the layers one unit runs
         self.stage = jax.lax.axis_index(pipe.axis)
+        # Interleaved, the ring slot of each stage's forward units (`OnefSchedule.slots`);
+        # with one repeat, microbatch m's slot is m mod the ring.
+        self.table = jnp.asarray(self.sched.slots()) if self.R > 1 else None
         fcall = pipe.scans.forward
         # The residuals the backward scan reads, as positions in the forward's per-layer outputs.
         self.kept = [fcall.ys.index(v) if v >= 0 and v in fcall.ys else None for v in bwd.g.xs]
@@ -136,37 +145,50 @@ class _Loop:
         return jnp.zeros(((layers,) if layers else ()) + tuple(shape), val.dtype)
 
     def initial(self):
-        per = self.fwd.call.length // self.S
+        per = self.chunk
         fbody, bbody = self.fwd.body, self.bwd.body
         nf, nb = len(self.fwd.call.carry), len(self.bwd.call.carry)
         recv_f = tuple(self._micro_block(w) for w in self.fwd.w.carry)
         recv_b = tuple(self._micro_block(w) for w in self.bwd.w.carry)
         outs = fbody.outvars[nf:]
         rings = tuple(self._ring(outs[j], per, self._slot_dim(j)) for j in self.ringed)
-        rings += tuple(self._ring(s, per, self.remat.dims[s]) for s in self.extra)
+        rings += tuple(self._ring(s, per, self.remat.dims[s]) for s in self.extra)  # (no Remat when interleaved)
         kept = tuple(_block(self.interp, v) for v in bbody.outvars[:nb])
         ys = tuple(_block(self.interp, v, self.bwd.call.length, self.pipe.axis) for v in bbody.outvars[nb:])
         heads = tuple(_block(self.interp, v) for v in self.after)
         return recv_f, recv_b, rings, kept, ys, heads
 
     def _ring(self, v: int, layers: int, d):
-        """Zeros shaped as the ring of value `v` (stacked on `layers`; `d`: its microbatch dim)."""
-        block = self._micro_block(v, layers)
+        """Zeros shaped as the ring of value `v` (stacked on a chunk's `layers`; `d`: its
+        microbatch dim; None: one slot, the stage's R chunks of rows)."""
         if d is None:
-            return block
+            return self._micro_block(v, layers * self.R)
+        block = self._micro_block(v, layers)
         shape = list(block.shape)
         shape[d + 1] *= self.ring
         return jnp.zeros(shape, block.dtype)
 
     def _units(self, t):
-        """(valid, microbatch) of the forward and the backward unit of this stage at `t`."""
-        f, b = t - self.stage, t - (2 * self.S - 2 - self.stage)
-        return ((f >= 0) & (f < self.M), jnp.clip(f, 0, self.M - 1),
-                (b >= 0) & (b < self.M), jnp.clip(b, 0, self.M - 1))
+        """(valid, microbatch, chunk, ring slot) of the forward and of the backward unit
+        of this stage at `t` (`OnefSchedule`)."""
+        sched, n = self.sched, self.sched.units
+        f, b = t - self.stage, t - (sched.lag - self.stage)
+        fv, bv = (f >= 0) & (f < n), (b >= 0) & (b < n)
+        f, b = jnp.clip(f, 0, n - 1), jnp.clip(b, 0, n - 1)
+        if self.R == 1:
+            return (fv, f, 0, f % self.ring), (bv, b, 0, b % self.ring)
+        (mf, rf), (mb, rb) = sched.forward_of(f), sched.backward_of(b)
+        return ((fv, mf, rf, self.table[self.stage, f]),
+                (bv, mb, rb, self.table[self.stage, sched.unit(mb, rb)]))
 
-    def _layers(self, side, c_in, m, xs_m, reverse: bool, sums=()):
+    def _chunk(self, a, r):
+        """Chunk `r` of a stage's stacked block `a` (in slot order), the whole block with
+        one repeat."""
+        return a if self.R == 1 else jax.lax.dynamic_slice_in_dim(a, r * self.chunk, self.chunk, 0)
+
+    def _layers(self, side, c_in, m, xs_m, reverse: bool, sums=(), base=0):
         """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs,
-        `sums`). Where they recompute (`remat`), the forward layers give a scalar for each
+        `sums`; the chunk's layers are its rows `base` on). Where they recompute (`remat`), the forward layers give a scalar for each
         recomputed residual and, after their outputs, what recomputing needs
         (`StageRemat.made`); the backward layers take that after their stacked inputs
         (`xs_m`), and the constants recomputing reads (`StageRemat.per_tick`). The
@@ -188,7 +210,7 @@ class _Loop:
             ys = tuple(jnp.zeros((), y.dtype) if j in self.dropped else y for j, y in enumerate(outs[nk:]))
             return (tuple(outs[:nk]), kept), ys + remat.made()
 
-        rows = jnp.arange(call.length // self.S)
+        rows = base + jnp.arange(self.chunk)
         (c_out, sums), ys = jax.lax.scan(layer, (c_in, sums), tuple(xs_m) + (rows,), reverse=reverse)
         return c_out, ys, sums
 
@@ -200,80 +222,98 @@ class _Loop:
 
     def tick(self, state, t):
         recv_f, recv_b, rings, kept, ys_kept, heads = state
-        fv, mf, bv, mb = self._units(t)
+        (fv, mf, rf, sf), (bv, mb, rb, sb) = self._units(t)
         first, last = self.stage == 0, self.stage == self.S - 1
-        fwd, bwd, fcall = self.fwd, self.bwd, self.fwd.call
+        fwd, bwd, R = self.fwd, self.bwd, self.R
         c0 = tuple(_micro(a, i, mf, self.M) for a, i in zip(fwd.carry, fwd.d.carry))
-        c_in = tuple(jnp.where(first, a, r) for a, r in zip(c0, recv_f))
-        xs_f = tuple(_micro(a, None if i is None else i + 1, mf, self.M) for a, i in zip(fwd.xs, fwd.d.xs))
-        per = fcall.length // self.S
-        zeros_f = (c_in, self._forward_zeros(per), ())
+        c_in = tuple(jnp.where(first & (rf == 0), a, r) for a, r in zip(c0, recv_f))
+        xs_f = tuple(self._chunk(_micro(a, None if i is None else i + 1, mf, self.M), rf)
+                     for a, i in zip(fwd.xs, fwd.d.xs))
+        zeros_f = (c_in, self._forward_zeros(self.chunk), ())
         c_f, ys_f, _ = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
-        taken, rings = self._take(rings, ys_f, mb, last)
-        rings = self._store(rings, ys_f, mf, fv)
-        slots = self._slots(taken, rings, mb)
-        grad, heads = self._head(c_f, mf, fv & last, heads)
-        c_b_in = tuple(jnp.where(last, g, r) for g, r in zip(grad, recv_b))
-        xs_b = tuple(self._read(slots, j) if j is not None else _micro(a, None if i is None else i + 1, mb, self.M)
+        own = last & (rb == R - 1)  # (the backward unit of the forward one just run: its residuals are ys_f)
+        taken, rings = self._take(rings, ys_f, sb, own)
+        rings = self._store(rings, ys_f, sf, rf, fv)
+        slots = self._slots(taken, rings, sb, rb)
+        grad, heads = self._head(c_f, mf, fv & last & (rf == R - 1), heads)
+        c_b_in = tuple(jnp.where(own, g, r) for g, r in zip(grad, recv_b))
+        xs_b = tuple(self._read(slots, j) if j is not None else
+                     self._chunk(_micro(a, None if i is None else i + 1, mb, self.M), rb)
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
         if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots)
             xs_b += self.remat.per_layer(mb, self.M, _micro, made=(slots[len(self.ringed):], 0, 1))
         nb, summed = len(bwd.call.carry), self.layouts[1].summed
         sums = tuple(k for k, s in zip(ys_kept, summed) if s)
-        zeros_b = (c_b_in, tuple(jnp.zeros((bwd.call.length // self.S,), self.inner.prog.values[v].dtype) if s
-                                 else self._micro_block(v, bwd.call.length // self.S)
+        zeros_b = (c_b_in, tuple(jnp.zeros((self.chunk,), self.inner.prog.values[v].dtype) if s
+                                 else self._micro_block(v, self.chunk)
                                  for v, s in zip(bwd.body.outvars[nb:], summed)), sums)
-        c_b, ys_b, sums = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True, sums), lambda: zeros_b)
-        lay, sums = self.layouts[1], iter(sums)
-        kept = tuple(_keep(k, c, lay.out_kinds[i], lay.out_dims[i], mb, bv & first)
-                     for i, (k, c) in enumerate(zip(kept, c_b)))
-        ys_kept = tuple(next(sums) if summed[i] else _keep(k, y, lay.out_kinds[nb + i], None if lay.out_dims[nb + i]
-                                                           is None else lay.out_dims[nb + i] + 1, mb, bv)
-                        for i, (k, y) in enumerate(zip(ys_kept, ys_b)))
+        c_b, ys_b, sums = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True, sums, rb * self.chunk),
+                                       lambda: zeros_b)
+        kept, ys_kept = self._kept(kept, ys_kept, c_b, ys_b, sums, mb, rb, bv & first & (rb == 0), bv)
         axis, S = self.pipe.axis, self.S
-        recv_f = tuple(jax.lax.ppermute(c, axis, [(i, i + 1) for i in range(S - 1)]) for c in c_f)
-        recv_b = tuple(jax.lax.ppermute(c, axis, [(i + 1, i) for i in range(S - 1)]) for c in c_b)
+        # (Interleaved, a carry goes round: the last stage's forward to the first stage's
+        # next chunk, the first stage's backward to the last stage's previous chunk.)
+        ahead = [(i, (i + 1) % S) for i in range(S)] if R > 1 else [(i, i + 1) for i in range(S - 1)]
+        recv_f = tuple(jax.lax.ppermute(c, axis, ahead) for c in c_f)
+        recv_b = tuple(jax.lax.ppermute(c, axis, [(j, i) for i, j in ahead]) for c in c_b)
         return (recv_f, recv_b, rings, kept, ys_kept, heads), None
+
+    def _kept(self, kept, ys_kept, c_b, ys_b, sums, mb, rb, done, bv):
+        """The backward scan's final carries (`done`: the first stage ran the first
+        chunk's backward of microbatch `mb`) and per-layer outputs kept after a tick: the
+        sums as the layers added them, the others in the rows of chunk `rb`."""
+        lay, sums, nb, summed = self.layouts[1], iter(sums), len(self.bwd.call.carry), self.layouts[1].summed
+        kept = tuple(_keep(k, c, lay.out_kinds[i], lay.out_dims[i], mb, done) for i, (k, c) in enumerate(zip(kept, c_b)))
+        ys_kept = tuple(next(sums) if summed[i] else _rows(k, y, rb, lambda rows, y, i=i: _keep(
+            rows, y, lay.out_kinds[nb + i], None if lay.out_dims[nb + i] is None else lay.out_dims[nb + i] + 1, mb, bv))
+            for i, (k, y) in enumerate(zip(ys_kept, ys_b)))
+        return kept, ys_kept
 
     def _slot_dim(self, j: int):
         return self.layouts[0].out_dims[len(self.fwd.call.carry) + j]
 
-    def _store(self, rings, ys, m, valid):
-        """The rings with microbatch `m`'s residuals (and what recomputing needs: `_layers`)
-        written in its slot."""
-        return tuple(_keep(r, y, SPLIT if d is not None else SAME, None if d is None else d + 1, m % self.ring, valid)
-                     for r, (y, d) in zip(rings, self._made(ys)))
+    def _store(self, rings, ys, slot, r, valid):
+        """The rings with the forward unit's residuals (and what recomputing needs:
+        `_layers`) written in its `slot` (one the same for every microbatch: in the rows
+        of its chunk `r`)."""
+        return tuple(_keep(b, y, SPLIT, d + 1, slot, valid) if d is not None else
+                     _rows(b, y, r, lambda rows, y: _keep(rows, y, SAME, None, 0, valid))
+                     for b, (y, d) in zip(rings, self._made(ys)))
 
-    def _take(self, rings, ys_f, m, last):
-        """Microbatch `m`'s slot of each ring whose slot is one row along its microbatch
-        dim (one sequence a device), read before this tick's write (None for the other
-        rings, read after it: `_slots`), and the rings with each such read written back
-        into its slot (the last stage's read is the forward unit's own output, `m` being
-        the microbatch it has just run there). Why: read after the write, XLA:CPU
-        copied such a ring every tick, holding it twice; written back, the write reads
-        what the read made, so XLA orders the read first and updates the ring in place.
-        Where a slot has more rows XLA holds the ring once as it is, and a slot taken
-        before the write would only add a buffer (docs/pipeline.md, "Cost model")."""
+    def _take(self, rings, ys_f, slot, own):
+        """The backward unit's `slot` of each ring whose slot is one row along its
+        microbatch dim (one sequence a device), read before this tick's write (None for
+        the other rings, read after it: `_slots`), and the rings with each such read
+        written back into its slot (where `own`, the last stage running the backward of
+        the forward unit it has just run, the read is that unit's own output). Why: read
+        after the write, XLA:CPU copied such a ring every tick, holding it twice; written
+        back, the write reads what the read made, so XLA orders the read first and
+        updates the ring in place. Where a slot has more rows XLA holds the ring once as
+        it is, and a slot taken before the write would only add a buffer
+        (docs/pipeline.md, "Cost model")."""
         taken, out = [], []
-        for r, (y, d) in zip(rings, self._made(ys_f)):
-            if d is None or r.shape[d + 1] != self.ring:
+        for b, (y, d) in zip(rings, self._made(ys_f)):
+            if d is None or b.shape[d + 1] != self.ring:
                 taken.append(None)
-                out.append(r)
+                out.append(b)
                 continue
-            t = jnp.where(last, y, self._slot(r, d, m))
+            t = jnp.where(own, y, self._slot(b, d, slot, 0))
             taken.append(t)
-            out.append(_keep(r, t, SPLIT, d + 1, m % self.ring, True))
+            out.append(_keep(b, t, SPLIT, d + 1, slot, True))
         return taken, tuple(out)
 
-    def _slots(self, taken, rings, m) -> tuple:
-        """Microbatch `m`'s slot of every ring, for the backward unit: those `_take` read
+    def _slots(self, taken, rings, slot, r) -> tuple:
+        """The backward unit's slot of every ring (`r`: its chunk): those `_take` read
         before the write, the others from the written rings."""
         made = self._made_dims()
-        return tuple(t if t is not None else self._slot(r, d, m) for t, r, d in zip(taken, rings, made))
+        return tuple(t if t is not None else self._slot(b, d, slot, r) for t, b, d in zip(taken, rings, made))
 
-    def _slot(self, ring, d, m):
-        """Microbatch `m`'s slot of `ring` (`d`: its microbatch dim, None: the ring is one slot)."""
-        return _micro(ring, None if d is None else d + 1, m % self.ring, self.ring)
+    def _slot(self, ring, d, slot, r):
+        """Slot `slot` of `ring` (`d`: its microbatch dim; None: one slot for every
+        microbatch, a row block per chunk, of which chunk `r`'s)."""
+        if d is None:
+            return self._chunk(ring, r)
+        return _micro(ring, d + 1, slot, self.ring)
 
     def _made(self, ys) -> list:
         """(value, microbatch dim) of what the rings keep of the forward unit's outputs `ys`:
@@ -291,8 +331,7 @@ class _Loop:
         or for a recomputed one its placeholder: zeros, which the backward layers do not
         read."""
         if j in self.dropped:
-            per = self.fwd.call.length // self.S
-            return jnp.zeros((per,), self.inner.prog.values[self.fwd.call.ys[j]].dtype)
+            return jnp.zeros((self.chunk,), self.inner.prog.values[self.fwd.call.ys[j]].dtype)
         return slots[self.ringed.index(j)]
 
     def _head(self, c_f, m, run, heads):
@@ -332,6 +371,8 @@ def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> Non
                               interp.rest(r), interp.move_mesh))
     for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:]):
         if r >= 0:
+            if pipe.repeats > 1:  # (back from the chunks' order to contiguous layers)
+                y = from_slots(y, pipe.axis, loop.S, pipe.repeats)
             t = Tiling(((pipe.axis,),) + interp.rest(v).dims, layout.left_partial(v), "sum")
             frame.put(r, move(y, t, interp.rest(r), interp.move_mesh))
     for v, a in zip(after, heads):

@@ -124,7 +124,7 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     layers = (split.slots * stages,)
     kept += sum(_block_bytes(prog, s, Tiling(((pipe.axis,),) + part.tiling(s).dims), mesh,
                              layers + tuple(prog.values[s].shape)) for s in extra)
-    kept *= pipe.in_flight(stages) / m  # (1F1B: a ring of the microbatches in flight)
+    kept *= pipe.ring_share(stages)  # (1F1B: a ring of the units in flight)
     return PipelineCost(pipe.axis, stages, m, pipe.schedule, bubble(stages, m, pipe.repeats), ticks, tuple(cols),
                         tuple(p2p),
                         stage, kept, pipe.repeats)
@@ -262,7 +262,7 @@ class PipelinePricing:
                 if split.exchanged:  # a stage moves its slots' rows of what it reads, all L of what it makes
                     self.uneven.update((v, split.slots / split.length) for v in lay.call.xs if v >= 0)
             if pipe.schedule == "1f1b":
-                self.ring[pipe.scans.forward.body] = pipe.in_flight(stages) / m
+                self.ring[pipe.scans.forward.body] = pipe.ring_share(stages)
             head = partir.head_layout(part, ext, pipe)
             for o in head.looped_ops if head is not None else ():  # the head's ops, once per microbatch
                 self.scale[o] = float(m)
@@ -301,7 +301,7 @@ class PipelinePricing:
                     out[v] = pipe.microbatches
             if pipe.schedule == "1f1b":  # the residuals between the scans: the ring's microbatches
                 ys = [v for v in pipe.scans.forward.ys if v >= 0 and partir.MICROBATCH in ext.tiling(v).axes()]
-                out[ys] = pipe.microbatches / pipe.in_flight(self.part.mesh.size(pipe.axis))
+                out[ys] = 1.0 / pipe.ring_share(self.part.mesh.size(pipe.axis))
             split = pipe.split(self.part.mesh.size(pipe.axis))
             if split.exchanged:
                 out[sorted(partir.kept_in_slots(self.part, pipe))] *= split.length / split.slots

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import partir
+
 
 @dataclass(frozen=True)
 class TickTimes:
@@ -60,24 +62,29 @@ def gpipe_timeline(stages: int, microbatches: int, ticks: TickTimes, repeats: in
 
 def onef_timeline(stages: int, microbatches: int, ticks: TickTimes, repeats: int = 1) -> tuple[Slot, ...]:
     """Which stage runs which microbatch when under 1F1B, as the lowering runs it
-    (`lowering/_onef`): one loop of M + 2S - 2 ticks; in tick t stage s runs the forward
-    of microbatch t - s, then the backward of microbatch t - (2S-2-s) (the last stage
-    starts a microbatch's backward in the tick of its forward). A tick lasts a forward
-    where any stage runs one, plus a backward where any stage runs one (the stages wait
-    for each other at the tick's sends), so the step is (M+S-1)(F+B), GPipe's, and each
-    stage is idle (S-1)/(M+S-1) of it. One repeat only (`repeats` must be 1)."""
-    if stages < 1 or microbatches < 1 or repeats != 1:
+    (`lowering/_onef`, `partir.OnefSchedule`): one loop of M*R + (R+1)*S - 2 ticks; in
+    tick t stage s runs a forward unit, then a backward one (the last stage starts a
+    microbatch's backward in the tick of its last chunk's forward). With `repeats` R > 1
+    (interleaved: virtual stages) a unit is one of the stage's R chunks, so `ticks` are
+    1/R as long as plain 1F1B's. A tick lasts a forward where any stage runs one, plus
+    a backward where any stage runs one (the stages wait for each other at the tick's
+    sends), so the step is (M*R+S-1)(F+B), the circular schedule's, and each stage is
+    idle (S-1)/(M*R+S-1) of it."""
+    if stages < 1 or microbatches < 1 or repeats < 1:
         raise ValueError(f"a 1f1b pipeline of {stages} stages, {microbatches} microbatches and {repeats} repeats: "
-                         "give positive counts and one repeat")
-    last, out, start = microbatches + stages - 2, [], 0.0
-    for t in range(microbatches + 2 * stages - 2):
-        forward = ticks.forward if t <= last else 0.0
-        backward = ticks.backward if t >= stages - 1 else 0.0
+                         "give positive counts")
+    sched = partir.OnefSchedule(stages, repeats, microbatches)
+    n, out, start = sched.units, [], 0.0
+    for t in range(sched.ticks):
+        forward = ticks.forward if t <= n + stages - 2 else 0.0
+        backward = ticks.backward if t >= sched.lag - stages + 1 else 0.0
         for s in range(stages):
-            f, b = t - s, t - (2 * stages - 2 - s)
-            if 0 <= f < microbatches:
-                out.append(Slot(s, f, False, start, start + ticks.forward))
-            if 0 <= b < microbatches and ticks.backward > 0:
-                out.append(Slot(s, b, True, start + forward, start + forward + ticks.backward))
+            f, b = t - s, t - (sched.lag - s)
+            if 0 <= f < n:
+                m, r = sched.forward_of(f)
+                out.append(Slot(s, m, False, start, start + ticks.forward, r))
+            if 0 <= b < n and ticks.backward > 0:
+                m, r = sched.backward_of(b)
+                out.append(Slot(s, m, True, start + forward, start + forward + ticks.backward, r))
         start += forward + backward
     return tuple(out)
