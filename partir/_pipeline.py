@@ -323,14 +323,14 @@ def _scan_layout(part, ext, pipe: Pipelining, call: ScanCall, gone: set) -> Scan
         if k == SUM:
             raise PartitioningError(f"the layer scan's carry {prog.name(v)} is summed over the batch: a pipeline "
                                     "passes each microbatch's carry on, so this scan cannot be pipelined")
-    # (Not where a relaxed user checkpoint reads forward values in the backward ticks, or
-    # the circular schedule exchanges contiguous blocks around their moves: they keep
-    # moving per microbatch there. Exchanged rows, uneven or rolled, arrive in the
-    # circular schedule's order before the moves. The residuals 1F1B keeps in its ring,
-    # and those the layers recompute, a scalar per layer, are no stacked weights.)
+    # (Not where a relaxed user checkpoint reads forward values in the backward ticks:
+    # they keep moving per microbatch there. The circular schedule exchanges the
+    # stage's blocks for its chunks at rest, before the gathers and after the
+    # reduce-scatters; exchanged rows, uneven or rolled, arrive in its order before
+    # them. The residuals 1F1B keeps in its ring, and those the layers recompute, a
+    # scalar per layer, are no stacked weights.)
     ring = (set(pipe.scans.forward.ys) if pipe.schedule == "1f1b" else set()) | gone
-    blocks = pipe.repeats > 1 and not pipe.split(part.mesh.size(pipe.axis)).exchanged
-    plain = bool(part.reused or blocks)
+    plain = bool(part.reused)
     gathered = gathered_inputs(ext, call, in_dims, ring, plain)
     scatters = None if plain else deferred_scatters(ext, ops, kinds)
     deferred, widened, wide_ops = scatters or (_deferred(ext, ops, kinds), (), ())

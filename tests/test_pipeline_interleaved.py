@@ -21,7 +21,7 @@ import tactics as T
 from automap._explain import explain_saved
 from partir import MeshSpec
 from rich.console import Console
-from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh, peaks
+from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh, _moves_once, peaks
 from test_pipeline_onef import LONG, _same_step_and_collectives
 
 
@@ -158,3 +158,17 @@ def test_the_search_offers_interleaved_1f1b_where_its_chunks_are_even():
         part = T.apply_schedule(prog, _mesh(stages), []).partitioning
         pipes = [m for m in macros(part, ("stage",), (4,)) if isinstance(m, T.Pipeline)]
         assert (T.Pipeline("stage", 4, "1f1b", repeats=2) in pipes) == offered
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_chunks_move_their_fsdp_weights_and_gradients_once_a_step(schedule):
+    """Interleaved 1F1B and the circular schedule exchange the stage's blocks for its
+    chunks at rest: the weights are gathered once before the tick loop and the
+    gradients reduce-scattered once after it, not per microbatch (GPT of 8 layers,
+    FSDP over data=4, stage=2, R=2: chunks of 2 layers); the step equals jax.jit's and
+    XLA's collectives are the modeled ones."""
+    config = dataclasses.replace(TINY, n_layers=8)
+    _, _, prog = _gpt(config)
+    pipe = T.Pipeline("stage", microbatches=4, schedule=schedule, repeats=2)
+    part = T.apply_schedule(prog, _mesh(2), [T.FSDP("data"), pipe]).partitioning
+    _moves_once(part, config, _mesh(2))

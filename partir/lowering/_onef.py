@@ -44,7 +44,8 @@ from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import _block, _keep, _micro, _rows, add_summed, gather_once, micro_const, thin_consts
+from ._shardmap_pipeline import (_block, _keep, _micro, _rows, _scatter_rows, add_summed, gather_once, micro_const,
+                                 thin_consts)
 from ._spmd import move
 
 
@@ -99,10 +100,10 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals, remat) -> _Sid
     xs = [None if u in residuals else move(a, Tiling(((),) + interp.rest(u).dims[1:]),
                                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(x.xs, g.xs, w.xs)]
-    xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
     stages = interp.mesh.size(pipe.axis)
-    if pipe.repeats > 1:  # (the chunks in the order the stage runs them: `_circular`)
+    if pipe.repeats > 1:  # (the chunks in the order the stage runs them, `_circular`: at rest, before the gathers)
         xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]
+    xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
     if remat is not None and not residuals:
         remat.keep_inputs(g, w, xs, consts)
     d = split_operands(eqn, list(layout.in_dims))
@@ -369,11 +370,14 @@ def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> Non
         if r >= 0:
             frame.put(r, move(jax.lax.psum(jnp.where(first, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v),
                               interp.rest(r), interp.move_mesh))
+    scattered = {v for v, _ in layout.widened} if pipe.repeats > 1 else set()
+    ys_kept = _scatter_rows(interp, layout, ys_kept, body.outvars[nk:], scattered)
     for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:]):
         if r >= 0:
-            if pipe.repeats > 1:  # (back from the chunks' order to contiguous layers)
+            if pipe.repeats > 1:  # (back from the chunks' order to contiguous layers, reduce-scattered first)
                 y = from_slots(y, pipe.axis, loop.S, pipe.repeats)
-            t = Tiling(((pipe.axis,),) + interp.rest(v).dims, layout.left_partial(v), "sum")
+            t = Tiling(((pipe.axis,),) + (interp.part.tiling(v) if v in scattered else interp.rest(v)).dims,
+                       () if v in scattered else layout.left_partial(v), "sum")
             frame.put(r, move(y, t, interp.rest(r), interp.move_mesh))
     for v, a in zip(after, heads):
         axes = tuple(x for x in interp.mesh.names if x in loop.head.left_partial(v) or x == pipe.axis)

@@ -138,16 +138,18 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
                            Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v, h in zip(xs, g.xs, w.xs, held)]
-    xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
-    if repeats > 1 and not split.exchanged:  # (exchanged rows arrive in slot order)
+    if repeats > 1 and not split.exchanged:  # (exchanged rows arrive in slot order; at rest, before the gathers)
         xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
+    xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
     if remat is not None and call.body == remat.fwd:
         remat.keep_inputs(g, w, xs, consts)
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
     outs = body.outvars[len(carry):]
-    scattered = {v for v, _ in layout.widened} if split.exchanged else set()
+    # (Reduce-scattered before the rows go back to the [L, ...] layout, or the chunks to
+    # contiguous blocks: either exchange moves the blocks at rest.)
+    scattered = {v for v, _ in layout.widened} if split.exchanged or repeats > 1 else set()
     ys_kept = _scatter_rows(interp, layout, ys_kept, outs, scattered)
     if split.exchanged:  # back to the [L, ...] layout
         ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)

@@ -90,7 +90,9 @@ def scattered(pricing, model) -> list:
                 # (Uneven stages reduce-scatter the stage's ceil(L/S) rows to the body's
                 # layout, then exchange them as any stacked output: `_uneven_exchanges`.)
                 split = pipe.split(mesh.size(pipe.axis))
-                dst = Tiling(((pipe.axis,),) + part.tiling(v).dims) if split.exchanged else part.tiling(r)
+                # (Likewise the circular schedule's chunks, exchanged back at rest.)
+                back = split.exchanged or pipe.repeats > 1
+                dst = Tiling(((pipe.axis,),) + part.tiling(v).dims) if back else part.tiling(r)
                 full = float(model._nbytes[v]) * (split.slots * split.stages if split.exchanged else lay.call.length)
                 item = float(model._nbytes[v]) / max(1, math.prod(prog.values[v].shape))
                 cols = tuple(CollectiveCost(kind, axes, nbytes, t, first, v, 1.0, True,
