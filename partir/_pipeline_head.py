@@ -176,9 +176,11 @@ def _read_after(region, ids, end: int) -> list[int]:
 
 def check_onef(part, pipe, head: HeadLayout | None) -> None:
     """The 1F1B schedule's conditions (`lowering/_onef`), refused before any work: a
-    backward scan in the region of the forward one with the head between them, one
-    repeat, even stages of layers written as a scan, and the forward scan's results
-    read by the head (its final carry) and the backward scan (its residuals) alone.
+    backward scan in the region of the forward one with the head between them,
+    interleaved 1F1B's (`_check_interleaved`), and the forward scan's results read by
+    the head (its final carry) and the backward scan (its residuals) alone. (Uneven
+    stages and layers rolled from unrolled ones run as GPipe's: padded slots, their
+    rows exchanged in and out.)
     (Recomputed layers run: the ring keeps what recomputing needs instead of the
     residuals the `Remat` policy drops, `lowering/_onef`.)"""
     fix = "or use schedule='gpipe'"
@@ -188,16 +190,6 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
                                 f"forward one: differentiate the loss in the step that scans the layers, {fix}")
     if pipe.repeats > 1:
         _check_interleaved(part, pipe, fix)
-    split = pipe.split(part.mesh.size(pipe.axis))
-    if split.uneven:
-        chunks = f"{split.chunks} chunks ({split.stages} stages x {pipe.repeats} repeats)" if pipe.repeats > 1 else \
-            f"{split.stages} stages over {pipe.axis!r}"
-        raise PartitioningError(f"the 1f1b schedule runs even stages, and {split.length} layers do not split into "
-                                f"{chunks} (uneven stages run as gpipe): choose a stage count (times repeats) that "
-                                f"divides the layers, {fix}")
-    if split.rolled:
-        raise PartitioningError("the 1f1b schedule does not run layers rolled from unrolled ones (their stages "
-                                f"exchange the layers as gpipe does): write the layers as a scan, {fix}")
     prog, fwd, bwd = part.program, pipe.scans.forward, pipe.scans.backward
     region, ids = prog.regions[fwd.parent], var_ids(prog, fwd.parent)
     mine = set(range(head.start, head.end)) - set(head.hoisted)

@@ -72,27 +72,25 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     `axis` with: GPipe; the circular schedule's `CIRCULAR_REPEATS` where it can run (a
     layer at least in each of the S*R chunks, unequal ones padded, at least a
     microbatch per stage); and 1F1B where it keeps fewer residuals than GPipe (more
-    microbatches than the 2S-1 a stage keeps in flight), the stages are even and the
-    step differentiates the layers where it scans them (a backward scan in the
-    forward's region, the head between them) from a scan, not layers rolled from
-    unrolled ones (`partir.roll_layers`); interleaved 1F1B (`CIRCULAR_REPEATS` chunks a
-    stage, `partir.OnefSchedule`) on the same terms, where the chunks are even, the
-    microbatches whole groups of S, and more units than its ring's (R+1)S-1. Each runs
+    microbatches than the 2S-1 a stage keeps in flight) and the step differentiates
+    the layers where it scans them (a backward scan in the forward's region, the head
+    between them); interleaved 1F1B (`CIRCULAR_REPEATS` chunks a stage,
+    `partir.OnefSchedule`) on the same terms, where every chunk has a layer, the
+    microbatches are whole groups of S, and there are more units than its ring's
+    (R+1)S-1. Each runs
     with every remat policy (`compositions` pairs them; 1F1B's ring then keeps what
     recomputing needs), but interleaved 1F1B, which recomputes nothing yet."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
-    rolled = scans.forward.rolled  # (its stages exchange their layers: 1F1B does not run so)
-    if stages * CIRCULAR_REPEATS <= scans.forward.length and microbatches >= stages:
-        out.append(("gpipe", CIRCULAR_REPEATS))
-    back = scans.backward
-    even = scans.forward.length % stages == 0
-    onef = back is not None and back.parent == scans.forward.parent and not rolled
-    if onef and even and microbatches > 2 * stages - 1:
-        out.append(("1f1b", 1))
     r = CIRCULAR_REPEATS
-    if onef and scans.forward.length % (stages * r) == 0 and microbatches % stages == 0 and \
-            microbatches * r > (r + 1) * stages - 1:
+    chunks = stages * r <= scans.forward.length
+    if chunks and microbatches >= stages:
+        out.append(("gpipe", r))
+    back = scans.backward
+    onef = back is not None and back.parent == scans.forward.parent
+    if onef and microbatches > 2 * stages - 1:
+        out.append(("1f1b", 1))
+    if onef and chunks and microbatches % stages == 0 and microbatches * r > (r + 1) * stages - 1:
         out.append(("1f1b", r))
     return tuple(out)
 

@@ -122,8 +122,8 @@ def test_the_modeled_peak_falls_with_more_chunks_as_xlas_does():
 @pytest.mark.parametrize("tactics,config,mesh,match", [
     ([T.Pipeline("stage", 6, "1f1b", repeats=2)], dataclasses.replace(TINY, n_layers=8, batch=12),
      MeshSpec.of(data=2, stage=4), "groups of the 4 stages.*6 microbatches.*multiple of 4"),
-    ([T.Pipeline("stage", 4, "1f1b", repeats=2)], dataclasses.replace(TINY, n_layers=6), _mesh(2),
-     "6 layers do not split into 4 chunks"),
+    ([T.Pipeline("stage", 4, "1f1b", repeats=3)], dataclasses.replace(TINY, n_layers=5), _mesh(2),
+     "2 stages x 3 repeats make more chunks than the 5 layers"),
     ([T.Remat("full"), T.Pipeline("stage", 4, "1f1b", repeats=2)], TINY, _mesh(2), "does not recompute.*Remat"),
     ([T.Pipeline("stage", 4, "1f1b", repeats=2), T.Remat("full")], TINY, _mesh(2), "does not recompute.*Remat"),
 ])

@@ -149,15 +149,6 @@ def test_the_search_pipelines_rolled_layers_where_the_model_says_it_wins(memory_
     assert bool(result.partitioning.pipelines) == pipelined
 
 
-@pytest.mark.slow
-def test_1f1b_is_refused_on_rolled_layers():
-    step, args = gpt.make_train_step(dataclasses.replace(TWO, n_layers=4))
-    prog = partir.roll_layers(partir.lift(step, *args))
-    with pytest.raises(T.TacticError, match="1f1b schedule does not run layers rolled"):
-        pipeline = T.Pipeline("stage", microbatches=4, schedule="1f1b")
-        T.apply_schedule(prog, MeshSpec.of(data=4, stage=2), [T.DataParallel("data"), pipeline])
-
-
 # -- the circular schedule -----------------------------------------------------------------
 #: Unrolled layers for two stages of two repeats: four chunks of one layer.
 CIRCULAR = {"gpt": dataclasses.replace(TWO, n_layers=4), "llama": FOUR}

@@ -37,16 +37,17 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT
+from .._pipeline import SAME, SPLIT, kept_in_slots, made_at
 from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
 from ._boundaries import cross
 from ._circular import from_slots, to_slots
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import (_block, _keep, _micro, _rows, _scatter_rows, add_summed, gather_once, micro_const,
-                                 thin_consts)
+from ._shardmap_pipeline import (_block, _keep, _micro, _rows, _rows_in, _rows_out, _scatter_rows, add_summed,
+                                 gather_once, micro_const, thin_consts)
 from ._spmd import move
+from ._uneven import slot_mask
 
 
 def run_onef(interp, pipe, layouts, inner, head, remat, frame) -> None:
@@ -97,12 +98,18 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals, remat) -> _Sid
     x = split_operands(eqn, read)
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)] if not residuals else []
-    xs = [None if u in residuals else move(a, Tiling(((),) + interp.rest(u).dims[1:]),
-                                           Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
-          for a, u, v in zip(x.xs, g.xs, w.xs)]
     stages = interp.mesh.size(pipe.axis)
-    if pipe.repeats > 1:  # (the chunks in the order the stage runs them, `_circular`: at rest, before the gathers)
-        xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]
+    split = pipe.split(stages)
+    # Uneven stages' (or rolled layers') padded rows, exchanged or taken from the [L, ...]
+    # stacked values (`_uneven`: in the order the stage runs its chunks), then moved once
+    # to the layouts the layers read.
+    xs = [None if u in residuals else _rows_in(a, interp.rest(u), pipe.axis, split) if split.exchanged else a
+          for a, u in zip(x.xs, g.xs)]
+    xs = [a if a is None else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
+                                   Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v in zip(xs, g.xs, w.xs)]
+    if pipe.repeats > 1 and not split.exchanged:  # (the chunks in the order the stage runs them, `_circular`:
+        xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]  # at rest, before the gathers)
     xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
     if remat is not None and not residuals:
         remat.keep_inputs(g, w, xs, consts)
@@ -119,7 +126,10 @@ class _Loop:
         self.S, self.M, self.R = interp.mesh.size(pipe.axis), pipe.microbatches, pipe.repeats
         self.sched = pipe.onef(self.S)
         self.ticks, self.ring = self.sched.ticks, self.sched.ring  # the ring: one slot per unit in flight
-        self.chunk = fwd.call.length // (self.S * self.R)  # the layers one unit runs
+        self.split = pipe.split(self.S)
+        self.chunk = self.split.chunk  # the layer slots one unit runs
+        # Uneven, which of the stage's slots hold a layer (a padding slot passes its carry on).
+        self.real = slot_mask(pipe.axis, self.split) if self.split.uneven else None
         self.stage = jax.lax.axis_index(pipe.axis)
         # Interleaved, the ring slot of each stage's forward units (`OnefSchedule.slots`);
         # with one repeat, microbatch m's slot is m mod the ring.
@@ -155,7 +165,7 @@ class _Loop:
         rings = tuple(self._ring(outs[j], per, self._slot_dim(j)) for j in self.ringed)
         rings += tuple(self._ring(s, per, self.remat.dims[s]) for s in self.extra)  # (no Remat when interleaved)
         kept = tuple(_block(self.interp, v) for v in bbody.outvars[:nb])
-        ys = tuple(_block(self.interp, v, self.bwd.call.length, self.pipe.axis) for v in bbody.outvars[nb:])
+        ys = tuple(_block(self.interp, v, self.split.slots * self.S, self.pipe.axis) for v in bbody.outvars[nb:])
         heads = tuple(_block(self.interp, v) for v in self.after)
         return recv_f, recv_b, rings, kept, ys, heads
 
@@ -187,9 +197,10 @@ class _Loop:
         one repeat."""
         return a if self.R == 1 else jax.lax.dynamic_slice_in_dim(a, r * self.chunk, self.chunk, 0)
 
-    def _layers(self, side, c_in, m, xs_m, reverse: bool, sums=(), base=0):
+    def _layers(self, side, c_in, m, xs_m, reverse: bool, sums=(), r=0):
         """The stage's layers of one scan on microbatch `m`: (carry out, per-layer outputs,
-        `sums`; the chunk's layers are its rows `base` on). Where they recompute (`remat`), the forward layers give a scalar for each
+        `sums`), those of its chunk `r` (a padding slot, uneven, passing its carry on and
+        making zeros). Where they recompute (`remat`), the forward layers give a scalar for each
         recomputed residual and, after their outputs, what recomputing needs
         (`StageRemat.made`); the backward layers take that after their stacked inputs
         (`xs_m`), and the constants recomputing reads (`StageRemat.per_tick`). The
@@ -200,19 +211,26 @@ class _Loop:
         more = remat.per_tick(m, self.M, _micro) if remat is not None and reverse else {}
         summed = self.layouts[1].summed if reverse else (False,) * (len(self.layouts[0].out_kinds) - nk)
 
+        masked = self.real is not None
+
         def layer(state, xl):
             (c, kept), row = state, xl[-1]
+            xl, here = (xl[:-2], xl[-2]) if masked else (xl[:-1], None)
             if remat is not None and reverse:
-                remat.enter(xl[nx:-1], more)
+                remat.enter(xl[nx:], more)
             outs = inner.region(call.body, list(consts_m) + list(c) + list(xl[:nx]))
+            if masked:
+                outs = [jnp.where(here, o, a) for o, a in zip(outs[:nk], c)] + [
+                    jnp.where(here, o, jnp.zeros_like(o)) for o in outs[nk:]]
             if remat is None or reverse:
                 added, ys = add_summed(kept, outs[nk:], summed, row, True)
                 return (tuple(outs[:nk]), added), ys
             ys = tuple(jnp.zeros((), y.dtype) if j in self.dropped else y for j, y in enumerate(outs[nk:]))
             return (tuple(outs[:nk]), kept), ys + remat.made()
 
-        rows = base + jnp.arange(self.chunk)
-        (c_out, sums), ys = jax.lax.scan(layer, (c_in, sums), tuple(xs_m) + (rows,), reverse=reverse)
+        rows = r * self.chunk + jnp.arange(self.chunk)
+        mask = (self._chunk(self.real, r),) if masked else ()
+        (c_out, sums), ys = jax.lax.scan(layer, (c_in, sums), tuple(xs_m) + mask + (rows,), reverse=reverse)
         return c_out, ys, sums
 
     def _forward_zeros(self, per: int) -> tuple:
@@ -231,7 +249,7 @@ class _Loop:
         xs_f = tuple(self._chunk(_micro(a, None if i is None else i + 1, mf, self.M), rf)
                      for a, i in zip(fwd.xs, fwd.d.xs))
         zeros_f = (c_in, self._forward_zeros(self.chunk), ())
-        c_f, ys_f, _ = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False), lambda: zeros_f)
+        c_f, ys_f, _ = jax.lax.cond(fv, lambda: self._layers(fwd, c_in, mf, xs_f, False, r=rf), lambda: zeros_f)
         own = last & (rb == R - 1)  # (the backward unit of the forward one just run: its residuals are ys_f)
         taken, rings = self._take(rings, ys_f, sb, own)
         rings = self._store(rings, ys_f, sf, rf, fv)
@@ -248,7 +266,7 @@ class _Loop:
         zeros_b = (c_b_in, tuple(jnp.zeros((self.chunk,), self.inner.prog.values[v].dtype) if s
                                  else self._micro_block(v, self.chunk)
                                  for v, s in zip(bwd.body.outvars[nb:], summed)), sums)
-        c_b, ys_b, sums = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True, sums, rb * self.chunk),
+        c_b, ys_b, sums = jax.lax.cond(bv, lambda: self._layers(bwd, c_b_in, mb, xs_b, True, sums, rb),
                                        lambda: zeros_b)
         kept, ys_kept = self._kept(kept, ys_kept, c_b, ys_b, sums, mb, rb, bv & first & (rb == 0), bv)
         axis, S = self.pipe.axis, self.S
@@ -370,15 +388,22 @@ def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> Non
         if r >= 0:
             frame.put(r, move(jax.lax.psum(jnp.where(first, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v),
                               interp.rest(r), interp.move_mesh))
-    scattered = {v for v, _ in layout.widened} if pipe.repeats > 1 else set()
+    split = loop.split
+    # (Reduce-scattered before the rows go back to the [L, ...] layout, or the chunks to
+    # contiguous blocks: either exchange moves the blocks at rest.)
+    scattered = {v for v, _ in layout.widened} if pipe.repeats > 1 or split.exchanged else set()
     ys_kept = _scatter_rows(interp, layout, ys_kept, body.outvars[nk:], scattered)
+    kept_slots = kept_in_slots(interp.part, pipe)
     for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:]):
-        if r >= 0:
-            if pipe.repeats > 1:  # (back from the chunks' order to contiguous layers, reduce-scattered first)
-                y = from_slots(y, pipe.axis, loop.S, pipe.repeats)
-            t = Tiling(((pipe.axis,),) + (interp.part.tiling(v) if v in scattered else interp.rest(v)).dims,
-                       () if v in scattered else layout.left_partial(v), "sum")
-            frame.put(r, move(y, t, interp.rest(r), interp.move_mesh))
+        if r < 0:
+            continue
+        if split.exchanged:
+            y = _rows_out(y, interp.rest(r), pipe.axis, split)
+        elif pipe.repeats > 1:
+            y = from_slots(y, pipe.axis, loop.S, pipe.repeats)
+        t = made_at(pipe, split, interp.part.tiling(v) if v in scattered else interp.rest(v), interp.rest(r),
+                    kept_slots, r, () if v in scattered else layout.left_partial(v))
+        frame.put(r, move(y, t, interp.rest(r), interp.move_mesh))
     for v, a in zip(after, heads):
         axes = tuple(x for x in interp.mesh.names if x in loop.head.left_partial(v) or x == pipe.axis)
         frame.put(v, jax.lax.psum(a, axes))
