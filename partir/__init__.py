@@ -33,7 +33,7 @@ from ._partitioning import Partitioning
 from ._online import CHAIN_PRIMITIVES, OnlineAttention, OnlineForward, Unmatched, online_reason
 from ._online_scans import OnlineAcrossScans, online_attentions
 from ._rings import RING_KINDS, RingMove, ring_moves
-from ._pipeline import (MICROBATCH, SCHEDULES as PIPELINE_SCHEDULES, Pipelining, ScanLayout, kept_in_slots, made_at, state_dim,
+from ._pipeline import (MICROBATCH, SCHEDULES as PIPELINE_SCHEDULES, Pipelining, ScanLayout, kept_in_slots, made_at, onef_gathered, state_dim,
                         microbatched, stage_chunks)
 from ._stage_split import StageSplit
 from ._onef_schedule import OnefSchedule
@@ -51,7 +51,7 @@ __all__ = [
     "Layer", "REMAT_POLICIES", "Recompute", "residual_layers", "input_layers", "layers_of", "layer_keys", "recompute",
     "recomputed", "saved_dots", "DOT_ROLES", "dot_roles", "Relaxation", "UserCheckpoint", "checkpoints_of", "relaxation", "remat_layers", "reusable",
     "scan_body_of", "user_checkpoints",
-    "Collective", "CONSTRAIN_MODES", "Kind", "UnionFind", "call_roots", "computations", "depended_on", "made_from_scalars", "makers_of", "Decision", "FactorRule", "MICROBATCH", "PIPELINE_SCHEDULES", "Pipelining", "ScanLayout", "StageSplit", "OnefSchedule", "made_at", "state_dim", "check_pipelines", "kept_in_slots", "microbatched", "stage_chunks", "HeadLayout", "check_pipeline", "head_layout", "onef_outputs", "LayerScans", "ScanCall", "body_regions", "layer_scans", "stacked_outputs", "Link", "MeshSpec", "Op", "Partitioning",
+    "Collective", "CONSTRAIN_MODES", "Kind", "UnionFind", "call_roots", "computations", "depended_on", "made_from_scalars", "makers_of", "Decision", "FactorRule", "MICROBATCH", "PIPELINE_SCHEDULES", "Pipelining", "ScanLayout", "StageSplit", "OnefSchedule", "made_at", "state_dim", "check_pipelines", "kept_in_slots", "onef_gathered", "microbatched", "stage_chunks", "HeadLayout", "check_pipeline", "head_layout", "onef_outputs", "LayerScans", "ScanCall", "body_regions", "layer_scans", "stacked_outputs", "Link", "MeshSpec", "Op", "Partitioning",
     "PartitioningError", "Program", "Region", "Reshard", "CHAIN_PRIMITIVES", "OnlineAttention", "OnlineForward", "OnlineAcrossScans", "Unmatched", "online_attentions", "online_reason", "RING_KINDS", "RingMove", "ring_moves", "Tiling", "Transition",
     "UnknownPrimitiveWarning", "Value", "check_equivalence", "collective_buffers", "collectives", "collectives_of",
     "dump",

@@ -148,7 +148,7 @@ class ScanLayout:
     gathered: tuple = ()  # `Gathered`: stacked inputs gathered (and cast) once before the tick loop
     widened: tuple = ()  # (value id, Tiling): a deferred sum held whole along its axes
     widened_ops: tuple = ()  # (op id, mesh axes): ops run on blocks whole along the axes
-    recomputed: tuple = ()  # (value id, Tiling): slices of recomputed residuals, held as remade
+    recomputed: tuple = ()  # (value id, Tiling): backward inputs held as the forward's gathered weight is
 
     @property
     def summed(self) -> tuple[bool, ...]:
@@ -181,16 +181,20 @@ def microbatched(part, pipe: Pipelining):
         ext.tile(v, 0, MICROBATCH, source="pipeline")
     gone = _recomputed_stacks(part, pipe)
     layouts = tuple(_scan_layout(part, ext, pipe, c, gone) for c in pipe.scans.calls)
-    return ext, _held_recomputed(part, layouts, gone)
+    return ext, _held_recomputed(part, pipe, layouts, gone)
 
 
-def _held_recomputed(part, layouts: tuple, gone: set) -> tuple:
-    """`layouts` with the backward scan's slices of recomputed residuals (stacked as
-    `gone`) that stand for the end of a weight's chain the forward gathers (a norm
-    scale's broadcast: `Gathered.value`) held gathered as that value is: the
-    recomputation remakes them from the gathered weight, so the backward ticks read them
-    without a move (`ScanLayout.recomputed`)."""
-    if len(layouts) < 2 or not gone:
+def _held_recomputed(part, pipe: Pipelining, layouts: tuple, gone: set) -> tuple:
+    """`layouts` with the backward scan's stacked inputs that are the end of a weight's
+    chain the forward gathers (`Gathered.value`: a bfloat16 cast of a weight, a norm
+    scale's broadcast) held gathered as that value is (`ScanLayout.recomputed`), so the
+    backward ticks read them without a move: the slices of recomputed residuals (stacked
+    as `gone`), which the recomputation remakes from the gathered weight, and under 1F1B
+    every such residual, which the backward reads from the forward's gathered block
+    rather than from the ring (`onef_gathered`; GPipe's backward gathers it once
+    before its loop)."""
+    onef = pipe.schedule == "1f1b"
+    if len(layouts) < 2 or not (gone or onef):
         return layouts
     prog, (fwd, bwd) = part.program, layouts[:2]
     held = {g.value: g.layout for g in fwd.gathered}
@@ -198,10 +202,23 @@ def _held_recomputed(part, layouts: tuple, gone: set) -> tuple:
     body = prog.regions[bwd.call.body]
     first = len(bwd.call.consts) + len(bwd.call.carry)
     pairs = tuple((v, held[made[outer]]) for v, outer in zip(body.invars[first:], bwd.call.xs)
-                  if v >= 0 and outer in gone and made.get(outer) in held)
+                  if v >= 0 and (outer in gone or onef) and made.get(outer) in held)
     if not pairs:
         return layouts
     return (fwd, dataclasses.replace(bwd, recomputed=pairs)) + layouts[2:]
+
+
+def onef_gathered(program, pipe: Pipelining, layouts: tuple) -> frozenset:
+    """Under 1F1B, the forward scan's stacked outputs (residuals) the backward ticks
+    read from the forward's gathered block of a weight, not from the ring
+    (`_held_recomputed`): none under GPipe."""
+    if pipe.schedule != "1f1b" or len(layouts) < 2:
+        return frozenset()
+    bwd = layouts[1]
+    held = dict(bwd.recomputed)
+    body = program.regions[bwd.call.body]
+    ins = body.invars[len(bwd.call.consts) + len(bwd.call.carry):]
+    return frozenset(outer for w, outer in zip(ins, bwd.call.xs) if w in held and outer in pipe.scans.forward.ys)
 
 
 def _check_circular(part, pipe: Pipelining) -> None:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, kept_in_slots, made_at
+from .._pipeline import SAME, SPLIT, kept_in_slots, made_at, onef_gathered
 from .._pipeline_head import onef_outputs
 from .._scans import var_ids
 from .._tiling import Tiling
@@ -141,7 +141,10 @@ class _Loop:
         # kept by no ring; the ring keeps what recomputing needs instead (`extra`).
         self.dropped = {j for j, v in enumerate(fcall.ys)
                         if remat is not None and v >= 0 and remat.placeholder(v)}
-        self.ringed = [j for j in self.kept if j is not None and j not in self.dropped]
+        # Those the forward's gathered block of a weight holds (a bfloat16 cast): read from
+        # it, chunk by chunk, not kept in a ring (`partir.onef_gathered`).
+        self.shared = _shared(interp.prog, pipe, layouts, fwd, self.dropped)
+        self.ringed = [j for j in self.kept if j is not None and j not in self.dropped and j not in self.shared]
         self.extra = list(remat.extra) if remat is not None else []
         whole = {v: frame.whole[v] for v, d in zip(head.inputs, head.in_dims) if d is None and v in frame.whole}
         self.head_whole = whole
@@ -256,7 +259,8 @@ class _Loop:
         slots = self._slots(taken, rings, sb, rb)
         grad, heads = self._head(c_f, mf, fv & last & (rf == R - 1), heads)
         c_b_in = tuple(jnp.where(own, g, r) for g, r in zip(grad, recv_b))
-        xs_b = tuple(self._read(slots, j) if j is not None else
+        xs_b = tuple(self._chunk(fwd.xs[self.shared[j]], rb) if j in self.shared else
+                     self._read(slots, j) if j is not None else
                      self._chunk(_micro(a, None if i is None else i + 1, mb, self.M), rb)
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
         if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots)
@@ -374,6 +378,16 @@ class _Loop:
         kinds = dict(zip(head.outputs, zip(head.out_kinds, head.out_dims)))
         heads = tuple(_keep(b, y, *kinds[v], m, run) for b, y, v in zip(heads, made, self.after))
         return grad, heads
+
+
+def _shared(prog, pipe, layouts, fwd: _Side, dropped) -> dict:
+    """Forward output j -> the forward's stacked input k whose gathered block (`fwd.xs[k]`)
+    is that residual (`partir.onef_gathered`), but for recomputed ones (`dropped`)."""
+    shared = onef_gathered(prog, pipe, layouts)
+    held = {g.value: g.input for g in layouts[0].gathered}
+    outs = fwd.body.outvars[len(fwd.call.carry):]
+    return {j: fwd.w.xs.index(held[outs[j]]) for j, outer in enumerate(fwd.call.ys)
+            if outer in shared and j not in dropped}
 
 
 def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> None:

@@ -116,9 +116,11 @@ def pipeline_cost(part, pipe, device=DEFAULT_DEVICE, *, links: dict[str, str] | 
     # The residuals of the stage's layers (its ceil(L/S) slots' of the L layers when
     # uneven: held whole along the stage axis by the plan, kept as the stage's blocks by
     # the lowering).
+    # (Under 1F1B not those the backward reads from the forward's gathered block of a weight.)
     held = split.slots / split.length if split.exchanged else 1.0
+    shared = partir.onef_gathered(prog, pipe, layouts)
     kept = held * sum(_block_bytes(prog, v, part.tiling(v), mesh) for v in pipe.scans.forward.ys
-                      if v >= 0 and v not in gone)
+                      if v >= 0 and v not in gone and v not in shared)
     # The layer inputs stacked for recomputing: the stage's slots' (ceil(L/S), a padding
     # slot keeping its carry), of every microbatch.
     layers = (split.slots * stages,)

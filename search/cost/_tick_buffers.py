@@ -120,7 +120,8 @@ class TickBuffers:
             last = max(end for _, end in spans)
             for lay, span in zip(layouts, spans):
                 self.bodies.update(partir.body_regions(prog, lay.call.body))
-                self.passes.append(_pass(prog, pipe, ext, lay, span, last, layers, gone, extra))
+                shared = partir.onef_gathered(prog, pipe, layouts)  # (read from a gathered block, not kept)
+                self.passes.append(_pass(prog, pipe, ext, lay, span, last, layers, gone, extra, shared))
             if pipe.schedule == "1f1b" and len(spans) > 1:
                 self.fed += [(spans[1][0], last, v) for v in pipe.scans.forward.carry if v >= 0]
 
@@ -187,11 +188,13 @@ def kernel_values(prog, attention) -> np.ndarray:
     return inside
 
 
-def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
+def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra, shared=frozenset()) -> _Pass:
     """The `_Pass` of `pipe`'s scan `lay` (`partir.ScanLayout`; `ext`: the microbatched partitioning), its
     body from `span[0]` to `span[1]`, the pipeline's scans ending at `last`; `gone`: the
     stacked outputs recomputed (kept as placeholders), `extra`: the layer inputs kept
-    for recomputing (made by the forward ticks, sliced by the backward ones)."""
+    for recomputing (made by the forward ticks, sliced by the backward ones); `shared`:
+    the stacked outputs 1F1B's backward reads from the forward's gathered block of a
+    weight (`partir.onef_gathered`), which no ring keeps."""
     call = lay.call
     body = prog.regions[call.body]
     ins = body.invars[len(call.consts) + len(call.carry):]
@@ -203,7 +206,7 @@ def _pass(prog, pipe, ext, lay, span, last, layers, gone, extra) -> _Pass:
     summed = [y for y, s in zip(outs, lay.summed) if s and y in made]
     made = [y for y in made if y not in summed]
     forward = call is pipe.scans.forward
-    kept = tuple(o for o in call.ys if o >= 0 and o not in gone) if forward else ()
+    kept = tuple(o for o in call.ys if o >= 0 and o not in gone and o not in shared) if forward else ()
     consts = tuple((o, w) for o, w in zip(call.consts, body.invars) if o >= 0 and w >= 0)
     thin = frozenset(o for o, d in zip(call.consts, lay.in_dims) if o >= 0 and d is not None
                      and d in partir.uniform_dims(prog, o))
