@@ -22,7 +22,8 @@ Footnotes, where XLA:CPU does what GPU XLA would not:
       honours), as GPU XLA would run both.
 
 `--pipelines` adds the GPT under `scan` pipelined over data=4 x stage=2 (`PIPELINED`:
-GPipe and 1F1B beside data parallelism, ZeRO-1 or FSDP, with and without `Remat`),
+GPipe and 1F1B, of one chunk a stage or two (the circular schedule, interleaved 1F1B),
+beside data parallelism, ZeRO-1 or FSDP, with and without `Remat`),
 lowered by `shard_map`, as `tests/test_pipeline*.py` hold them.
 
 Run: `make bench` or `python benchmarks/cost_fidelity.py [--models gpt mlp] [--meshes 2x4]
@@ -57,10 +58,12 @@ from examples.plans import FIDELITY_CONFIGS, STRATEGIES, random_plan, searched_p
 
 #: Random valid plans per example and mesh.
 RANDOM_PLANS = 3
-#: `--pipelines`: (the plan's role on `data`, Remat policy or None, schedule) of the GPT of 4 layers
-#: pipelined over data=4 x stage=2 in 2 microbatches (the fidelity GPT's batch of 8).
-PIPELINED = (("dp", None, "gpipe"), ("zero1", "dots", "gpipe"), ("fsdp", "full", "gpipe"),
-             ("dp", None, "1f1b"), ("zero1", "dots", "1f1b"), ("fsdp", "dots", "1f1b"))
+#: `--pipelines`: (the plan's role on `data`, Remat policy or None, schedule, repeats) of the GPT
+#: of 4 layers pipelined over data=4 x stage=2 in 2 microbatches (the fidelity GPT's batch of
+#: 8); two repeats: the circular schedule (gpipe) or interleaved 1F1B, chunks of one layer.
+PIPELINED = (("dp", None, "gpipe", 1), ("zero1", "dots", "gpipe", 1), ("fsdp", "full", "gpipe", 1),
+             ("dp", None, "1f1b", 1), ("zero1", "dots", "1f1b", 1), ("fsdp", "dots", "1f1b", 1),
+             ("fsdp", None, "gpipe", 2), ("dp", None, "1f1b", 2), ("fsdp", None, "1f1b", 2))
 
 
 def plans(name, program, mesh, kinds):
@@ -102,11 +105,12 @@ def pipelined():
     program = partir.lift(step, *ex)
     roles = {"dp": [tactics.DataParallel("data")], "fsdp": [tactics.FSDP("data")],
              "zero1": [tactics.DataParallel("data"), tactics.ZeRO("data", stage=1)]}
-    for role, policy, schedule in PIPELINED:
+    for role, policy, schedule, repeats in PIPELINED:
         plan = roles[role] + ([tactics.Remat(policy)] if policy else []) + [
-            tactics.Pipeline("stage", microbatches=2, schedule=schedule)]
+            tactics.Pipeline("stage", microbatches=2, schedule=schedule, repeats=repeats)]
         part = tactics.apply_schedule(program, partir.MeshSpec.of(data=4, stage=2), plan).partitioning
-        yield f"{role}" + (f" {policy}" if policy else "") + f" {schedule}", part, ex
+        rounds = f" x{repeats}" if repeats > 1 else ""
+        yield f"{role}" + (f" {policy}" if policy else "") + f" {schedule}{rounds}", part, ex
 
 
 def compared(args):
