@@ -141,8 +141,8 @@ def parse_schedule(text: str, mesh, *, budget, seed, device, memory, episodes=No
 
 def _pipeline(word: str, arg: str, mesh):
     """The `Pipeline` of schedule word `word` ('pp:AXIS:M', 'pp:AXIS:M:R', R the
-    circular schedule's repeats, either followed by ':SCHEDULE', one of
-    `partir.PIPELINE_SCHEDULES`), whose text after 'pp:' is `arg`."""
+    chunks a stage, either followed by ':SCHEDULE', one of `partir.PIPELINE_SCHEDULES`:
+    with R, the circular schedule or interleaved 1F1B), whose text after 'pp:' is `arg`."""
     from partir import PIPELINE_SCHEDULES
     from tactics import Pipeline, TacticError
 
@@ -155,8 +155,9 @@ def _pipeline(word: str, arg: str, mesh):
     parts = [_positive(p) for p in words]
     if not 1 <= len(parts) <= 2 or None in parts:
         raise CliError(f"--schedule {_cut(word)!r}: give the microbatch count after the axis, and optionally the "
-                       f"circular schedule's repeats, whole numbers >= 1, then optionally the schedule (one of "
-                       f"{', '.join(PIPELINE_SCHEDULES)}), e.g. pp:{axis}:8, pp:{axis}:8:2 or pp:{axis}:8:1f1b")
+                       f"chunks a stage (repeats), whole numbers >= 1, then optionally the schedule (one of "
+                       f"{', '.join(PIPELINE_SCHEDULES)}), e.g. pp:{axis}:8, pp:{axis}:8:2, pp:{axis}:8:1f1b or "
+                       f"pp:{axis}:8:2:1f1b (interleaved)")
     try:
         return Pipeline(axis, microbatches=parts[0], repeats=parts[1] if len(parts) == 2 else 1, schedule=schedule)
     except TacticError as e:

@@ -86,7 +86,7 @@ BAD = [
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data", "--out", "p.json"],
      "give the microbatch count after the axis"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data:4:2:1", "--out", "p.json"],
-     "optionally the circular schedule's repeats"),
+     "optionally the chunks a stage (repeats)"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:data:4:zigzag", "--out", "p.json"],
      "then optionally the schedule (one of gpipe, 1f1b)"),
     (["search", "examples.mlp:factory", "--mesh", "data=8", "--schedule", "pp:stage:4", "--out", "p.json"],
@@ -212,3 +212,5 @@ def test_a_pipeline_word_takes_the_circular_schedules_repeats_and_a_schedule():
     assert parse_schedule("pp:stage:4", mesh, budget=1, seed=0, device="cpu", memory=None) == [Pipeline("stage", 4)]
     assert parse_schedule("pp:stage:8:1f1b", mesh, budget=1, seed=0, device="cpu", memory=None) == [
         Pipeline("stage", 8, schedule="1f1b")]
+    assert parse_schedule("pp:stage:8:2:1f1b", mesh, budget=1, seed=0, device="cpu", memory=None) == [
+        Pipeline("stage", 8, schedule="1f1b", repeats=2)]
