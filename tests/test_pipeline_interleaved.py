@@ -33,15 +33,11 @@ def _plan(stages: int, microbatches: int, repeats: int, config=TINY, others=None
     return T.apply_schedule(prog, mesh or _mesh(stages), others + [pipe]).partitioning
 
 
-def test_interleaved_1f1b_computes_what_jit_computes_with_the_modeled_collectives():
-    """GPT of 4 layers, data=4 x stage=2, M=4, R=2: chunks of one layer, the carries
-    sent round the stages each way, the layers' chunks exchanged in and out."""
-    part = _plan(2, 4, 2)
-    _same_step_and_collectives(part, TINY, "shard_map")
-
-
+# The default run holds interleaved 1F1B's numerics and collectives under FSDP
+# (test_chunks_move_their_fsdp_weights_and_gradients_once_a_step, below).
 @pytest.mark.slow
 @pytest.mark.parametrize("stages,microbatches,repeats,config,case,backend", [
+    (2, 4, 2, TINY, None, "shard_map"),  # chunks of one layer, the carries sent round, the chunks exchanged
     (4, 8, 2, dataclasses.replace(LONG, n_layers=8), None, "shard_map"),
     (2, 4, 2, TINY, None, "jit"),
     (2, 4, 3, dataclasses.replace(TINY_LLAMA, n_layers=6), None, "shard_map"),
