@@ -26,6 +26,16 @@ them from its slot, as GPipe's backward ticks do from their stacks
 (`_pipeline_remat`). What the head sums (the loss, the head's weight
 gradients) is accumulated on the last stage and reaches every stage by one all-reduce
 over the stage axis each (with the axes a deferred reduction left, `HeadLayout.deferred`).
+
+Interleaved (`repeats` R > 1, Megatron's virtual stages) a unit is one of the stage's R
+chunks of layers on one microbatch, in the order `partir.OnefSchedule` gives: the
+carries go round the stages (the last stage's forward to the first stage's next chunk),
+the head runs after a microbatch's last chunk, the stacked inputs are exchanged for the
+chunks at rest (`_circular`), and the ring's slots come from the schedule's table (the
+units' lifetimes are not first in, first out). Uneven stages and rolled layers run
+padded slots, their rows exchanged in and out, as GPipe's (`_uneven`). A residual that
+is a weight the forward gathers (`partir.onef_gathered`) is read from the forward's
+gathered block, not kept in a ring.
 """
 
 from __future__ import annotations
@@ -108,8 +118,10 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals, remat) -> _Sid
     xs = [a if a is None else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
                                    Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
           for a, u, v in zip(xs, g.xs, w.xs)]
-    if pipe.repeats > 1 and not split.exchanged:  # (the chunks in the order the stage runs them, `_circular`:
-        xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]  # at rest, before the gathers)
+    # Interleaved, the chunks in the order the stage runs them (`_circular`), exchanged at
+    # rest, before the gathers.
+    if pipe.repeats > 1 and not split.exchanged:
+        xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]
     xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
     if remat is not None and not residuals:
         remat.keep_inputs(g, w, xs, consts)
