@@ -180,9 +180,8 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
     interleaved 1F1B's (`_check_interleaved`), and the forward scan's results read by
     the head (its final carry) and the backward scan (its residuals) alone. (Uneven
     stages and layers rolled from unrolled ones run as GPipe's: padded slots, their
-    rows exchanged in and out.)
-    (Recomputed layers run: the ring keeps what recomputing needs instead of the
-    residuals the `Remat` policy drops, `lowering/_onef`.)"""
+    rows exchanged in and out. Recomputed layers run: the ring keeps what recomputing
+    needs instead of the residuals the `Remat` policy drops, `lowering/_onef`.)"""
     fix = "or use schedule='gpipe'"
     if head is None:
         raise PartitioningError("the 1f1b schedule interleaves the forward and backward layer scans of a train "
@@ -216,16 +215,12 @@ def check_onef(part, pipe, head: HeadLayout | None) -> None:
 
 
 def _check_interleaved(part, pipe, fix: str) -> None:
-    """Interleaved 1F1B's own conditions (`OnefSchedule`): whole groups of S
-    microbatches, and no `Remat` in the stages (its ring keeps residuals only)."""
+    """Interleaved 1F1B's own condition (`OnefSchedule`): whole groups of S microbatches."""
     stages = part.mesh.size(pipe.axis)
     if pipe.microbatches % stages:
         raise PartitioningError(f"interleaved 1f1b (repeats={pipe.repeats}) runs the microbatches in groups of the "
                                 f"{stages} stages over {pipe.axis!r}; {pipe.microbatches} microbatches are not whole "
                                 f"groups: give a multiple of {stages}, repeats=1, {fix}")
-    if part.rematerialized:
-        raise PartitioningError(f"interleaved 1f1b (repeats={pipe.repeats}) does not recompute in its stages yet: "
-                                f"leave Remat out, give repeats=1, {fix}")
 
 
 def onef_outputs(program, pipe, head: HeadLayout) -> tuple[int, ...]:

@@ -79,7 +79,7 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     microbatches are whole groups of S, and there are more units than its ring's
     (R+1)S-1. Each runs
     with every remat policy (`compositions` pairs them; 1F1B's ring then keeps what
-    recomputing needs), but interleaved 1F1B, which recomputes nothing yet."""
+    recomputing needs)."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
     r = CIRCULAR_REPEATS
@@ -120,9 +120,7 @@ def compositions(offered) -> tuple[tuple, ...]:
         kept = {k for role in per_axis for k, _ in role}
         sharded = _sharded_context(per_axis, fsdp, "fsdp") if "fsdp" in kept else \
             _sharded_context(per_axis, zero, "zero") if "zero" in kept else ()
-        interleaved = any(isinstance(t, Pipeline) and t.schedule == "1f1b" and t.repeats > 1
-                          for role in per_axis for _, t in role)
-        for remat in remats[:1] if interleaved else remats:  # (interleaved 1F1B recomputes nothing yet)
+        for remat in remats:
             plan = sorted((t for role in (*per_axis, sharded, remat) for t in role), key=lambda t: ORDER.index(t[0]))
             if len(plan) >= 3:
                 out.append(tuple(tactic for _, tactic in plan))

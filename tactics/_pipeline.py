@@ -48,13 +48,13 @@ class Pipeline(Tactic):
     each tick, so it keeps the residuals of at most 2S-1 microbatches instead of all
     of them, at GPipe's bubble (docs/pipeline.md); with `Remat`, of what the policy
     keeps (and the layer inputs it recomputes from). Needs a train step differentiated
-    where it scans the layers and even stages. With `repeats` R > 1 it is interleaved
+    where it scans the layers. With `repeats` R > 1 it is interleaved
     1F1B (Megatron's virtual stages): stage s runs chunks s, s+S, ... as the circular
     schedule does, a tick runs one chunk's forward and one chunk's backward, the bubble
     is the circular schedule's, and a stage keeps fewer residuals than with one repeat
     ((R+1)S-1 chunks' residuals, S + (S-1)/R microbatches' of the stage's layers, in place
     of 2S-1: `partir.OnefSchedule`).
-    Needs microbatches a multiple of S, S*R dividing the layers, and no `Remat` yet.
+    Needs microbatches a multiple of S and at most as many chunks as layers.
     """
 
     axis: str

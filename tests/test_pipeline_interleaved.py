@@ -25,6 +25,12 @@ from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh, _moves_once, 
 from test_pipeline_onef import LONG, _same_step_and_collectives
 
 
+#: Remat in the stages, beside a role on `data`.
+REMAT = {"gpt-dp-full": [T.DataParallel("data"), T.Remat("full")],
+         "gpt-dp-dots": [T.DataParallel("data"), T.Remat("dots")],
+         "llama-fsdp-full": [T.FSDP("data"), T.Remat("full")]}
+
+
 def _plan(stages: int, microbatches: int, repeats: int, config=TINY, others=None, mesh=None):
     """`others` (default: DataParallel over 'data'), then an interleaved 1F1B Pipeline over 'stage'."""
     _, _, prog = _gpt(config)
@@ -45,9 +51,14 @@ def _plan(stages: int, microbatches: int, repeats: int, config=TINY, others=None
     (2, 4, 2, TINY_LLAMA, "llama-dp-megatron", "jit"),
     (4, 4, 2, dataclasses.replace(TINY, n_layers=8), "gpt-fsdp", "shard_map"),
     (2, 2, 2, dataclasses.replace(TINY, remat=True), None, "shard_map"),  # the user's jax.checkpoint
+    # Remat in the stages: the ring keeps what recomputing needs, chunk by chunk
+    (2, 4, 2, TINY, "gpt-dp-full", "shard_map"),
+    (2, 4, 2, TINY, "gpt-dp-dots", "shard_map"),
+    (2, 4, 2, TINY_LLAMA, "llama-fsdp-full", "shard_map"),
+    (2, 4, 2, dataclasses.replace(TINY, n_layers=6), "gpt-dp-full", "jit"),  # uneven chunks
 ])
 def test_interleaved_1f1b_computes_what_jit_computes_more(stages, microbatches, repeats, config, case, backend):
-    others, mesh = (COMPOSED[case][1], COMPOSED[case][2]) if case else (None, None)
+    others, mesh = (COMPOSED[case][1], COMPOSED[case][2]) if case in COMPOSED else (REMAT.get(case), None)
     _same_step_and_collectives(_plan(stages, microbatches, repeats, config, others, mesh), config, backend)
 
 
@@ -120,8 +131,6 @@ def test_the_modeled_peak_falls_with_more_chunks_as_xlas_does():
      MeshSpec.of(data=2, stage=4), "groups of the 4 stages.*6 microbatches.*multiple of 4"),
     ([T.Pipeline("stage", 4, "1f1b", repeats=3)], dataclasses.replace(TINY, n_layers=5), _mesh(2),
      "2 stages x 3 repeats make more chunks than the 5 layers"),
-    ([T.Remat("full"), T.Pipeline("stage", 4, "1f1b", repeats=2)], TINY, _mesh(2), "does not recompute.*Remat"),
-    ([T.Pipeline("stage", 4, "1f1b", repeats=2), T.Remat("full")], TINY, _mesh(2), "does not recompute.*Remat"),
 ])
 def test_what_interleaved_1f1b_cannot_run_is_refused_naming_it(tactics, config, mesh, match):
     _, _, prog = _gpt(config)

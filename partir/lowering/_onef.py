@@ -178,7 +178,7 @@ class _Loop:
         recv_b = tuple(self._micro_block(w) for w in self.bwd.w.carry)
         outs = fbody.outvars[nf:]
         rings = tuple(self._ring(outs[j], per, self._slot_dim(j)) for j in self.ringed)
-        rings += tuple(self._ring(s, per, self.remat.dims[s]) for s in self.extra)  # (no Remat when interleaved)
+        rings += tuple(self._ring(s, per, self.remat.dims[s]) for s in self.extra)
         kept = tuple(_block(self.interp, v) for v in bbody.outvars[:nb])
         ys = tuple(_block(self.interp, v, self.split.slots * self.S, self.pipe.axis) for v in bbody.outvars[nb:])
         heads = tuple(_block(self.interp, v) for v in self.after)
@@ -275,8 +275,11 @@ class _Loop:
                      self._read(slots, j) if j is not None else
                      self._chunk(_micro(a, None if i is None else i + 1, mb, self.M), rb)
                      for a, i, j in zip(bwd.xs, bwd.d.xs, self.kept))
-        if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots)
-            xs_b += self.remat.per_layer(mb, self.M, _micro, made=(slots[len(self.ringed):], 0, 1))
+        if self.remat is not None:  # (what recomputing reads, after the stacked inputs: whole slots,
+            # then the forward's stacked inputs it saved, of the unit's chunk)
+            again = self.remat.per_layer(mb, self.M, _micro, made=(slots[len(self.ringed):], 0, 1))
+            n = len(self.extra)
+            xs_b += again[:n] + tuple(self._chunk(a, rb) for a in again[n:])
         nb, summed = len(bwd.call.carry), self.layouts[1].summed
         sums = tuple(k for k, s in zip(ys_kept, summed) if s)
         zeros_b = (c_b_in, tuple(jnp.zeros((self.chunk,), self.inner.prog.values[v].dtype) if s
