@@ -47,15 +47,13 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._nested import split_operands
-from .._pipeline import SAME, SPLIT, kept_in_slots, made_at, onef_gathered
+from .._pipeline import SAME, SPLIT, onef_gathered
 from .._pipeline_head import onef_outputs
 from .._scans import var_ids
-from .._tiling import Tiling
 from ._boundaries import cross
-from ._circular import from_slots, to_slots
 from ._pipeline_head import run_looped
-from ._shardmap_pipeline import (_block, _keep, _micro, _rows, _rows_in, _rows_out, _scatter_rows, add_summed,
-                                 gather_once, micro_const, thin_consts)
+from ._shardmap_pipeline import (_block, _keep, _micro, _rows, add_summed, micro_const, stacked_at_rest, stage_blocks,
+                                 thin_consts)
 from ._spmd import move
 from ._uneven import slot_mask
 
@@ -108,21 +106,8 @@ def _stage_side(interp, pipe, layout, eqn, ids, frame, residuals, remat) -> _Sid
     x = split_operands(eqn, read)
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)] if not residuals else []
-    stages = interp.mesh.size(pipe.axis)
-    split = pipe.split(stages)
-    # Uneven stages' (or rolled layers') padded rows, exchanged or taken from the [L, ...]
-    # stacked values (`_uneven`: in the order the stage runs its chunks), then moved once
-    # to the layouts the layers read.
-    xs = [None if u in residuals else _rows_in(a, interp.rest(u), pipe.axis, split) if split.exchanged else a
-          for a, u in zip(x.xs, g.xs)]
-    xs = [a if a is None else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
-                                   Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
-          for a, u, v in zip(xs, g.xs, w.xs)]
-    # Interleaved, the chunks in the order the stage runs them (`_circular`), exchanged at
-    # rest, before the gathers.
-    if pipe.repeats > 1 and not split.exchanged:
-        xs = [a if a is None else to_slots(a, pipe.axis, stages, pipe.repeats) for a in xs]
-    xs = gather_once(interp, layout, xs, w.xs, again=bool(residuals))
+    xs = [None if u in residuals else a for a, u in zip(x.xs, g.xs)]  # (the residuals: the ring's)
+    xs = stage_blocks(interp, pipe, layout, xs, g.xs, w.xs, [False] * len(xs), again=bool(residuals))
     if remat is not None and not residuals:
         remat.keep_inputs(g, w, xs, consts)
     d = split_operands(eqn, list(layout.in_dims))
@@ -417,22 +402,10 @@ def _leave(interp, pipe, layout, call, region, frame, state, loop, after) -> Non
         if r >= 0:
             frame.put(r, move(jax.lax.psum(jnp.where(first, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v),
                               interp.rest(r), interp.move_mesh))
-    split = loop.split
-    # (Reduce-scattered before the rows go back to the [L, ...] layout, or the chunks to
-    # contiguous blocks: either exchange moves the blocks at rest.)
-    scattered = {v for v, _ in layout.widened} if pipe.repeats > 1 or split.exchanged else set()
-    ys_kept = _scatter_rows(interp, layout, ys_kept, body.outvars[nk:], scattered)
-    kept_slots = kept_in_slots(interp.part, pipe)
-    for y, v, r in zip(ys_kept, body.outvars[nk:], results[nk:]):
-        if r < 0:
-            continue
-        if split.exchanged:
-            y = _rows_out(y, interp.rest(r), pipe.axis, split)
-        elif pipe.repeats > 1:
-            y = from_slots(y, pipe.axis, loop.S, pipe.repeats)
-        t = made_at(pipe, split, interp.part.tiling(v) if v in scattered else interp.rest(v), interp.rest(r),
-                    kept_slots, r, () if v in scattered else layout.left_partial(v))
-        frame.put(r, move(y, t, interp.rest(r), interp.move_mesh))
+    ys = stacked_at_rest(interp, pipe, layout, ys_kept, body.outvars[nk:], results[nk:], [False] * len(ys_kept))
+    for y, r in zip(ys, results[nk:]):
+        if r >= 0:
+            frame.put(r, y)
     for v, a in zip(after, heads):
         axes = tuple(x for x in interp.mesh.names if x in loop.head.left_partial(v) or x == pipe.axis)
         frame.put(v, jax.lax.psum(a, axes))

@@ -117,54 +117,78 @@ def run_pipelined(interp, pipe, layout, inner, remat, eqn, ins, results, operand
     operands = [move(whole[k], Tiling.replicated(jnp.ndim(whole[k])), interp.rest(v), interp.move_mesh)
                 if k in whole else a for k, (a, v) in enumerate(zip(operands, ins))]
     g, w, x = split_operands(eqn, ins), split_operands(eqn, list(body.invars)), split_operands(eqn, operands)
-    stages, repeats = interp.mesh.size(pipe.axis), pipe.repeats
-    split = pipe.split(stages)
+    split = pipe.split(interp.mesh.size(pipe.axis))
     for v in g.xs:
         if v >= 0 and not split.exchanged and interp.rest(v).dims[0] != (pipe.axis,):
             raise PartitioningError(f"{prog.name(v)} is laid out {interp.rest(v)}: a pipelined scan's stacked "
                                     f"inputs are split along their layer dim over {pipe.axis!r} alone")
     consts = [cross(interp, a, u, v) for a, u, v in zip(x.consts, g.consts, w.consts)]
     carry = [cross(interp, a, u, v) for a, u, v in zip(x.carry, g.carry, w.carry)]
-    # The circular schedule's chunks: one exchange in, one out (`_circular`), but for the
-    # residuals the stages keep in their slot order from one scan to the other; uneven
-    # stages' padded layer rows exchanged (or taken) from the [L, ...] stacked values
-    # (`_uneven`), but for the residuals they keep as their own blocks.
-    slots = kept_in_slots(interp.part, pipe)
-    xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if split.exchanged and u not in slots else a
-          for a, u in zip(x.xs, g.xs)]
-    # The stage's stacked blocks, moved once to the layouts the layers read (as a scan's are).
     # (A recomputed residual's placeholder, a scalar per layer, as it is.)
     held = [remat is not None and u >= 0 and remat.placeholder(u) for u in g.xs]
-    xs = [a if h else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
-                           Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
-          for a, u, v, h in zip(xs, g.xs, w.xs, held)]
-    if repeats > 1 and not split.exchanged:  # (exchanged rows arrive in slot order; at rest, before the gathers)
-        xs = [a if u in slots else to_slots(a, pipe.axis, stages, repeats) for a, u in zip(xs, g.xs)]
-    xs = gather_once(interp, layout, xs, w.xs, again=call == pipe.scans.backward)
+    xs = stage_blocks(interp, pipe, layout, x.xs, g.xs, w.xs, held, again=call == pipe.scans.backward)
     if remat is not None and call.body == remat.fwd:
         remat.keep_inputs(g, w, xs, consts)
     drop = [remat is not None and r >= 0 and remat.placeholder(r) for r in results[len(carry):]]
     kept, ys_kept = _tick_loop(interp, pipe, layout, inner, remat, split_operands(eqn, list(layout.in_dims)),
                                consts, carry, xs, held, drop)
-    outs = body.outvars[len(carry):]
-    # (Reduce-scattered before the rows go back to the [L, ...] layout, or the chunks to
-    # contiguous blocks: either exchange moves the blocks at rest.)
-    scattered = {v for v, _ in layout.widened} if split.exchanged or repeats > 1 else set()
-    ys_kept = _scatter_rows(interp, layout, ys_kept, outs, scattered)
-    if split.exchanged:  # back to the [L, ...] layout
-        ys_kept = [y if r < 0 or dropped or r in slots else _rows_out(y, interp.rest(r), pipe.axis, split)
-                   for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
-    if repeats > 1 and not split.exchanged:
-        ys_kept = [y if r < 0 or dropped or r in slots else from_slots(y, pipe.axis, stages, repeats)
-                   for y, r, dropped in zip(ys_kept, results[len(carry):], drop)]
     last = jax.lax.axis_index(pipe.axis) == (interp.mesh.size(pipe.axis) - 1 if not call.reverse else 0)
     finals = [move(jax.lax.psum(jnp.where(last, c, jnp.zeros_like(c)), pipe.axis), interp.rest(v), interp.rest(r),
                    interp.move_mesh) if r >= 0 else c for c, v, r in zip(kept, w.carry, results[:len(carry)])]
-    stacked = [y if r < 0 or dropped else move(y, made_at(
-        pipe, split, interp.part.tiling(v) if v in scattered else interp.rest(v), interp.rest(r), slots, r,
-        () if v in scattered else layout.left_partial(v)), interp.rest(r), interp.move_mesh)
-               for y, v, r, dropped in zip(ys_kept, outs, results[len(carry):], drop)]
-    return finals + stacked
+    return finals + stacked_at_rest(interp, pipe, layout, ys_kept, body.outvars[len(carry):], results[len(carry):],
+                                    drop)
+
+
+def stage_blocks(interp, pipe, layout, xs, outer, inner, held, *, again: bool) -> list:
+    """The stage's blocks of a pipelined scan's stacked inputs `xs` (scan operands
+    `outer`, body inputs `inner`) as its tick loop reads them, in this order: uneven
+    stages' (or rolled layers') padded rows exchanged or taken from the [L, ...] values
+    (`_uneven`); moved once to the layouts the layers read, as a scan's are; the circular
+    schedule's chunks exchanged into the order the stage runs them (`_circular`: at rest,
+    before the gathers; exchanged rows arrive in that order already); the weights the
+    layers read gathered, gathered once (`gather_once`; `again`: the backward scan's).
+    A None stays None (1F1B's residuals: its ring holds them), those `held` marks are not
+    moved (a recomputed residual's placeholder), and the residuals the stages keep in
+    their slot order, or as their own blocks, from one scan to the other are not
+    exchanged (`kept_in_slots`)."""
+    split, repeats = pipe.split(interp.mesh.size(pipe.axis)), pipe.repeats
+    slots = kept_in_slots(interp.part, pipe)
+    xs = [_rows_in(a, interp.rest(u), pipe.axis, split) if a is not None and split.exchanged and u not in slots
+          else a for a, u in zip(xs, outer)]
+    xs = [a if a is None or h else move(a, Tiling(((),) + interp.rest(u).dims[1:]).without_axes((pipe.axis,)),
+                                        Tiling(((),) + interp.rest(v).dims), interp.move_mesh)
+          for a, u, v, h in zip(xs, outer, inner, held)]
+    if repeats > 1 and not split.exchanged:
+        xs = [a if a is None or u in slots else to_slots(a, pipe.axis, split.stages, repeats) for a, u in zip(xs, outer)]
+    return gather_once(interp, layout, xs, inner, again=again)
+
+
+def stacked_at_rest(interp, pipe, layout, ys, outs, results, drop) -> list:
+    """A pipelined scan's per-layer outputs `ys` as the tick loop kept them (body outputs
+    `outs`, scan results `results`) at rest: the gradients accumulated whole along their
+    reduce-scatter's axes (`ScanLayout.widened`) reduce-scattered first where the rows
+    go back to the [L, ...] layout or the chunks to contiguous blocks (either exchange
+    moves the blocks at rest), the rows or chunks exchanged back (but the residuals kept
+    in slot order: `kept_in_slots`), then moved from where the stage program made them
+    (`made_at`). Those of an unread result, or that `drop` marks (a recomputed
+    residual's placeholder), as they are."""
+    split, repeats = pipe.split(interp.mesh.size(pipe.axis)), pipe.repeats
+    slots = kept_in_slots(interp.part, pipe)
+    scattered = {v for v, _ in layout.widened} if split.exchanged or repeats > 1 else set()
+    ys = _scatter_rows(interp, layout, ys, outs, scattered)
+    out = []
+    for y, v, r, dropped in zip(ys, outs, results, drop):
+        if r < 0 or dropped:
+            out.append(y)
+            continue
+        if split.exchanged and r not in slots:  # back to the [L, ...] layout
+            y = _rows_out(y, interp.rest(r), pipe.axis, split)
+        elif repeats > 1 and not split.exchanged and r not in slots:
+            y = from_slots(y, pipe.axis, split.stages, repeats)
+        t = made_at(pipe, split, interp.part.tiling(v) if v in scattered else interp.rest(v), interp.rest(r), slots,
+                    r, () if v in scattered else layout.left_partial(v))
+        out.append(move(y, t, interp.rest(r), interp.move_mesh))
+    return out
 
 
 def _scatter_rows(interp, layout, ys, outs, scattered) -> list:

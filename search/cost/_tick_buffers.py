@@ -118,9 +118,9 @@ class TickBuffers:
             layers = pipe.split(part.mesh.size(pipe.axis)).slots // pipe.repeats  # the layers one tick runs
             spans = [body_span(prog, lay.call.body) for lay in layouts]
             last = max(end for _, end in spans)
+            shared = partir.onef_gathered(prog, pipe, layouts)  # (read from a gathered block, not kept)
             for lay, span in zip(layouts, spans):
                 self.bodies.update(partir.body_regions(prog, lay.call.body))
-                shared = partir.onef_gathered(prog, pipe, layouts)  # (read from a gathered block, not kept)
                 self.passes.append(_pass(prog, pipe, ext, lay, span, last, layers, gone, extra, shared))
             if pipe.schedule == "1f1b" and len(spans) > 1:
                 self.fed += [(spans[1][0], last, v) for v in pipe.scans.forward.carry if v >= 0]
