@@ -25,6 +25,7 @@ ticks, and assigning slots in order of start reaches the most that overlap.
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,11 +96,6 @@ class OnefSchedule:
         """[S, M*R] ring slot of each forward unit on each stage (`slot`)."""
         return _assignment(self)[0]
 
-    def in_flight(self) -> float:
-        """The most residuals a stage keeps at once, in microbatches of its whole stage
-        (units / R)."""
-        return self.ring / self.repeats
-
 
 @functools.lru_cache(maxsize=64)
 def _assignment(sched: OnefSchedule) -> tuple[np.ndarray, int]:
@@ -113,17 +109,16 @@ def _assignment(sched: OnefSchedule) -> tuple[np.ndarray, int]:
         return np.tile(np.arange(microbatches) % size, (stages, 1)), size
     table, size = np.zeros((stages, sched.units), dtype=np.int32), 0
     for s in range(stages):
-        free, busy = [], []  # (free slots; (tick the slot frees after, slot))
+        free, busy, used = [], [], 0  # (free slots; (tick the slot frees after, slot); slots handed out)
         for u in range(sched.units):  # forward units start in order of u
             m, r = sched.forward_of(u)
-            start = u + s
-            busy.sort()
-            while busy and busy[0][0] < start:
-                free.append(busy.pop(0)[1])
-            slot = min(free) if free else len(free) + len(busy)
-            if slot in free:
-                free.remove(slot)
+            while busy and busy[0][0] < u + s:
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            if free:
+                slot = heapq.heappop(free)
+            else:
+                slot, used = used, used + 1
             table[s, u] = slot
-            busy.append((sched.backward_tick(m, r, s), slot))
+            heapq.heappush(busy, (sched.backward_tick(m, r, s), slot))
         size = max(size, int(table[s].max()) + 1)
     return table, size

@@ -181,10 +181,10 @@ def microbatched(part, pipe: Pipelining):
         ext.tile(v, 0, MICROBATCH, source="pipeline")
     gone = _recomputed_stacks(part, pipe)
     layouts = tuple(_scan_layout(part, ext, pipe, c, gone) for c in pipe.scans.calls)
-    return ext, _held_recomputed(part, pipe, layouts, gone)
+    return ext, _held_gathered(part, pipe, layouts, gone)
 
 
-def _held_recomputed(part, pipe: Pipelining, layouts: tuple, gone: set) -> tuple:
+def _held_gathered(part, pipe: Pipelining, layouts: tuple, gone: set) -> tuple:
     """`layouts` with the backward scan's stacked inputs that are the end of a weight's
     chain the forward gathers (`Gathered.value`: a bfloat16 cast of a weight, a norm
     scale's broadcast) held gathered as that value is (`ScanLayout.recomputed`), so the
@@ -211,7 +211,7 @@ def _held_recomputed(part, pipe: Pipelining, layouts: tuple, gone: set) -> tuple
 def onef_gathered(program, pipe: Pipelining, layouts: tuple) -> frozenset:
     """Under 1F1B, the forward scan's stacked outputs (residuals) the backward ticks
     read from the forward's gathered block of a weight, not from the ring
-    (`_held_recomputed`): none under GPipe."""
+    (`_held_gathered`): none under GPipe."""
     if pipe.schedule != "1f1b" or len(layouts) < 2:
         return frozenset()
     bwd = layouts[1]

@@ -76,10 +76,9 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
     the layers where it scans them (a backward scan in the forward's region, the head
     between them); interleaved 1F1B (`CIRCULAR_REPEATS` chunks a stage,
     `partir.OnefSchedule`) on the same terms, where every chunk has a layer, the
-    microbatches are whole groups of S, and there are more units than its ring's
-    (R+1)S-1. Each runs
-    with every remat policy (`compositions` pairs them; 1F1B's ring then keeps what
-    recomputing needs)."""
+    microbatches are whole groups of S, and it too keeps fewer units than GPipe (more
+    than its ring's (R+1)S-1: `_keeps_fewer`). Each runs with every remat policy
+    (`compositions` pairs them; 1F1B's ring then keeps what recomputing needs)."""
     stages = part.mesh.size(axis)
     out = [("gpipe", 1)]
     r = CIRCULAR_REPEATS
@@ -88,11 +87,18 @@ def _schedules(part, axis: str, microbatches: int, scans) -> tuple[tuple[str, in
         out.append(("gpipe", r))
     back = scans.backward
     onef = back is not None and back.parent == scans.forward.parent
-    if onef and microbatches > 2 * stages - 1:
+    if onef and _keeps_fewer(stages, 1, microbatches):
         out.append(("1f1b", 1))
-    if onef and chunks and microbatches % stages == 0 and microbatches * r > (r + 1) * stages - 1:
+    if onef and chunks and microbatches % stages == 0 and _keeps_fewer(stages, r, microbatches):
         out.append(("1f1b", r))
     return tuple(out)
+
+
+def _keeps_fewer(stages: int, repeats: int, microbatches: int) -> bool:
+    """Whether 1F1B of `repeats` chunks a stage keeps fewer units in flight (its ring,
+    `partir.OnefSchedule`) than GPipe, which keeps all of them."""
+    sched = partir.OnefSchedule(stages, repeats, microbatches)
+    return sched.ring < sched.units
 
 
 def compositions(offered) -> tuple[tuple, ...]:
