@@ -23,6 +23,7 @@ from partir import MeshSpec
 from rich.console import Console
 from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh, _moves_once, peaks
 from test_pipeline_onef import LONG, _same_step_and_collectives
+from test_pipeline_onef import _plan as onef_plan
 
 
 #: Remat in the stages, beside a role on `data`.
@@ -33,10 +34,7 @@ REMAT = {"gpt-dp-full": [T.DataParallel("data"), T.Remat("full")],
 
 def _plan(stages: int, microbatches: int, repeats: int, config=TINY, others=None, mesh=None):
     """`others` (default: DataParallel over 'data'), then an interleaved 1F1B Pipeline over 'stage'."""
-    _, _, prog = _gpt(config)
-    others = [T.DataParallel("data")] if others is None else others
-    pipe = T.Pipeline("stage", microbatches=microbatches, schedule="1f1b", repeats=repeats)
-    return T.apply_schedule(prog, mesh or _mesh(stages), others + [pipe]).partitioning
+    return onef_plan(stages, microbatches, config, others, mesh, repeats=repeats)
 
 
 # The default run holds interleaved 1F1B's numerics and collectives under FSDP

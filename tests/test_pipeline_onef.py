@@ -30,11 +30,13 @@ from test_pipeline import COMPOSED, TINY, TINY_LLAMA, _gpt, _mesh, peaks
 LONG = dataclasses.replace(TINY, seq_len=32, d_ff=64, batch=32)
 
 
-def _plan(stages: int, microbatches: int, config=TINY, others=None, mesh=None, schedule="1f1b"):
-    """`others` (default: DataParallel over 'data'), then a 1F1B Pipeline over 'stage'."""
+def _plan(stages: int, microbatches: int, config=TINY, others=None, mesh=None, schedule="1f1b", repeats=1):
+    """`others` (default: DataParallel over 'data'), then a 1F1B Pipeline over 'stage' (the
+    layers rolled first where the config writes them unrolled)."""
     _, _, prog = _gpt(config)
+    prog = prog if getattr(config, "scan_layers", True) else partir.roll_layers(prog)
     others = [T.DataParallel("data")] if others is None else others
-    pipe = T.Pipeline("stage", microbatches=microbatches, schedule=schedule)
+    pipe = T.Pipeline("stage", microbatches=microbatches, schedule=schedule, repeats=repeats)
     return T.apply_schedule(prog, mesh or _mesh(stages), others + [pipe]).partitioning
 
 

@@ -8,20 +8,16 @@ import dataclasses
 
 import pytest
 
-import partir
 import tactics as T
-from test_pipeline import THREE, TINY, TINY_LLAMA, UNROLLED, _gpt, _mesh, peaks
+from test_pipeline import THREE, TINY, TINY_LLAMA, UNROLLED, _gpt, peaks
 from test_pipeline_onef import LONG, _same_step_and_collectives
+from test_pipeline_onef import _plan as onef_plan
 
 
 def _plan(stages: int, microbatches: int, repeats: int, config, others=None, schedule="1f1b"):
     """`others` (default: DataParallel over 'data'), then a Pipeline over 'stage' (the
     layers rolled first where the config writes them unrolled)."""
-    _, _, prog = _gpt(config)
-    prog = prog if getattr(config, "scan_layers", True) else partir.roll_layers(prog)
-    others = [T.DataParallel("data")] if others is None else others
-    pipe = T.Pipeline("stage", microbatches=microbatches, schedule=schedule, repeats=repeats)
-    return T.apply_schedule(prog, _mesh(stages), others + [pipe]).partitioning
+    return onef_plan(stages, microbatches, config, others, schedule=schedule, repeats=repeats)
 
 
 def test_1f1b_over_three_layers_in_two_stages_computes_what_jit_computes():
