@@ -46,6 +46,11 @@ values and gradients, but each keeps only its inputs (and the norm its per-row
 statistic) for the backward pass, where written out JAX keeps the norm's float32 copies
 and SwiGLU's activation too. NeMo's Llama configurations run with both.
 
+**FP8.** ``fp8=True`` runs each layer's seven projections as Transformer Engine and
+MaxText's ``quantization=fp8`` run them (`examples._fp8`): forward operands in E4M3, the
+output's gradient in E5M2, the dots' results in ``dtype``; the attention's own matmuls,
+the norms and the LM head stay in ``dtype``.
+
 **Expert schedules.** ``SCHEDULES`` maps a name to a function of the mesh axis names
 returning a list of tactics for ``tactics.apply_schedule`` (see their docstrings).
 """
@@ -62,6 +67,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from examples._common import (build_master_weights_train_step, build_train_step, dense_init, next_token_loss, normal,
                               stack_layers, token_batch)
+from examples._fp8 import fp8_einsum
 from examples._fused import fused_rms_norm, fused_swiglu
 
 _QKV = ("query_proj", "key_proj", "value_proj")
@@ -119,6 +125,7 @@ class LlamaConfig:
     master_weights: bool = False  # parameters in `dtype`, float32 master copy in the optimizer state
     loss: str = "gather"  # how the cross-entropy picks the targets: a key of LOSSES
     fused_kernels: bool = False  # RMSNorm and SwiGLU keep only their inputs, as fused kernels do
+    fp8: bool = False  # the layers' projections in FP8 (`examples._fp8`); activations stay `dtype`
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -223,24 +230,30 @@ def _named(read: tuple[str, ...], x: jax.Array, name: str) -> jax.Array:
 
 
 def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: bool = True,
-              tag=_unnamed) -> jax.Array:
+              tag=_unnamed, dot=jnp.einsum) -> jax.Array:
     """Grouped-query self-attention on ``x [B, S, D]``, causal unless told otherwise;
-    ``tag(value, name)`` names the projections' outputs (for a named remat policy)."""
-    q = tag(jnp.einsum("bsd,dhk->bshk", x, p["wq"]), "query_proj")
-    k = tag(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), "key_proj")
-    v = tag(jnp.einsum("bsd,dhk->bshk", x, p["wv"]), "value_proj")
+    ``tag(value, name)`` names the projections' outputs (for a named remat policy);
+    ``dot(spec, x, w)`` runs the projections (`examples._fp8.fp8_einsum` for FP8)."""
+    q = tag(dot("bsd,dhk->bshk", x, p["wq"]), "query_proj")
+    k = tag(dot("bsd,dhk->bshk", x, p["wk"]), "key_proj")
+    v = tag(dot("bsd,dhk->bshk", x, p["wv"]), "value_proj")
     q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
     # K/V keep their n_kv_heads heads: dot_product_attention groups the query heads.
     out = tag(jax.nn.dot_product_attention(q, k, v, is_causal=causal), "context")
-    return tag(jnp.einsum("bshk,hkd->bsd", out, p["wo"]), "out_proj")
+    return tag(dot("bshk,hkd->bsd", out, p["wo"]), "out_proj")
 
 
-def mlp(p: dict, x: jax.Array, tag=_unnamed, fused: bool = False) -> jax.Array:
+def mlp(p: dict, x: jax.Array, tag=_unnamed, fused: bool = False, dot=jnp.einsum) -> jax.Array:
     """SwiGLU feed-forward block: ``(silu(x W_gate) * x W_up) W_down``; ``fused``: the
-    gating as a fused kernel differentiates it (`examples._fused`)."""
-    if fused:
-        return tag(fused_swiglu(tag(x @ p["w_gate"], "mlpwi_0"), x @ p["w_up"]) @ p["w_down"], "mlpwo")
-    return tag((jax.nn.silu(tag(x @ p["w_gate"], "mlpwi_0")) * (x @ p["w_up"])) @ p["w_down"], "mlpwo")
+    gating as a fused kernel differentiates it (`examples._fused`); ``dot`` as for
+    `attention`."""
+    gate = tag(dot("bsd,df->bsf", x, p["w_gate"]), "mlpwi_0")
+
+    def up():  # after the gate's activation: the order of the program's ops as it was written
+        return dot("bsd,df->bsf", x, p["w_up"])
+
+    hidden = fused_swiglu(gate, up()) if fused else jax.nn.silu(gate) * up()
+    return tag(dot("bsf,fd->bsd", hidden, p["w_down"]), "mlpwo")
 
 
 def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: LlamaConfig) -> jax.Array:
@@ -250,8 +263,10 @@ def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: Llam
     read = _READ.get(config.remat_policy, ()) if config.remat else ()
     tag = functools.partial(_named, read) if read else _unnamed
     fused = config.fused_kernels
-    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps, fused), rope, config.causal, tag)
-    return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps, fused), tag, fused)
+    dot = fp8_einsum if config.fp8 else jnp.einsum
+    x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps, fused), rope, config.causal, tag,
+                      dot)
+    return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps, fused), tag, fused, dot)
 
 
 def forward(params: dict, tokens: jax.Array, config: LlamaConfig) -> jax.Array:

@@ -1,0 +1,94 @@
+"""FP8 matmuls (`examples/_fp8.py`): the Llama example's layers in FP8 compute what the
+same step computes in bfloat16 within FP8's rounding, their plans compute what plain
+jit computes, and the cost model runs their dots at the device's FP8 rate."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import partir
+import search
+import tactics
+from examples import llama
+from examples._fp8 import Fp8Scales, fp8_einsum
+from partir import MeshSpec
+
+EPS = 1e-3  # Adam eps large enough that near-zero gradients cannot flip updates
+FP8 = llama.LlamaConfig(dtype=jnp.bfloat16, scan_layers=True, adam_eps=EPS, fp8=True)
+
+
+def test_fp8_einsum_and_its_gradients_track_einsum_within_fp8_rounding():
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (4, 8, 32), jnp.bfloat16)
+    w = jax.random.normal(kw, (32, 16), jnp.bfloat16) / 4
+    cot = jax.random.normal(kg, (4, 8, 16), jnp.float32)
+    scales = Fp8Scales(gradient=1.0)  # the cotangent is O(1) here, not a mean loss's
+
+    def loss(dot, x, w):
+        return jnp.sum(dot("bsd,df->bsf", x, w).astype(jnp.float32) * cot)
+
+    fp8 = jax.value_and_grad(lambda x, w: loss(lambda s, a, b: fp8_einsum(s, a, b, scales), x, w), (0, 1))(x, w)
+    ref = jax.value_and_grad(lambda x, w: loss(jnp.einsum, x, w), (0, 1))(x, w)
+    for got, want in zip(jax.tree.leaves(fp8), jax.tree.leaves(ref), strict=True):
+        assert got.dtype == want.dtype
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        # E4M3 keeps 3 mantissa bits and E5M2 2: each product is off by up to ~1/8 of
+        # itself, and sums of many cancel most of it; a wrong transpose is off by O(1).
+        assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
+
+
+def test_fp8_einsum_refuses_operands_of_two_dtypes():
+    x, w = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 3), jnp.float32)
+    with pytest.raises(TypeError, match="x is bfloat16 and w is float32; cast both"):
+        fp8_einsum("bd,df->bf", x, w)
+
+
+def test_the_layers_dots_run_in_fp8_and_the_head_in_bfloat16():
+    step, args = llama.make_train_step(FP8, abstract=True)
+    prog = partir.lift(step, *args)
+    dots = [[prog.values[v] for v in op.operands[:2]] for op in prog.ops
+            if op.primitive == "dot_general" and not op.link]
+    fp8 = sorted(tuple(str(v.dtype) for v in d) for d in dots if any("float8" in str(v.dtype) for v in d))
+    # 7 projections a layer (the scan's body): 7 forward dots in E4M3, 14 gradient dots
+    # with the E5M2 gradient; the attention's own dots and the head's (its forward
+    # dot and its input gradient's) stay bfloat16.
+    assert fp8 == sorted([("float8_e4m3fn", "float8_e4m3fn")] * 7 + [("float8_e4m3fn", "float8_e5m2")] * 7
+                         + [("float8_e5m2", "float8_e4m3fn")] * 7)
+    head = [d for d in dots if d[1].shape == (FP8.d_model, FP8.vocab)]
+    assert len(head) == 2 and {str(v.dtype) for d in head for v in d} == {"bfloat16"}
+
+
+#: The FP8 MaxText rows' layout (FSDP) and tensor parallelism, where the FP8 dots' sums
+#: run over a split dim; FSDP (6 s) in `make test-slow`.
+PLANS = {"fsdp": ([tactics.FSDP("data")], MeshSpec.of(data=8)),
+         "dp-megatron": ([tactics.DataParallel("data"), tactics.Megatron("model")], MeshSpec.of(data=4, model=2))}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "fsdp" else n for n in PLANS])
+def test_an_fp8_plan_computes_what_jit_computes(name):
+    # Float32 activations around the FP8 dots: the plan's sums in another order stay
+    # within float32's rounding, so every FP8 operand rounds as plain jit rounds it (in
+    # bfloat16 one rounding difference upstream flips an E5M2 step, an eighth of a value,
+    # and a wrong result would hide in that noise).
+    step, args = llama.make_train_step(dataclasses.replace(FP8, dtype=jnp.float32))
+    schedule, mesh = PLANS[name]
+    res = tactics.apply_schedule(partir.lift(step, *args), mesh, schedule)
+    partir.check_equivalence(step, args, res.partitioning, rtol=2e-5, atol=2e-6)
+
+
+def _compute_seconds(fp8: bool) -> float:
+    config = dataclasses.replace(llama.LLAMA3_8B, fp8=fp8, batch=8)
+    step, args = llama.make_train_step(config, abstract=True)
+    part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=8),
+                                  [tactics.DataParallel("data")]).partitioning
+    return search.CostModel(part, "h100").cost().compute_time
+
+
+def test_fp8_dots_run_at_the_devices_fp8_rate():
+    # H100's FP8 tensor cores run twice its bfloat16 rate: the projections, most of an
+    # 8B layer's flops, take half as long; attention, norms and the head do not change.
+    bf16, fp8 = _compute_seconds(False), _compute_seconds(True)
+    assert 0.5 < fp8 / bf16 < 0.75
