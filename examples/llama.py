@@ -72,12 +72,13 @@ from examples._fused import fused_rms_norm, fused_swiglu
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 #: The named policies -> the values they save, by the names the layer gives them
-#: (`jax.ad_checkpoint.checkpoint_name`, MaxText's names): MaxText's ``save_qkv_proj``
-#: and ``save_dot_except_mlpwi``, and torchtitan's selective op checkpointing (every
+#: (`jax.ad_checkpoint.checkpoint_name`, MaxText's names): MaxText's ``save_qkv_proj``,
+#: ``save_dot_except_mlpwi`` and ``save_dot_except_mlp``, and torchtitan's selective op checkpointing (every
 #: matmul but every second one of a block, in call order, and the attention's output).
 _NAMES = {
     "qkv": _QKV,
     "dots_except_mlp_in": (*_QKV, "out_proj", "mlpwo"),
+    "dots_except_mlp": (*_QKV, "out_proj"),
     "every_other_dot": ("query_proj", "value_proj", "mlpwi_0", "mlpwo", "context"),
 }
 #: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.

@@ -23,6 +23,9 @@ forward ops of a layer, its inputs from outside, its residuals), says which resi
                  keep the outputs of every projection but the MLP's up and gate ones
                  (`partir._dot_roles`), as MaxText's `save_dot_except_mlpwi`: what
                  is recomputed is remade from them, those two matmuls run again
+    dots_except_mlp
+                 keep the attention's projections' outputs (query, key, value and
+                 output), as MaxText's `save_dot_except_mlp`: the MLP runs again
     dots_with_context
                  keep what `dots` keeps and the attention's output (the `p v` core), as
                  MaxText's `minimal_with_context` (once `minimal_flash`) saves every
@@ -64,11 +67,12 @@ SEEN_THROUGH = ("reshape", "convert_element_type", "transpose", "squeeze", "expa
          "reduce_precision", "name")
 
 #: Rematerialization policies, from keeping everything to keeping the least.
-POLICIES = ("none", "collectives", "dots_with_context", "dots", "dots_except_mlp_in", "every_other_dot", "qkv",
-            "full")
+POLICIES = ("none", "collectives", "dots_with_context", "dots", "dots_except_mlp_in", "dots_except_mlp",
+            "every_other_dot", "qkv", "full")
 
 #: The policies that keep the outputs of some roles of projections (`partir._dot_roles`).
-KEPT_ROLES = {"dots_except_mlp_in": ("qkv", "attention_out", "mlp_out", "other"), "qkv": ("qkv",)}
+KEPT_ROLES = {"dots_except_mlp_in": ("qkv", "attention_out", "mlp_out", "other"),
+              "dots_except_mlp": ("qkv", "attention_out"), "qkv": ("qkv",)}
 #: The policies that keep some matmuls' outputs whether or not the backward pass reads
 #: them (`saved_dots`).
 SAVING = (*KEPT_ROLES, "dots_with_context", "every_other_dot")

@@ -18,17 +18,18 @@ class Remat(Tactic):
     of an unrolled model) whose parameters match `pattern` (a glob on `/`-joined keys or
     a `re:` regex on input names; every layer when None).
 
-    `policy` says what each layer keeps: `full` (only its input activation: the layer
-    runs twice), `dots` (also its matmul outputs), `collectives` (also whatever an op
-    made after moving data between devices, so recomputing repeats no communication),
+    `policy` says what each layer keeps: `full` (only its input activation: the layer runs
+    twice), `dots` (also its matmul outputs), `collectives` (also whatever an op made after
+    moving data between devices, so recomputing repeats no communication),
     `dots_with_context` (what `dots` keeps and the attention's output, MaxText's
-    `minimal_with_context`: only elementwise work and norms run again, a fused
-    attention kernel none), `dots_except_mlp_in` (the outputs of every matmul but the MLP's up and gate
-    projections, MaxText's `save_dot_except_mlpwi`), `every_other_dot` (the outputs of
-    the first, third, fifth... projection in program order and the attention's output,
-    torchtitan's selective op checkpointing), `qkv` (the attention's query, key and
-    value projections' outputs only, MaxText's `save_qkv_proj`), `none` (everything:
-    no recomputation). The matmuls' roles are read from the dataflow
+    `minimal_with_context`: only elementwise work and norms run again, a fused attention
+    kernel none), `dots_except_mlp_in` (the outputs of every matmul but the MLP's up and
+    gate projections, MaxText's `save_dot_except_mlpwi`), `dots_except_mlp` (the attention's
+    query, key, value and output projections' outputs, MaxText's `save_dot_except_mlp`),
+    `every_other_dot` (the outputs of the first, third, fifth... projection in program order
+    and the attention's output, torchtitan's selective op checkpointing), `qkv` (the
+    attention's query, key and value projections' outputs only, MaxText's `save_qkv_proj`),
+    `none` (everything: no recomputation). The matmuls' roles are read from the dataflow
     (`partir.dot_roles`), never from names. What is not kept is recomputed from what is,
     just before the backward pass reads it; the lowering keeps XLA from merging the
     recomputation back into the forward pass.

@@ -202,7 +202,7 @@ TACTICS = [
     ("ZeRO stage 4", lambda c: T.ZeRO("data", stage=4), TacticError, "ZeRO stage=4 is not one of 1, 2, 3"),
     ("ZeRO stage True", lambda c: T.ZeRO("data", stage=True), TacticError, "ZeRO stage=True is a bool, not one of"),
     ("Remat policy", lambda c: T.Remat("bogus"), TacticError,
-     "Remat policy='bogus' is not one of none, collectives, dots_with_context, dots, dots_except_mlp_in, every_other_dot, qkv, full"),
+     "Remat policy='bogus' is not one of none, collectives, dots_with_context, dots, dots_except_mlp_in, dots_except_mlp, every_other_dot, qkv, full"),
     ("DataParallel axis 0", lambda c: T.DataParallel(0), TacticError, "DataParallel axis=0 is an int, not a string"),
     ("device figure 10**400", lambda c: search.DeviceSpec.from_dict({**search.PRESETS["cpu"].to_dict(),
                                                                       "hbm_bandwidth": HUGE}),

@@ -60,7 +60,7 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="n_heads=8 must be a multiple of n_kv_heads=3"):
         llama.LlamaConfig(n_kv_heads=3)
     with pytest.raises(ValueError, match=r"unknown remat_policy 'all'; allowed: \[None, 'dots', 'dots_with_context', 'qkv', "
-                                         r"'dots_except_mlp_in', 'every_other_dot'\]"):
+                                         r"'dots_except_mlp_in', 'dots_except_mlp', 'every_other_dot'\]"):
         llama.LlamaConfig(remat=True, remat_policy="all")
     with pytest.raises(ValueError, match="remat_policy='dots' needs remat=True"):
         llama.LlamaConfig(remat_policy="dots")

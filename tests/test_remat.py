@@ -73,7 +73,7 @@ def test_remat_tactic_notes_and_errors():
     assert res.partitioning.rematerialized
     assert "recomputed" in res.history[-1].notes[0]
     with pytest.raises(T.TacticError,
-                       match="not one of none, collectives, dots_with_context, dots, dots_except_mlp_in, every_other_dot, qkv, full"):
+                       match="not one of none, collectives, dots_with_context, dots, dots_except_mlp_in, dots_except_mlp, every_other_dot, qkv, full"):
         T.apply_schedule(prog, MESH, [T.Remat("everything")])
     with pytest.raises(T.TacticError, match="matches the parameters of no layer"):
         T.apply_schedule(prog, MESH, [T.Remat("full", pattern="params/nothing/*")])

@@ -61,22 +61,26 @@ def test_each_policy_runs_again_the_matmuls_it_does_not_keep():
     but the down projection, which only the next layer reads), 'qkv' three (output,
     gate, up), 'every_other_dot' three (key, output, up: the second, fourth and sixth
     in call order; it saves the query, value, gate and down projections' outputs and
-    the attention's), 'dots_except_mlp_in' two (gate, up), 'dots' and
-    'dots_with_context' none ('dots_with_context' saves the attention's output beside
-    them); each keeps fewer values than the one before it keeps more."""
+    the attention's), 'dots_except_mlp' and 'dots_except_mlp_in' two (gate, up: the
+    down projection's output is the next layer's input; 'dots_except_mlp' keeps it no
+    more than 'full'), 'dots' and 'dots_with_context' none ('dots_with_context' saves
+    the attention's output beside them); each keeps fewer values than the one before it
+    keeps more."""
     step, args = _llama()
     prog = partir.lift(step, *args)
-    policies = ("full", "qkv", "every_other_dot", "dots_except_mlp_in", "dots", "dots_with_context")
+    policies = ("full", "qkv", "dots_except_mlp", "every_other_dot", "dots_except_mlp_in", "dots", "dots_with_context")
     parts = {p: T.apply_schedule(prog, MESH, DP_TP + [T.Remat(p)]).partitioning for p in policies}
     assert {p: _plain_dots_run_again(part) for p, part in parts.items()} == \
-        {"full": 6, "qkv": 3, "every_other_dot": 3, "dots_except_mlp_in": 2, "dots": 0, "dots_with_context": 0}
+        {"full": 6, "qkv": 3, "dots_except_mlp": 2, "every_other_dot": 3, "dots_except_mlp_in": 2, "dots": 0,
+         "dots_with_context": 0}
     assert {p: len(part.saved) for p, part in parts.items()} == \
-        {"full": 0, "qkv": 3, "every_other_dot": 5, "dots_except_mlp_in": 5, "dots": 0, "dots_with_context": 1}
+        {"full": 0, "qkv": 3, "dots_except_mlp": 4, "every_other_dot": 5, "dots_except_mlp_in": 5, "dots": 0,
+         "dots_with_context": 1}
     for p in ("every_other_dot", "dots_with_context"):
         attention_out = [v for v in parts[p].saved if prog.ops[prog.producer[v]].eqn.params["dimension_numbers"][1][0]]
         assert len(attention_out) == 1  # (the one batched matmul kept: the attention's p v)
     peaks = [search.CostModel(parts[p], "cpu").cost().memory_peak
-             for p in ("full", "qkv", "every_other_dot", "dots_except_mlp_in")]
+             for p in ("full", "qkv", "dots_except_mlp", "dots_except_mlp_in")]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
     dots, with_context = (search.CostModel(parts[p], "cpu").cost().memory_peak for p in ("dots", "dots_with_context"))
     assert dots < with_context
@@ -105,7 +109,8 @@ def test_keeping_the_attentions_output_reruns_none_of_the_fused_kernel():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot", "dots_with_context"])
+@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "dots_except_mlp", "every_other_dot",
+                                    "dots_with_context"])
 def test_a_named_policy_does_the_work_of_jaxs_and_computes_what_jit_computes(policy):
     """The same scanned Llama under `Remat(policy)` and under the user's own
     `jax.checkpoint` with JAX's `save_only_these_names` over the projections MaxText
@@ -154,7 +159,8 @@ def test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes(policy
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["shard_map", "jit"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "every_other_dot", "dots_with_context"])
+@pytest.mark.parametrize("policy", ["qkv", "dots_except_mlp_in", "dots_except_mlp", "every_other_dot",
+                                    "dots_with_context"])
 def test_pipelined_stages_keeping_some_matmuls_compute_what_jit_computes(policy, schedule, backend):
     from tests.test_pipeline import TINY_LLAMA
     from tests.test_pipeline_remat import _gpt, _mesh, _same_step
