@@ -9,8 +9,9 @@ checkpointed), its relative error and its peak memory; and the plan
 `AutomaticPartition` finds for the same model, devices and global batch, with its
 modeled step divided by the published configuration's. A row with a `pipeline` runs
 it over its mesh's `stage` axis (`schedule`), the pipeline's microbatches being the
-run's gradient accumulation (`pipelined`). Rows needing a pipeline schedule tactics
-cannot express, FP8, a MoE Llama or a remat policy no tactic has say so. Then the
+run's gradient accumulation (`pipelined`); a row of `dtype` float8 runs its layers'
+projections in FP8 (`examples/_fp8.py`). Rows needing a pipeline schedule tactics
+cannot express, a MoE Llama or a remat policy no tactic has say so. Then the
 configurations of one model, ranked by time per token per device as measured and as
 modeled (`rankings`: a measured gap under `NOISE` is a tie, kept under `TIE`).
 
@@ -80,8 +81,8 @@ ODD_LAYERS = r"re:^params\['layers'\]\[\d*[13579]\]"
 
 
 def llama_config(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
-    """`examples/llama.py`'s config of the row's train step: its shape, loss, state and
-    kernels, on the sequences of `micro_batches` of the row's `grad_accum` micro-batches
+    """`examples/llama.py`'s config of the row's train step: its shape, loss, state,
+    kernels and matmul precision, on the sequences of `micro_batches` of the row's `grad_accum` micro-batches
     (all of the global batch for a run of GA 1); its layers under `scan`, unrolled where
     the row checkpoints some layers only (`scan` overrides)."""
     import jax.numpy as jnp
@@ -93,7 +94,7 @@ def llama_config(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
                              d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
                              batch=r.global_batch // r.grad_accum * micro_batches,
                              dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights,
-                             loss=r.loss, fused_kernels=r.fused_kernels)
+                             loss=r.loss, fused_kernels=r.fused_kernels, fp8=r.dtype == "float8")
 
 
 def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):

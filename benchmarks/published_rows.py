@@ -23,9 +23,13 @@ NOISE = 0.01
 #: The most a tie's modeled gap may be (the data file's header says why).
 TIE = 0.05
 SPLITS = ("fit", "check")
-REMAT = ("none", "dots", "dots_with_context", "dots_except_mlp_in", "every_other_dot", "qkv", "full", "full/2")
+REMAT = ("none", "dots", "dots_with_context", "dots_except_mlp_in", "dots_except_mlp", "every_other_dot", "qkv", "full",
+         "full/2")
 #: How the run's train step picks the targets' log-probabilities (`examples.llama.LOSSES`).
 LOSSES = ("gather", "one_hot")
+#: The layers' matmul precisions a row may run: bfloat16, or FP8 (E4M3 forward, E5M2
+#: gradients: `examples/_fp8.py`), every other op in bfloat16.
+DTYPES = ("bfloat16", "float8")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
 PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
 #: The row's switches (the data file's header says what each means).
@@ -97,6 +101,8 @@ def _check(row: dict, where: str) -> Row:
         problems.append(f"remat {r.remat!r} not in {REMAT}")
     if r.loss not in LOSSES:
         problems.append(f"loss {r.loss!r} not in {LOSSES}")
+    if r.dtype not in DTYPES:
+        problems.append(f"dtype {r.dtype!r} not in {DTYPES}")
     flags = [f for f in _FLAGS if not isinstance(getattr(r, f), bool)]
     if flags:
         problems.append(f"{', '.join(flags)} must be true or false")

@@ -70,8 +70,24 @@ def test_a_switch_that_is_not_true_or_false_is_refused_naming_it(tmp_path):
         _load_edited(tmp_path, "fused_kernels = true", 'fused_kernels = "yes"')
 
 
-#: Check rows whose modeled published configuration falls outside the band, and why:
-#: none. Llama 3 405B on 8192 H100s (TP8 PP16 FSDP64), the last to leave this set, runs
+#: Check rows whose modeled published configuration falls outside the band, and why.
+#:
+#: FP8 runs but MaxText's Llama 3 70B (+2.7% to +7.3%): the model says they run faster
+#: than they did. MaxText's Llama 2 70B in FP8 on 128 to 2048 H100s, +16.7% to +29.4%
+#: (on 64, +11.2%, within the band), and Megatron-Bridge's Llama 3 8B in FP8 on 8 H100s
+#: (one node: no network), +16.6%. Each of the Llama 2 FP8 steps takes 0.4 s (64 GPUs) to
+#: 1.1-1.2 s (256 and more) longer than modeled, where its BF16 twins are modeled within
+#: 0.2 s and the Llama 3 FP8 runs within 0.2-0.6 s, on twice the tokens a device. Not
+#: explained, and not for want of overlap: the model hides the FSDP moves of these runs
+#: with room to spare, and charging hidden collectives twice their time moves these rows
+#: by 2-4 points while it takes torchtitan's A100 rows out of the band. What the model
+#: leaves out of FP8 is the scaling: `examples/_fp8.py` quantizes with constant scales,
+#: where MaxText's FP8 (flax's delayed scaling) and Transformer Engine keep an amax
+#: history per tensor, a reduction, scale update and all-reduce of maxima for each FP8
+#: tensor of each layer, and the Llama 2 FP8 table ran on the recipe's older image
+#: (maxtext-2024-12-09; the Llama 3 tables on maxtext-25.01).
+#:
+#: Before the FP8 rows, none. Llama 3 405B on 8192 H100s (TP8 PP16 FSDP64), the last to leave this set, runs
 #: the run's interleaved 1F1B over chunks of unequal lengths (16 stages x 2 repeats, 32
 #: chunks of 4 layer slots, the last 2 of 3 layers): a chunk's forward and backward in
 #: each of 79 ticks that run one, bubble 15/79. It models 14.09 s a step against the
@@ -89,7 +105,7 @@ def test_a_switch_that_is_not_true_or_false_is_refused_naming_it(tmp_path):
 #: tensor-parallel collectives with the matmuls, `tp_comm_overlap`, as its recipe sets
 #: `ub_tp_comm_overlap`, -17.1% -> -2.5%; and its ZeRO-1 gradients are reduce-scattered
 #: once a step: +1.1% with both, +4.3% with its recipe's sequence parallelism.)
-OUT_OF_BAND: set[str] = set()
+OUT_OF_BAND = {"bridge-llama3-8b-h100-8-fp8", *(f"maxtext-llama2-70b-h100-{n}-fp8" for n in (128, 256, 512, 1024, 2048))}
 
 
 @pytest.mark.parametrize("row", CHECK, ids=[r.id for r in CHECK])
@@ -110,8 +126,20 @@ def test_check_row_within_band(row):
 #: (its six columns are rows too) measured the same configurations in the model's order:
 #: FSDP 256 1.2% slower a token than FSDP 128 with data parallelism 16, 0.9-1.0% than 4
 #: and 8 (ties), and the model ranks all 15 of that table's pairs as measured; the
-#: recipe's Llama 3 70B FP8 table (not expressible: FP8) has FSDP 256 the slowest of its
-#: five columns too. Not met: kept here so that a change to the ranking, either way, shows.
+#: recipe's Llama 3 70B FP8 table (its five columns are rows too: `examples/_fp8.py`)
+#: has FSDP 256 the slowest of its columns, 1.6-2.6% slower a token than FSDP 128 with
+#: data parallelism 4 and 16, as the model ranks it. Within that table the model ranks
+#: 9 of 10 pairs as measured; the tenth is data parallelism 8 against 16, measured 1.5%
+#: apart (16 faster) and modeled 0.02% apart, the other way: the model puts the same
+#: FSDP 128 group's step within 0.1% whatever the data-parallel degree, where the
+#: FP8 table's measured columns zigzag by 1.0-2.6% between neighbours (and its BF16
+#: twin's rise by 0.5-1.9%). MaxText's Llama 2 70B FP8 table, out of the band
+#: (`OUT_OF_BAND`), adds four: FSDP 256 measured 1.7% and 2.1% faster a token than FSDP
+#: 128 with data parallelism 4 and 8 (modeled 0.7% slower), and data parallelism 16
+#: measured 2.2% and 2.6% faster than 4 and 8 (modeled 0.1% slower): the unexplained
+#: second a step that the table adds from 64 GPUs to 256 is not in the model, so
+#: neither is its 2.1-2.6% wobble above that. Not met: kept here so that a change to
+#: the ranking, either way, shows.
 #: NeMo's Llama 3.1 70B on 64 H100s, measured 5-8% faster per token per device than
 #: MaxText's 70B runs on 128 to 2048 H100s, is ranked so (modeled 8-9% faster) since its
 #: row says its run overlaps the tensor-parallel collectives (`tp_comm_overlap`; it was
@@ -123,7 +151,12 @@ def test_check_row_within_band(row):
 #: apart (-8.6% and -4.2% off), where on a DGX A100's InfiniBand, 8x the bandwidth, the
 #: model hid the FSDP moves at one sequence as at two and put them 8.5% apart.
 MISRANKED = {("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-1024"),
-             ("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-2048")}
+             ("maxtext-llama3-70b-h100-256", "maxtext-llama3-70b-h100-2048"),
+             ("maxtext-llama3-70b-h100-1024-fp8", "maxtext-llama3-70b-h100-2048-fp8"),
+             ("maxtext-llama2-70b-h100-256-fp8", "maxtext-llama2-70b-h100-512-fp8"),
+             ("maxtext-llama2-70b-h100-256-fp8", "maxtext-llama2-70b-h100-1024-fp8"),
+             ("maxtext-llama2-70b-h100-512-fp8", "maxtext-llama2-70b-h100-2048-fp8"),
+             ("maxtext-llama2-70b-h100-1024-fp8", "maxtext-llama2-70b-h100-2048-fp8")}
 
 
 # Models every row's published configuration (9 s): `make bench-published` prints the
