@@ -3,6 +3,7 @@ same step computes in bfloat16 within FP8's rounding, their plans compute what p
 jit computes, and the cost model runs their dots at the device's FP8 rate."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -92,3 +93,21 @@ def test_fp8_dots_run_at_the_devices_fp8_rate():
     # 8B layer's flops, take half as long; attention, norms and the head do not change.
     bf16, fp8 = _compute_seconds(False), _compute_seconds(True)
     assert 0.5 < fp8 / bf16 < 0.75
+
+
+def test_an_fsdp_plan_gathers_the_fp8_weights_xla_gathers():
+    # FSDP quantizes each weight where it rests and gathers its FP8 bytes, as XLA's
+    # collective quantizer moves a quantization ahead of an all-gather. XLA:CPU moves an
+    # FP8 buffer in float16 (as it moves bfloat16 in float32; the program holds no other
+    # float16): counted at FP8's byte an element, its gathers are the model's, byte for
+    # byte. Float32 around the dots, for the same reason.
+    step, args = llama.make_train_step(dataclasses.replace(FP8, dtype=jnp.float32), abstract=True)
+    part = tactics.apply_schedule(partir.lift(step, *args), MeshSpec.of(data=8), [tactics.FSDP("data")]).partitioning
+    mesh = part.mesh.jax_mesh()
+    compiled = partir.lower(part, mesh).lower(*args).compile()
+    gathers = [c for c in partir.collectives(compiled.as_text(), mesh) if c.kind == partir.Kind.ALL_GATHER]
+    widened = sum(math.prod(dims) for c in gathers for dtype, dims in c.shapes if dtype == "f16")
+    assert widened > 0
+    modeled = [c for c in search.CostModel(part, "cpu").cost().collectives if c.kind == partir.Kind.ALL_GATHER]
+    assert len(modeled) == len(gathers)
+    assert sum(c.bytes for c in modeled) == sum(c.result_bytes for c in gathers) - widened
