@@ -65,12 +65,13 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, scales: Fp8Scales = Fp8Sca
     """``jnp.einsum(spec, x, w)`` with both operands in E4M3 and the gradients' dots in
     FP8 (module docstring); the result in the operands' dtype, which they share (the
     compute dtype). ``spec`` names two operands and sums no index only one of them has."""
-    if x.dtype != w.dtype:
-        raise TypeError(f"fp8_einsum: x is {x.dtype} and w is {w.dtype}; cast both to the compute dtype first")
     return _fp8_fwd(spec, x, w, scales)[0]
 
 
 def _fp8_fwd(spec, x, w, scales):
+    # Checked here, where a differentiated call starts too (it never runs the primal).
+    if x.dtype != w.dtype:
+        raise TypeError(f"fp8_einsum: x is {x.dtype} and w is {w.dtype}; cast both to the compute dtype first")
     qx, qw = _quantize(x, scales.activation, E4M3), _quantize(w, scales.weight, E4M3)
     y = _dot(spec, qx, qw, scales.activation * scales.weight, x.dtype)
     return y, (qx, qw)

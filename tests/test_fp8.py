@@ -45,6 +45,8 @@ def test_fp8_einsum_refuses_operands_of_two_dtypes():
     x, w = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 3), jnp.float32)
     with pytest.raises(TypeError, match="x is bfloat16 and w is float32; cast both"):
         fp8_einsum("bd,df->bf", x, w)
+    with pytest.raises(TypeError, match="x is bfloat16 and w is float32; cast both"):
+        jax.grad(lambda w: fp8_einsum("bd,df->bf", x, w).astype(jnp.float32).sum())(w)
 
 
 def test_the_layers_dots_run_in_fp8_and_the_head_in_bfloat16():
