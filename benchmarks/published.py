@@ -82,9 +82,9 @@ ODD_LAYERS = r"re:^params\['layers'\]\[\d*[13579]\]"
 
 def llama_config(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
     """`examples/llama.py`'s config of the row's train step: its shape, loss, state,
-    kernels and matmul precision, on the sequences of `micro_batches` of the row's `grad_accum` micro-batches
-    (all of the global batch for a run of GA 1); its layers under `scan`, unrolled where
-    the row checkpoints some layers only (`scan` overrides)."""
+    kernels and matmul precision, on the sequences of `micro_batches` of the row's
+    `grad_accum` micro-batches (all of the global batch for a run of GA 1); its layers
+    under `scan`, unrolled where the row checkpoints some layers only (`scan` overrides)."""
     import jax.numpy as jnp
 
     from examples import llama

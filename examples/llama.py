@@ -73,8 +73,9 @@ from examples._fused import fused_rms_norm, fused_swiglu
 _QKV = ("query_proj", "key_proj", "value_proj")
 #: The named policies -> the values they save, by the names the layer gives them
 #: (`jax.ad_checkpoint.checkpoint_name`, MaxText's names): MaxText's ``save_qkv_proj``,
-#: ``save_dot_except_mlpwi`` and ``save_dot_except_mlp``, and torchtitan's selective op checkpointing (every
-#: matmul but every second one of a block, in call order, and the attention's output).
+#: ``save_dot_except_mlpwi`` and ``save_dot_except_mlp``, and torchtitan's selective op
+#: checkpointing (every matmul but every second one of a block, in call order, and the
+#: attention's output).
 _NAMES = {
     "qkv": _QKV,
     "dots_except_mlp_in": (*_QKV, "out_proj", "mlpwo"),
@@ -249,11 +250,11 @@ def mlp(p: dict, x: jax.Array, tag=_unnamed, fused: bool = False, dot=jnp.einsum
     gating as a fused kernel differentiates it (`examples._fused`); ``dot`` as for
     `attention`."""
     gate = tag(dot("bsd,df->bsf", x, p["w_gate"]), "mlpwi_0")
-
-    def up():  # after the gate's activation: the order of the program's ops as it was written
-        return dot("bsd,df->bsf", x, p["w_up"])
-
-    hidden = fused_swiglu(gate, up()) if fused else jax.nn.silu(gate) * up()
+    if fused:
+        hidden = fused_swiglu(gate, dot("bsd,df->bsf", x, p["w_up"]))
+    else:  # the gate's activation before the up projection: the op order the program always had
+        act = jax.nn.silu(gate)
+        hidden = act * dot("bsd,df->bsf", x, p["w_up"])
     return tag(dot("bsf,fd->bsd", hidden, p["w_down"]), "mlpwo")
 
 

@@ -87,10 +87,10 @@ def test_a_switch_that_is_not_true_or_false_is_refused_naming_it(tmp_path):
 #: tensor of each layer, and the Llama 2 FP8 table ran on the recipe's older image
 #: (maxtext-2024-12-09; the Llama 3 tables on maxtext-25.01).
 #:
-#: Before the FP8 rows, none. Llama 3 405B on 8192 H100s (TP8 PP16 FSDP64), the last to leave this set, runs
-#: the run's interleaved 1F1B over chunks of unequal lengths (16 stages x 2 repeats, 32
-#: chunks of 4 layer slots, the last 2 of 3 layers): a chunk's forward and backward in
-#: each of 79 ticks that run one, bubble 15/79. It models 14.09 s a step against the
+#: Before the FP8 rows, none. Llama 3 405B on 8192 H100s (TP8 PP16 FSDP64), the last to
+#: leave this set, runs the run's interleaved 1F1B over chunks of unequal lengths (16
+#: stages x 2 repeats, 32 chunks of 4 layer slots, the last 2 of 3 layers): a chunk's
+#: forward and backward in each of 79 ticks that run one, bubble 15/79. It models 14.09 s a step against the
 #: 12.56 s its 430 TFLOP/s give (-10.8%); as the circular schedule in GPipe's order it
 #: modeled 14.11 s on 3 December (13.85 s, -9.3%, when it left this set). That was from
 #: 16.46 s (-23.7%) by two
