@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from examples._common import build_train_step, dense_init, next_token_loss, normal, stack_layers, token_batch
+from examples._common import build_train_step, dense_init, next_token_loss, init_layers, normal, stack_layers, token_batch
 
 #: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.
 REMAT_POLICIES = {
@@ -95,9 +95,7 @@ def init_layer(config: GPTConfig, key: jax.Array) -> dict:
 def init_params(config: GPTConfig, key: jax.Array) -> dict:
     """All parameters; the per-layer values do not depend on ``scan_layers``."""
     kt, kp, kl, kh = jax.random.split(key, 4)
-    layers = [init_layer(config, k) for k in jax.random.split(kl, config.n_layers)]
-    if config.scan_layers:
-        layers = stack_layers(layers)
+    layers = init_layers(functools.partial(init_layer, config), kl, config.n_layers, config.scan_layers)
     d = config.d_model
     return {
         "embed": {

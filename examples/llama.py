@@ -65,8 +65,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from examples._common import (build_master_weights_train_step, build_train_step, dense_init, next_token_loss, normal,
-                              stack_layers, token_batch)
+from examples._common import (build_master_weights_train_step, build_train_step, dense_init, init_layers,
+                              next_token_loss, normal, token_batch)
 from examples._fp8 import fp8_einsum
 from examples._fused import fused_rms_norm, fused_swiglu
 
@@ -181,11 +181,10 @@ def init_layer(config: LlamaConfig, key: jax.Array) -> dict:
 def init_params(config: LlamaConfig, key: jax.Array) -> dict:
     """All parameters (float32); the per-layer values do not depend on ``scan_layers``."""
     ke, kl, kh = jax.random.split(key, 3)
-    layers = [init_layer(config, k) for k in jax.random.split(kl, config.n_layers)]
     d = config.d_model
     return {
         "embed": {"tokens": normal(ke, (config.vocab, d))},
-        "layers": stack_layers(layers) if config.scan_layers else layers,
+        "layers": init_layers(functools.partial(init_layer, config), kl, config.n_layers, config.scan_layers),
         "final_norm": {"scale": jnp.ones((d,), jnp.float32)},
         "head": {"w": dense_init(kh, d, (d, config.vocab))},
     }
