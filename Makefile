@@ -17,16 +17,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Test workers: one per core, at most 4 (each simulates 8 devices and compiles on its own).
+# Test workers: one per core, at most 4 (each simulates 8 devices and compiles on its own);
+# loadgroup keeps the tests of one xdist_group (a published row) in one worker.
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses=4
+	$(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadgroup
 
 # The `slow` tests alone (CI runs them after `make test`: .ci/run).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses=4 -m slow
+	$(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadgroup -m slow
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses=4 -m "" --hypothesis-profile=thorough
+	$(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadgroup -m "" --hypothesis-profile=thorough
 
 fuzz: $(STAMP)
 	$(PY) tests/fuzz.py $(N)

@@ -108,7 +108,14 @@ def test_a_switch_that_is_not_true_or_false_is_refused_naming_it(tmp_path):
 OUT_OF_BAND = {"bridge-llama3-8b-h100-8-fp8", *(f"maxtext-llama2-70b-h100-{n}-fp8" for n in (128, 256, 512, 1024, 2048))}
 
 
-@pytest.mark.parametrize("row", CHECK, ids=[r.id for r in CHECK])
+def _row_param(row, *marks):
+    """`row` as a test parameter in its row's xdist group: under `make test`'s
+    `--dist loadgroup` one worker runs every test of a row, and models it once
+    (`_modeled`), where two workers modeled it twice."""
+    return pytest.param(row, marks=(pytest.mark.xdist_group(row.id), *marks), id=row.id)
+
+
+@pytest.mark.parametrize("row", [_row_param(r) for r in CHECK])
 def test_check_row_within_band(row):
     out = _modeled(row)
     within = abs(out["error"]) <= published.BAND
@@ -223,8 +230,8 @@ NO_FIT: set[str] = {"llama3-405b-h100-8192"}
 
 # (The unrolled rows, torchtitan's every-second-layer checkpointing, 4 s each to model:
 # in the slow run; their check row's band runs by default.)
-@pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.slow) if r.remat == "full/2" else r
-                                 for r in EXPRESSIBLE], ids=[r.id for r in EXPRESSIBLE])
+@pytest.mark.parametrize("row", [_row_param(r, pytest.mark.slow) if r.remat == "full/2" else _row_param(r)
+                                 for r in EXPRESSIBLE])
 def test_a_published_configuration_fits_the_chip_it_ran_on(row):
     out = _modeled(row)
     assert out["published"]["fits"] == (row.id not in NO_FIT), (row.id, out["published"]["peak_gib"])
@@ -289,8 +296,8 @@ _SEARCHED_BY_DEFAULT = ("maxtext-llama3-70b-h100-128", "maxtext-llama2-70b-h100-
 _SEARCHED = [r for r in ROWS if r.expressible and r.id != "nemo-llama31-70b-h100-64"]  # (its own test, below)
 
 
-@pytest.mark.parametrize("row", [r if r.id in _SEARCHED_BY_DEFAULT else pytest.param(r, marks=pytest.mark.slow)
-                                 for r in _SEARCHED], ids=[r.id for r in _SEARCHED])
+@pytest.mark.parametrize("row", [_row_param(r) if r.id in _SEARCHED_BY_DEFAULT else _row_param(r, pytest.mark.slow)
+                                 for r in _SEARCHED])
 def test_the_searched_plan_fits_and_is_no_slower_than_the_published_configuration(row):
     out = _modeled(row, row.episodes)
     beats = out["searched"]["fits"] and out["searched_over_published"] <= 1 + 1e-9
