@@ -38,7 +38,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/propagation.py
 	$(PY) benchmarks/cost.py
-	$(PY) benchmarks/cost_fidelity.py --pipelines
+	$(PY) benchmarks/cost_fidelity.py --pipelines --llama
 	$(PY) benchmarks/search.py
 	$(PY) benchmarks/lowering.py
 

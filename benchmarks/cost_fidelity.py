@@ -20,6 +20,15 @@ Footnotes, where XLA:CPU does what GPU XLA would not:
       back); `--remat` adds rows of the GPT with remat per layer (JAX's default policy and
       `dots`), marked [2], compared with the same model under `scan` (which XLA:CPU
       honours), as GPU XLA would run both.
+  [3] `--llama` adds the Llama (`LLAMA`: float32, scanned and unrolled) under tactics'
+      plans, the searched plan and random ones. XLA keeps more of it than the model
+      says, not all of it XLA:CPU's own doing: its peak falls in the backward of the
+      last MLP, where SwiGLU's backward temporaries (with XLA:CPU's transposed copies of
+      its dots' operands) are live beside the first layer's residuals, of which it
+      keeps x * sigmoid(x) too; a layer scan stacks six d_ff-sized residuals a layer
+      where the model counts four (`search/cost/_stacks.py`, as GPU XLA would stack
+      them too). Bytes moved are the model's; memory is outside the 20% band, which
+      does not cover these rows.
 
 `--pipelines` adds the GPT under `scan` pipelined over data=4 x stage=2 (`PIPELINED`:
 GPipe and 1F1B, of one chunk a stage or two (the circular schedule, interleaved 1F1B),
@@ -27,7 +36,7 @@ beside data parallelism, ZeRO-1 or FSDP, with and without `Remat`),
 lowered by `shard_map`, as `tests/test_pipeline*.py` hold them.
 
 Run: `make bench` or `python benchmarks/cost_fidelity.py [--models gpt mlp] [--meshes 2x4]
-[--plans hand searched random] [--max-pool] [--remat] [--pipelines] [--json out.json]`.
+[--plans hand searched random] [--max-pool] [--remat] [--llama] [--pipelines] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ from rich.table import Table  # noqa: E402
 
 import partir  # noqa: E402
 import search  # noqa: E402
-from examples import REGISTRY, gpt  # noqa: E402
+from examples import REGISTRY, gpt, llama  # noqa: E402
 from examples.plans import FIDELITY_CONFIGS, STRATEGIES, random_plan, searched_plan  # noqa: E402
 
 #: Random valid plans per example and mesh.
@@ -64,6 +73,23 @@ RANDOM_PLANS = 3
 PIPELINED = (("dp", None, "gpipe", 1), ("zero1", "dots", "gpipe", 1), ("fsdp", "full", "gpipe", 1),
              ("dp", None, "1f1b", 1), ("zero1", "dots", "1f1b", 1), ("fsdp", "dots", "1f1b", 1),
              ("fsdp", None, "gpipe", 2), ("dp", None, "1f1b", 2), ("fsdp", None, "1f1b", 2))
+
+
+#: `--llama` [3]: a Llama small enough to compile in seconds whose activations set its peak.
+LLAMA = llama.LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, vocab=128, seq_len=32, batch=8,
+                          dtype=jax.numpy.float32)
+
+
+def llama_plans(program, mesh, kinds):
+    """(label, partitioning) of the Llama [3]: data parallelism over `data` with Megatron
+    or FSDP over `model` (tactics: the Llama has no `STRATEGIES` entry), the searched
+    plan and random plans."""
+    import tactics
+
+    if "hand" in kinds:
+        for label, axis in (("data parallel + megatron", tactics.Megatron), ("data parallel + fsdp", tactics.FSDP)):
+            yield label, tactics.apply_schedule(program, mesh, [tactics.DataParallel("data"), axis("model")]).partitioning
+    yield from plans(None, program, mesh, set(kinds) - {"hand"})
 
 
 def plans(name, program, mesh, kinds):
@@ -115,13 +141,20 @@ def pipelined():
 
 def compared(args):
     """(model label, footnote, plan, mesh, `search.Fidelity`) of every row: the cases'
-    plans on each mesh, then the `--pipelines` plans."""
+    plans on each mesh, then the `--llama` [3] and `--pipelines` plans."""
     for label, note, step, ex, name in cases(args):
         program = partir.lift(step, *ex)
         for mesh_text in args.meshes:
             d, m = map(int, mesh_text.split("x"))
             for plan, part in plans(name, program, partir.MeshSpec.of(data=d, model=m), args.plans):
                 yield label, note, plan, mesh_text, search.compare_with_xla(part, ex)
+    for scan in (True, False) if args.llama else ():
+        step, ex = llama.make_train_step(dataclasses.replace(LLAMA, scan_layers=scan), abstract=True)
+        program = partir.lift(step, *ex)
+        for mesh_text in args.meshes:
+            d, m = map(int, mesh_text.split("x"))
+            for plan, part in llama_plans(program, partir.MeshSpec.of(data=d, model=m), args.plans):
+                yield "llama" + (" scan" if scan else ""), "[3]", plan, mesh_text, search.compare_with_xla(part, ex)
     for plan, part, ex in pipelined() if args.pipelines else ():
         yield "gpt pipelined", "", plan, "4x2", search.compare_with_xla(part, ex, backend="shard_map")
 
@@ -133,6 +166,7 @@ def main(argv=None) -> None:
     parser.add_argument("--plans", nargs="+", default=["hand", "searched", "random"])
     parser.add_argument("--max-pool", action="store_true", help="add the convnet with max pooling [1]")
     parser.add_argument("--remat", action="store_true", help="add the GPT with remat per layer [2]")
+    parser.add_argument("--llama", action="store_true", help="add the Llama, scanned and unrolled [3]")
     parser.add_argument("--pipelines", action="store_true", help="add the GPT pipelined over data=4 x stage=2")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
