@@ -254,15 +254,15 @@ def _gpu(name, flops, hbm_gib, hbm_bw, nvlink, ib, **time):
 # `check` rows choose nothing). The names say which.
 #: Fit: large bf16 GEMMs through cuBLAS/XLA reach this fraction of the dense datasheet
 #: peak on Hopper and Ampere.
-GPU_MATMUL_EFFICIENCY = 0.642
+GPU_MATMUL_EFFICIENCY = 0.658
 #: Fit: large matmuls on the MXUs (XLA:TPU) reach this fraction of peak.
-TPU_MATMUL_EFFICIENCY = 0.812
+TPU_MATMUL_EFFICIENCY = 0.843
 #: Estimate: a per-device matmul dim of this many elements halves the rate along it
 #: (one 128-wide tile of the tensor cores or MXU half filled).
 MATMUL_KNEE = 32.0
 #: Fit: the fused attention kernels (cuDNN on GPU, splash on TPU) reach this fraction of
 #: peak on the tiles they compute.
-ATTENTION_EFFICIENCY = 0.541
+ATTENTION_EFFICIENCY = 0.586
 #: NCCL-tests' bus bandwidth reaches about 80% of the NVLink/InfiniBand line rate at
 #: large messages (all-reduce and all-gather on DGX H100/A100 boards); taken for ICI too.
 COLLECTIVE_EFFICIENCY = 0.80

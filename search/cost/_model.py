@@ -159,8 +159,9 @@ class CostModel(CostTime, CostMemory):
         # A pipelined layer's values hold one microbatch (`PipelinePricing.value_div`).
         self._value_div = self._pipeline.value_div(len(vals)) if self._pipeline else np.ones(len(vals))
         self._value_class = np.array(cls.of, dtype=np.int64)
-        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in op.operands + op.results
-                                            if v >= 0 and not mat.virtual[v]) for op in prog.ops], dtype=float)
+        self._mat_sources = mat.sources
+        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in self._read_written(op))
+                                        for op in prog.ops], dtype=float)
         self._class_div = np.ones(len(cls))
         self._op_div = np.ones(len(prog.ops))
         self._op_bytes = self._op_bytes_full.copy()
@@ -192,9 +193,29 @@ class CostModel(CostTime, CostMemory):
         held = self._pipeline.gathered if self._pipeline else {}  # (read where the stage gathered it)
         self._sig = [sigs.setdefault((id(prog.ops[o].rule), self._mult[o], bool(self._backward[o]),
                                       tuple((self._nbytes[v], v in self._free, bool(self._virtual[v]),
-                                             bool(self._feeds_backward[v]), v in held)
+                                             bool(self._feeds_backward[v]), v in held,
+                                             tuple(self._nbytes[u] for u in self._mat_sources.get(v, ())))
                                             for v in self._slot_values[o])), len(sigs))
                      for o in range(n_ops)]
+
+    def _read_written(self, op) -> set:
+        """The buffers op `op` reads and writes: its materialized operands and results,
+        and for a fused (virtual) operand the materialized values its fusion re-derives
+        it from (`Materialization.sources`): a chain of cheap ops fused into a reader
+        reads the chain's inputs, once each."""
+        out = {v for v in op.operands + op.results if v >= 0 and not self._virtual[v]}
+        return out | {u for v in op.operands if v >= 0 and self._virtual[v] for u in self._mat_sources.get(v, ())}
+
+    def _moved(self, slots, shards) -> float:
+        """The bytes a device's op reads and writes, its layout's `slots` as
+        `Partitioning.op_layout` gives them and `shards(dims)` the devices a value tiled
+        `dims` is split over: its materialized operands and results, and for a fused
+        operand the sources its fusion reads (`_read_written`), split as the operand is
+        (an elementwise chain's values share its tiling; a broadcast's source is smaller)."""
+        direct = {v: dims for _, _, v, dims in slots if not self._virtual[v]}
+        fused = {u: dims for side, _, v, dims in slots if side == "operand" and self._virtual[v]
+                 for u in self._mat_sources.get(v, ()) if u not in direct}
+        return sum(float(self._nbytes[v]) / shards(dims) for v, dims in (direct | fused).items())
 
     def _value_bytes(self) -> np.ndarray:
         """Each value's bytes per device in the current state: split as its class is, and
@@ -268,8 +289,7 @@ class CostModel(CostTime, CostMemory):
         part, mesh = self.part, self.part.mesh
         layout = part.op_layout(o)
         div = _shards(part.factor_tiling(o), mesh)
-        moved = sum(float(self._nbytes[v]) / _shards(dims, mesh) for _, _, v, dims in layout[0]
-                    if not self._virtual[v])
+        moved = self._moved(layout[0], lambda dims: _shards(dims, mesh))
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         eff = self._shard_efficiency(o, layout[0])

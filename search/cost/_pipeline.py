@@ -341,8 +341,7 @@ class PipelinePricing:
         micro = (partir.MICROBATCH,) if lay is not None else (pipe.axis,)
         layout = ext.op_layout(o)
         div = mesh.devices_along(a for axes in ext.factor_tiling(o) for a in axes)
-        moved = sum(float(model._nbytes[v]) / mesh.devices_along(a for d in dims for a in d)
-                    for _, _, v, dims in layout[0] if not model._virtual[v])
+        moved = model._moved(layout[0], lambda dims: mesh.devices_along(a for d in dims for a in d))
         slot_of = {(side, k): i for i, (side, k, _, _) in enumerate(layout[0])}
         out = []
         for r in ext.layout_reshards(o, layout):
