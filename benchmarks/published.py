@@ -95,7 +95,8 @@ def llama_config(r: Row, *, scan: bool | None = None, micro_batches: int = 1):
                              d_ff=r.d_ff, vocab=r.vocab, seq_len=r.seq,
                              batch=r.global_batch // r.grad_accum * micro_batches,
                              dtype=jnp.bfloat16, scan_layers=scan, remat=False, master_weights=r.master_weights,
-                             loss=r.loss, fused_kernels=r.fused_kernels, fp8=r.dtype == "float8")
+                             loss=r.loss, fused_kernels=r.fused_kernels, fp8=r.dtype == "float8",
+                             fp8_scaling=r.fp8_scaling)
 
 
 def program(r: Row, *, scan: bool | None = None, micro_batches: int = 1):

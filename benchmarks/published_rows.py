@@ -30,6 +30,9 @@ LOSSES = ("gather", "one_hot")
 #: The layers' matmul precisions a row may run: bfloat16, or FP8 (E4M3 forward, E5M2
 #: gradients: `examples/_fp8.py`), every other op in bfloat16.
 DTYPES = ("bfloat16", "float8")
+#: How a float8 row scales its FP8 tensors (the data file's header; `examples/_fp8.py`'s
+#: SCALINGS).
+FP8_SCALINGS = ("delayed", "current")
 KINDS = ("step_s", "tokens_per_s_device", "tflops_device", "mfu")
 PARALLELISM = ("dp", "fsdp", "tp", "pp", "cp", "ep", "vp")
 #: The row's switches (the data file's header says what each means).
@@ -73,6 +76,7 @@ class Row:
     sequence_parallel: bool = False
     loss: str = "gather"
     fused_kernels: bool = False
+    fp8_scaling: str = "delayed"
     pipeline: dict = dataclasses.field(default_factory=dict)
     pipeline_note: str = ""
     episodes: int = EPISODES
@@ -103,6 +107,10 @@ def _check(row: dict, where: str) -> Row:
         problems.append(f"loss {r.loss!r} not in {LOSSES}")
     if r.dtype not in DTYPES:
         problems.append(f"dtype {r.dtype!r} not in {DTYPES}")
+    if r.fp8_scaling not in FP8_SCALINGS:
+        problems.append(f"fp8_scaling {r.fp8_scaling!r} not in {FP8_SCALINGS}")
+    elif r.fp8_scaling != "delayed" and r.dtype != "float8":
+        problems.append(f"fp8_scaling {r.fp8_scaling!r} is for a float8 row (dtype {r.dtype!r}); leave it out")
     flags = [f for f in _FLAGS if not isinstance(getattr(r, f), bool)]
     if flags:
         problems.append(f"{', '.join(flags)} must be true or false")

@@ -4,13 +4,22 @@ projections: the forward operands in E4M3, the output's gradient in E5M2 (TE's
 the compute dtype.
 
 Each tensor is quantized with one scale a tensor (``x / scale`` cast to FP8, the dot's
-result multiplied by both scales), as delayed scaling does. Delayed scaling takes each
-scale from an amax history of earlier steps; here the history is frozen: the scales are
-constants of the call (`Fp8Scales`). What that leaves out is the history's update, a
-reduction of each quantized tensor's absolute maximum that XLA and TE fuse into the
-kernel producing the tensor, and one small all-reduce of the maxima a step off the
-critical path (MaxText's amax reductions feed the next step's scales, not this step's
-dots). The dots, their FP8 operands and the quantizing casts are all in the program.
+result multiplied by both scales), by one of two recipes (`SCALINGS`):
+
+- ``"delayed"`` (`Fp8Scales`, MaxText's ``quantization=fp8`` and TE's
+  ``DelayedScaling``): each scale comes from an amax history of earlier steps; here the
+  history is frozen, the scales constants of the call. What that leaves out is the
+  history's update, a reduction of each quantized tensor's absolute maximum that XLA
+  and TE fuse into the kernel producing the tensor, and one small all-reduce of the
+  maxima a step off the critical path (the maxima feed the next step's scales, not
+  this step's dots).
+- ``"current"`` (`CurrentScaling`, TE's ``Float8CurrentScaling``, Megatron-Bridge's
+  "FP8-CS"): each tensor's scale is its own absolute maximum over the format's
+  largest value, taken just before its cast. The cast waits on that reduction, so each
+  quantized tensor is read once for its maximum and once for its cast (and a sharded
+  one's maximum is all-reduced over its shards): the program holds both.
+
+The dots, their FP8 operands and the quantizing casts are all in the program.
 
 The backward saves the forward's FP8 operands (half the bytes of bfloat16), as TE's FP8
 linear layers do, and runs both gradient dots in FP8 with the E5M2 gradient.
@@ -41,7 +50,40 @@ class Fp8Scales:
     gradient: float = 2.0**-16
 
 
-def _quantize(x: jax.Array, scale: float, dtype) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Each tensor's scale from its own absolute maximum, taken just before its cast
+    (module docstring): ``amax / largest finite value of the FP8 format``, 1 for a tensor
+    of zeros."""
+
+
+#: The recipes `fp8_dot` runs, by name (module docstring).
+SCALINGS = {"delayed": Fp8Scales(), "current": CurrentScaling()}
+
+
+def fp8_dot(scaling: str):
+    """``dot(spec, x, w)``: `fp8_einsum` under the recipe named ``scaling`` (a key of
+    `SCALINGS`)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"fp8_dot: unknown scaling {scaling!r}; allowed: {list(SCALINGS)}")
+    return functools.partial(_einsum_with, SCALINGS[scaling])
+
+
+def _einsum_with(scales, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return fp8_einsum(spec, x, w, scales)
+
+
+def _scale(x: jax.Array, scales, role: str, dtype):
+    """The scale of ``x``, quantized to `dtype` in `role` ('activation', 'weight' or
+    'gradient'): the recipe's constant, or under `CurrentScaling` ``x``'s absolute
+    maximum over `dtype`'s largest value."""
+    if isinstance(scales, Fp8Scales):
+        return getattr(scales, role)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+
+
+def _quantize(x: jax.Array, scale, dtype) -> jax.Array:
     """``x / scale`` in `dtype`, saturated at its largest finite value."""
     top = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(jnp.float32) * (1.0 / scale), -top, top).astype(dtype)
@@ -54,17 +96,18 @@ def _transposed(spec: str) -> tuple[str, str]:
     return f"{out},{w}->{x}", f"{x},{out}->{w}"
 
 
-def _dot(spec: str, a: jax.Array, b: jax.Array, scale: float, dtype) -> jax.Array:
+def _dot(spec: str, a: jax.Array, b: jax.Array, scale, dtype) -> jax.Array:
     # The result in the compute dtype, scaled there: the one FP8 GEMM with scaling and a
     # bfloat16 output that XLA:GPU's GEMM rewriter and TE call, not a float32 buffer.
     return jnp.einsum(spec, a, b, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, scales: Fp8Scales = Fp8Scales()) -> jax.Array:
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, scales: Fp8Scales | CurrentScaling = Fp8Scales()) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` with both operands in E4M3 and the gradients' dots in
-    FP8 (module docstring); the result in the operands' dtype, which they share (the
-    compute dtype). ``spec`` names two operands and sums no index only one of them has."""
+    FP8, scaled as ``scales`` says (module docstring); the result in the operands' dtype,
+    which they share (the compute dtype). ``spec`` names two operands and sums no index
+    only one of them has."""
     return _fp8_fwd(spec, x, w, scales)[0]
 
 
@@ -72,17 +115,22 @@ def _fp8_fwd(spec, x, w, scales):
     # Checked here, where a differentiated call starts too (it never runs the primal).
     if x.dtype != w.dtype:
         raise TypeError(f"fp8_einsum: x is {x.dtype} and w is {w.dtype}; cast both to the compute dtype first")
-    qx, qw = _quantize(x, scales.activation, E4M3), _quantize(w, scales.weight, E4M3)
-    y = _dot(spec, qx, qw, scales.activation * scales.weight, x.dtype)
-    return y, (qx, qw)
+    sx, sw = _scale(x, scales, "activation", E4M3), _scale(w, scales, "weight", E4M3)
+    qx, qw = _quantize(x, sx, E4M3), _quantize(w, sw, E4M3)
+    y = _dot(spec, qx, qw, sx * sw, x.dtype)
+    # Constant scales are the recipe's, not residuals: the delayed program saves the FP8
+    # operands alone.
+    return y, ((qx, qw) if isinstance(scales, Fp8Scales) else (qx, qw, sx, sw))
 
 
 def _fp8_bwd(spec, scales, res, g):
-    qx, qw = res
-    qg = _quantize(g, scales.gradient, E5M2)
+    qx, qw = res[:2]
+    sx, sw = (scales.activation, scales.weight) if isinstance(scales, Fp8Scales) else res[2:]
+    sg = _scale(g, scales, "gradient", E5M2)
+    qg = _quantize(g, sg, E5M2)
     to_x, to_w = _transposed(spec)
-    dx = _dot(to_x, qg, qw, scales.gradient * scales.weight, g.dtype)
-    dw = _dot(to_w, qx, qg, scales.activation * scales.gradient, g.dtype)
+    dx = _dot(to_x, qg, qw, sg * sw, g.dtype)
+    dw = _dot(to_w, qx, qg, sx * sg, g.dtype)
     return dx, dw
 
 

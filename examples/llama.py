@@ -49,7 +49,9 @@ and SwiGLU's activation too. NeMo's Llama configurations run with both.
 **FP8.** ``fp8=True`` runs each layer's seven projections as Transformer Engine and
 MaxText's ``quantization=fp8`` run them (`examples._fp8`): forward operands in E4M3, the
 output's gradient in E5M2, the dots' results in ``dtype``; the attention's own matmuls,
-the norms and the LM head stay in ``dtype``.
+the norms and the LM head stay in ``dtype``. ``fp8_scaling`` picks the recipe: delayed
+scaling's scales (``"delayed"``, MaxText's) or each tensor's own maximum
+(``"current"``, Transformer Engine's current scaling, Megatron-Bridge's FP8-CS).
 
 **Expert schedules.** ``SCHEDULES`` maps a name to a function of the mesh axis names
 returning a list of tactics for ``tactics.apply_schedule`` (see their docstrings).
@@ -67,7 +69,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from examples._common import (build_master_weights_train_step, build_train_step, dense_init, init_layers,
                               next_token_loss, normal, token_batch)
-from examples._fp8 import fp8_einsum
+from examples._fp8 import SCALINGS, fp8_dot
 from examples._fused import fused_rms_norm, fused_swiglu
 
 _QKV = ("query_proj", "key_proj", "value_proj")
@@ -128,6 +130,7 @@ class LlamaConfig:
     loss: str = "gather"  # how the cross-entropy picks the targets: a key of LOSSES
     fused_kernels: bool = False  # RMSNorm and SwiGLU keep only their inputs, as fused kernels do
     fp8: bool = False  # the layers' projections in FP8 (`examples._fp8`); activations stay `dtype`
+    fp8_scaling: str = "delayed"  # the FP8 recipe: a key of `examples._fp8.SCALINGS` (only with fp8=True)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -144,6 +147,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: unknown loss {self.loss!r}; allowed: {list(LOSSES)}")
         if self.remat_policy is not None and not self.remat:
             raise ValueError(f"LlamaConfig: remat_policy={self.remat_policy!r} needs remat=True")
+        if self.fp8_scaling not in SCALINGS:
+            raise ValueError(f"LlamaConfig: unknown fp8_scaling {self.fp8_scaling!r}; allowed: {list(SCALINGS)}")
+        if self.fp8_scaling != "delayed" and not self.fp8:
+            raise ValueError(f"LlamaConfig: fp8_scaling={self.fp8_scaling!r} needs fp8=True")
 
     @property
     def d_head(self) -> int:
@@ -234,7 +241,7 @@ def attention(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], causal: 
               tag=_unnamed, dot=jnp.einsum) -> jax.Array:
     """Grouped-query self-attention on ``x [B, S, D]``, causal unless told otherwise;
     ``tag(value, name)`` names the projections' outputs (for a named remat policy);
-    ``dot(spec, x, w)`` runs the projections (`examples._fp8.fp8_einsum` for FP8)."""
+    ``dot(spec, x, w)`` runs the projections (`examples._fp8.fp8_dot` for FP8)."""
     q = tag(dot("bsd,dhk->bshk", x, p["wq"]), "query_proj")
     k = tag(dot("bsd,dhk->bshk", x, p["wk"]), "key_proj")
     v = tag(dot("bsd,dhk->bshk", x, p["wv"]), "value_proj")
@@ -264,7 +271,7 @@ def block(p: dict, x: jax.Array, rope: tuple[jax.Array, jax.Array], config: Llam
     read = _READ.get(config.remat_policy, ()) if config.remat else ()
     tag = functools.partial(_named, read) if read else _unnamed
     fused = config.fused_kernels
-    dot = fp8_einsum if config.fp8 else jnp.einsum
+    dot = fp8_dot(config.fp8_scaling) if config.fp8 else jnp.einsum
     x = x + attention(p["attn"], rms_norm(p["attn_norm"], x, config.norm_eps, fused), rope, config.causal, tag,
                       dot)
     return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, config.norm_eps, fused), tag, fused, dot)
