@@ -23,12 +23,12 @@ Footnotes, where XLA:CPU does what GPU XLA would not:
   [3] `--llama` adds the Llama (`LLAMA`: float32, scanned and unrolled) under tactics'
       plans, the searched plan and random ones. XLA keeps more of it than the model
       says, not all of it XLA:CPU's own doing: its peak falls in the backward of the
-      last MLP, where SwiGLU's backward temporaries (with XLA:CPU's transposed copies of
-      its dots' operands) are live beside the first layer's residuals, of which it
-      keeps x * sigmoid(x) too; a layer scan stacks six d_ff-sized residuals a layer
-      where the model counts four (`search/cost/_stacks.py`, as GPU XLA would stack
-      them too). Bytes moved are the model's; memory is outside the 20% band, which
-      does not cover these rows.
+      last MLP, where SwiGLU's backward temporaries (two of them XLA:CPU's copies of a
+      gradient's product, by their names for its dots' layouts) are live beside the
+      first layer's residuals, of which it keeps x * sigmoid(x) too; a layer scan
+      stacks six d_ff-sized residuals a layer where the model counts four
+      (`search/cost/_stacks.py`, as GPU XLA would stack them too). Bytes moved are the
+      model's; memory is outside the 20% band, which does not cover these rows.
 
 `--pipelines` adds the GPT under `scan` pipelined over data=4 x stage=2 (`PIPELINED`:
 GPipe and 1F1B, of one chunk a stage or two (the circular schedule, interleaved 1F1B),
