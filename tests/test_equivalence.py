@@ -42,8 +42,13 @@ CASES = [(m, s) for m in MODELS for s in STRATEGIES if s != "dp+megatron" or m.s
 # the convnet's DP + Megatron against XLA in tests/test_cost.py and tests/test_shardmap.py);
 # the MoE under FSDP, which the MLPs' FSDP cases hold; and GPT's DP + Megatron, whose program
 # and mesh tests/test_tactics.py::test_dp_and_megatron_reduce_gradients_over_data_only runs
-# by default (under the tactics' plan).
-SLOW = {("convnet", "dp"), ("moe", "dp"), ("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"), ("gpt-remat", "fsdp"),
+# by default (under the tactics' plan). And the MLP under DP, which
+# tests/test_tactics.py::test_data_parallel_infers_the_batch_and_all_reduces_gradients runs on
+# the same MLP and mesh (two steps, the tactic's plan); the nnx MLP under every strategy, whose
+# MLP the plain MLP's cases hold, and its nnx pytrees tests/test_automap.py::test_pytree_kinds.
+SLOW = {("mlp", "dp"), ("nnx_mlp", "dp"), ("nnx_mlp", "fsdp"), ("nnx_mlp", "megatron"),
+        ("convnet", "dp"), ("moe", "dp"), ("gpt-scan", "dp"), ("gpt-scan", "fsdp"), ("gpt-remat", "dp"),
+        ("gpt-remat", "fsdp"),
         ("gpt", "dp"), ("gpt", "megatron"), ("gpt-scan", "megatron"), ("gpt-remat", "megatron"),
         ("gpt-remat", "dp+megatron"), ("gpt-scan", "dp+megatron"), ("gpt", "fsdp"),
         ("convnet", "megatron"), ("moe", "megatron"), ("moe", "fsdp"), ("gpt", "dp+megatron")}

@@ -59,7 +59,10 @@ def _loss(kind):
 CASES = [(k, g) for k in sorted(NESTED) for g in (False, True) if not (k == "while" and g)]  # while: no reverse mode
 
 
-@pytest.mark.parametrize("kind,grad", CASES, ids=[f"{k}-{'grad' if g else 'fwd'}" for k, g in CASES])
+# The forward alone of a kind that has a gradient case in `make test-slow`: its `-grad`
+# case lowers the same nested forward, and its transpose (as tests/test_shardmap.py's do).
+@pytest.mark.parametrize("kind,grad", [pytest.param(k, g, marks=pytest.mark.slow if not g and k != "while" else ())
+                                       for k, g in CASES], ids=[f"{k}-{'grad' if g else 'fwd'}" for k, g in CASES])
 def test_nested_jaxprs_lower_equivalently(kind, grad):
     ws, x = _w((3, 16, 16), 1), _w((8, 16), 2)
     fn = jax.value_and_grad(_loss(kind)) if grad else NESTED[kind]

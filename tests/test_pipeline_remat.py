@@ -53,8 +53,9 @@ def _modeled_collectives(part):
 # In `make test-slow` (2 s each): the default run holds GPipe stages recomputing their
 # layers to jax.jit in tests/test_pipeline_uneven.py's
 # test_uneven_stages_rematerializing_their_layers_compute_what_jit_computes_in_less_memory
-# (shard_map) and 1F1B's in tests/test_pipeline_onef_remat.py, and compiles such a pipeline
-# under the jit lowering in test_the_compiled_collectives_of_a_rematerializing_pipeline_are_the_modeled_ones.
+# (shard_map) and 1F1B's in tests/test_pipeline_onef_remat.py (with XLA's collectives the
+# modeled ones), and a pipeline under the jit lowering in tests/test_pipeline.py's
+# test_the_jit_lowering_computes_what_jit_computes_with_the_modeled_collectives.
 @pytest.mark.parametrize("backend", [pytest.param("shard_map", marks=pytest.mark.slow),
                                      pytest.param("jit", marks=pytest.mark.slow)])
 def test_a_pipelined_gpt_rematerializing_its_stages_computes_what_jit_computes(backend):
@@ -94,6 +95,10 @@ def test_pipelines_rematerializing_their_stages_compute_what_jit_computes(case, 
     assert _xla_collectives(lowered, part, config) == _modeled_collectives(part)
 
 
+# (3 s: in `make test-slow`; the default run holds a recomputing pipeline's collectives in
+# tests/test_pipeline_onef_remat.py and a pipeline's under the jit lowering in tests/test_pipeline.py,
+# both named above.)
+@pytest.mark.slow
 def test_the_compiled_collectives_of_a_rematerializing_pipeline_are_the_modeled_ones():
     part = _plan(2, 2, "full")
     assert _xla_collectives(partir.lower(part, backend="jit"), part) == _modeled_collectives(part)
@@ -247,7 +252,11 @@ def test_rematerializing_stages_are_charged_their_weights_and_gradients_moves_on
     assert gathers and not gathers - moves(plain, partir.Kind.ALL_GATHER)
 
 
-@pytest.mark.parametrize("case,remat", [("gpt-fsdp-full", "full"), ("gpt-zero1-dots-1f1b", "dots"),
+# By default GPipe with FSDP; ZeRO-1 with 'dots' under 1F1B (3 s) in `make test-slow`, where the
+# default run holds 1F1B's peak to XLA's in tests/test_pipeline_onef.py and the model's whole
+# accumulators under 1F1B in test_the_peak_names_the_weights_and_gradients_a_stage_holds_across_its_tick_loops.
+@pytest.mark.parametrize("case,remat", [("gpt-fsdp-full", "full"),
+                                         pytest.param("gpt-zero1-dots-1f1b", "dots", marks=pytest.mark.slow),
                                          pytest.param("gpt-fsdp-dots-1f1b", "dots", marks=pytest.mark.slow),
                                          pytest.param("llama-zero1-dots-1f1b", "dots", marks=pytest.mark.slow),
                                          pytest.param("gpt-fsdp-full", None, marks=pytest.mark.slow),
@@ -292,7 +301,10 @@ def test_a_stage_adds_each_layers_weight_gradients_into_its_accumulator_in_place
     assert temp < 1.5 * stage
 
 
-@pytest.mark.parametrize("plan", ["dp", "pipelined"])
+# (The data-parallel case, 2 s, in `make test-slow`: the pipelined case holds a Remat's
+# recomputation in a loop body to XLA's flops, tests/test_remat.py's kept user checkpoint a
+# scan body's recomputation.)
+@pytest.mark.parametrize("plan", [pytest.param("dp", marks=pytest.mark.slow), "pipelined"])
 def test_the_flops_of_a_loop_body_count_what_remat_recomputes_as_xla_does(plan):
     """XLA's cost analysis counts each loop body once, the recomputation a Remat tactic
     adds to the backward body included, and so does `Cost.flops_loops_once`: with

@@ -83,11 +83,12 @@ def test_remat_tactic_notes_and_errors():
         T.apply_schedule(partir.lift(step, *args), MESH, [T.Remat("full")])
 
 
-# The scanned cases in `make test-slow`: a scanned Remat's numerics run by default in
-# tests/test_remat_roles.py (the tightened user checkpoint) and tests/test_pipeline_uneven.py
-# (recomputing pipelined stages).
+# In `make test-slow`: a scanned Remat's numerics run by default in tests/test_remat_roles.py
+# (the tightened user checkpoint) and tests/test_pipeline_uneven.py (recomputing pipelined
+# stages); unrolled layers recomputing under DP + Megatron (the same GPT, `Remat('qkv')`) in
+# tests/test_remat_roles.py::test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes[qkv].
 @pytest.mark.parametrize("scan,policy", [
-    pytest.param(True, "full", marks=pytest.mark.slow), (False, "dots"),
+    pytest.param(True, "full", marks=pytest.mark.slow), pytest.param(False, "dots", marks=pytest.mark.slow),
     pytest.param(True, "dots", marks=pytest.mark.slow), pytest.param(False, "full", marks=pytest.mark.slow)],
     ids=["scan-full", "unrolled-dots", "scan-dots", "unrolled-full"])
 def test_recomputing_plan_matches_jit(scan, policy):
@@ -230,7 +231,7 @@ def test_the_search_reaches_sequence_parallelism():
 
 
 # In `make test-all` (5 s a form; the unrolled form: XLA:CPU ignores its checkpoint, and the
-# plan's recomputation of unrolled layers runs in test_recomputing_plan_matches_jit[unrolled-dots]).
+# plan's recomputation of unrolled layers runs in tests/test_remat_roles.py's unrolled 'qkv' plan).
 # The default run holds XLA's collectives of a recomputing plan to the modeled ones in
 # tests/test_shardmap.py::test_rematerialized_residuals_are_recomputed_per_device (Megatron),
 # and of a recomputation reading FSDP weights in
@@ -371,7 +372,7 @@ def test_remat_relaxes_a_stricter_user_checkpoint(user, policy):
 # test_a_named_policy_changes_a_users_checkpoint_and_computes_what_jit_computes (tightened and
 # relaxed at once, under shard_map), a relaxed checkpoint's in both lowerings
 # in test_every_checkpoint_of_a_layer_is_relaxed, and unrolled recomputation in
-# test_recomputing_plan_matches_jit's unrolled case.
+# tests/test_remat_roles.py::test_an_unrolled_plan_keeping_some_matmuls_computes_what_jit_computes[qkv].
 SLOW_CHANGES = {("relax", "jit"), ("relax", "shard_map"), ("tighten", "shard_map"), ("tighten", "jit")}
 CHANGED = [(change, backend, form) for change in ("tighten", "relax") for backend in ("jit", "shard_map")
            for form in ("unrolled", "scan")]

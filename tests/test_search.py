@@ -67,7 +67,12 @@ def _assert_megatron(part, prog, n_layers, axis="model"):
 
 # The searched plan's numbers against jax.jit in `make test-all` (a searched MLP plan's
 # run above; Megatron's, hand-written, in tests/test_equivalence.py and test_tactics.py).
-@pytest.mark.parametrize("run", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plan", "run"])
+# The plan too (3 s of search): the default run holds the search taking Megatron('model')
+# on this GPT and mesh in test_a_later_sequence_parallel_uses_the_megatron_the_search_chose,
+# and its Megatron split in every layer (8 of them, through twins) in
+# tests/test_twins.py::test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent.
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [False, True], ids=["plan", "run"])
 def test_gpt_megatron_on_a_model_axis(run):
     step, args = gpt.make_train_step(gpt.GPTConfig(batch=2, **GPT_SMALL), abstract=not run)
     res, result = _search(step, args, MeshSpec.of(model=8),

@@ -235,9 +235,11 @@ CASES = [(name, i) for name in COMPOSITIONS for i in range(2)]
 #: axes, and the two-axis cases whose guarantee another default test holds (DP + Megatron
 #: in test_dp_and_megatron_reduce_gradients_over_data_only, Megatron + SP in
 #: test_sequence_parallel_gathers_before_and_reduces_after_blocks, EP in
-#: test_expert_parallel_all_to_all). By default: EP + DP on three axes.
+#: test_expert_parallel_all_to_all). EP + DP on three axes too (2 s): EP's numerics and
+#: all-to-alls run by default in test_expert_parallel_all_to_all, a plan over three axes
+#: in tests/test_llama.py::test_fused_kernels_plan_matches_jit (data x model x stage).
 SLOW_CASES = {("dp+megatron", 0), ("dp+megatron", 1), ("megatron+sp", 0), ("megatron+sp", 1),
-              ("dp+zero3+megatron", 1), ("dp+zero3+megatron", 0), ("ep+dp", 0)}
+              ("dp+zero3+megatron", 1), ("dp+zero3+megatron", 0), ("ep+dp", 0), ("ep+dp", 1)}
 
 
 @pytest.mark.parametrize("name,mesh_index", [pytest.param(*c, marks=pytest.mark.slow if c in SLOW_CASES else ())

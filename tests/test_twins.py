@@ -143,6 +143,11 @@ def test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent(run):
         partir.check_equivalence(step, args, part, rtol=2e-5, atol=2e-6)
 
 
+# (2 s: in `make test-slow`; the default run holds the twins' extrapolated cost, step time and
+# peak, to the deep program's in test_extrapolated_cost_is_the_deep_programs_cost and
+# test_near_the_limit_twins_extrapolate_the_exact_peak, a search through twins no worse than
+# the hand plan on the deep program in test_search_through_twins_recovers_dp_plus_megatron_and_is_equivalent.)
+@pytest.mark.slow
 def test_the_search_on_twins_costs_what_the_search_on_the_program_costs():
     _, _, prog = _gpt(8)
 
