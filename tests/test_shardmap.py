@@ -98,6 +98,18 @@ def test_example_computes_what_jit_and_the_jit_lowering_compute(model, strategy)
     _same_steps(step, args, part, [partir.lower(part)])
 
 
+def test_expert_parallelism_dispatches_per_device_as_jit_does():
+    # The MoE's experts over `model`, its batch over `data` (tactics, not a hand plan):
+    # the all-to-alls of dispatch and combine, forward and backward, are the modeled ones
+    # and two steps train as plain jit and the jit lowering train.
+    step, args = REGISTRY["moe"](_config("moe"))
+    part = T.apply_schedule(_program("moe")[2], MESH, [T.DataParallel("data"), T.ExpertParallel("model")]).partitioning
+    lowered = _same_steps(step, args, part, [partir.lower(part)])
+    compiled = compiled_collectives(lowered.lower(*args).compile().as_text(), MESH.jax_mesh())
+    assert sum(n for (kind, _, _), n in compiled.items() if kind == partir.Kind.ALL_TO_ALL) >= 4
+    assert compiled == modeled_collectives(search.CostModel(part, "cpu").cost())
+
+
 def _same_steps(step, args, part, others=(), steps: int = 2):
     """Train `steps` steps with the shard_map lowering of `part`, with `jax.jit(step)`
     and with the `others`, each fed its own outputs, and assert they agree (parameters,
