@@ -91,7 +91,7 @@ PLANS = {"fsdp": ([tactics.FSDP("data")], MeshSpec.of(data=8)),
 
 
 # Current scaling under FSDP (its maxima over the batch's shards, all-reduced: exact).
-# Not under Megatron: a tensor-parallel sum in another order moves a gradient's maximum
+# Not under Megatron: a tensor-parallel sum in another order can move a gradient's maximum
 # by a float32 ulp, its scale with it, and every element near a rounding boundary of
 # E5M2 one step, an eighth of a value: no tolerance tells that from a wrong result.
 @pytest.mark.parametrize("name,scaling", [("dp-megatron", "delayed"),
