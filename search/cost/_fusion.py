@@ -108,8 +108,7 @@ def materialization(program, fused_attention: bool = False, priority_fusion: boo
     virtual = np.zeros(n, dtype=bool)
     scalar_made = np.zeros(n, dtype=bool)
     sources: dict[int, tuple[int, ...]] = {}
-    backward = np.array(program.backward, dtype=bool)
-    readers, late = _readers(program, live, backward)
+    readers = _readers(program, live)
     stacks = Stacks(program, carry=priority_fusion)
     boundaries = _layer_boundaries(program, first=priority_fusion)
     for op in program.ops:  # lift order: operands are decided before their users
@@ -121,8 +120,7 @@ def materialization(program, fused_attention: bool = False, priority_fusion: boo
         if op.link and op.primitive in STACKS:
             kind = stacks.fused(op, virtual, scalar_made, sources)
         else:
-            kind = _fused(program, op, virtual, scalar_made, sources, (readers, late), bool(backward[op.id]),
-                          priority_fusion)
+            kind = _fused(program, op, virtual, scalar_made, sources, readers, priority_fusion)
         if kind is None:
             continue
         made, srcs = kind
@@ -154,7 +152,7 @@ def materialization(program, fused_attention: bool = False, priority_fusion: boo
     return Materialization(live, virtual, scalar_made, {v: s for v, s in sources.items() if s}, region, carried)
 
 
-def _fused(program, op, virtual, scalar_made, sources, reading, backward, priority=False):
+def _fused(program, op, virtual, scalar_made, sources, readers, priority=False):
     """(made from scalars alone, sources) if op's results are fused into their
     consumers, else None; `priority`: cheap ops fuse as XLA:GPU's priority fusion
     fuses them (module docstring)."""
@@ -173,20 +171,20 @@ def _fused(program, op, virtual, scalar_made, sources, reading, backward, priori
     elif op.primitive == "broadcast_in_dim":
         pass  # re-derived where it is read
     elif traits.fusion is Fusion.CHEAP and priority:
-        if not _priority_fuses(program, op, reading[0], virtual, sources):
+        if not _priority_fuses(program, op, readers, virtual, sources):
             return None
     elif traits.fusion is Fusion.CHEAP:
-        if not _fuses(op, *reading, backward, many=True):
+        if not _fuses(op, readers, many=True):
             return None
     elif traits.fusion is Fusion.EXPENSIVE:
-        if not _fuses(op, *reading, backward, many=False):
+        if not _fuses(op, readers, many=False):
             return None
     else:
         return None
     return made, tuple(v for v in arrays if not virtual[v]) + _union(sources, [v for v in arrays if virtual[v]])
 
 
-def _fuses(op, readers, late, backward: bool, *, many: bool) -> bool:
+def _fuses(op, readers, *, many: bool) -> bool:
     """Do all of op's results go only to fusing consumers? One consumer always fuses it
     in; several duplicate it, which XLA does for cheap ops (`many`) unless one of them
     ends in a reduction (a reduction's fusion reads its operand whole, so the value is
@@ -227,15 +225,13 @@ def _priority_fuses(program, op, readers, virtual, sources) -> bool:
     return True
 
 
-def _readers(program, live, backward):
+def _readers(program, live) -> list:
     """Per value, its live readers seen through calls as `(primitive, ends in a
     reduction)` pairs, or None when one of them does not fuse its operands in (a dot, a
-    gather, a loop, an output); and per value whether a backward op reads it. A reader
-    ends in a reduction when it is one, or when it is elementwise and its result goes to
-    one reader that does."""
+    gather, a loop, an output). A reader ends in a reduction when it is one, or when it
+    is elementwise and its result goes to one reader that does."""
     n = len(program.values)
     out: list = [[] for _ in range(n)]
-    late = np.zeros(n, dtype=bool)
     for v in program.outputs:
         if v >= 0:
             out[v] = None
@@ -253,14 +249,10 @@ def _readers(program, live, backward):
             entry = [(op.primitive, reduces)]
         else:
             entry = None
-        read_late = any(late[r] for r in results) if is_call else bool(backward[op.id])
         for v in op.operands:
-            if v < 0:
-                continue
-            late[v] |= read_late
-            if out[v] is not None:
+            if v >= 0 and out[v] is not None:
                 out[v] = None if entry is None else out[v] + entry
-    return out, late
+    return out
 
 
 def _layer_boundaries(program, first: bool = False) -> set[int]:
