@@ -160,8 +160,7 @@ class CostModel(CostTime, CostMemory):
         self._value_div = self._pipeline.value_div(len(vals)) if self._pipeline else np.ones(len(vals))
         self._value_class = np.array(cls.of, dtype=np.int64)
         self._mat_sources = mat.sources
-        self._op_bytes_full = np.array([sum(vals[v].nbytes for v in self._read_written(op))
-                                        for op in prog.ops], dtype=float)
+        self._op_bytes_full = np.array([self._moved(_whole_slots(op), lambda dims: 1) for op in prog.ops], dtype=float)
         self._class_div = np.ones(len(cls))
         self._op_div = np.ones(len(prog.ops))
         self._op_bytes = self._op_bytes_full.copy()
@@ -198,20 +197,14 @@ class CostModel(CostTime, CostMemory):
                                             for v in self._slot_values[o])), len(sigs))
                      for o in range(n_ops)]
 
-    def _read_written(self, op) -> set:
-        """The buffers op `op` reads and writes: its materialized operands and results,
-        and for a fused (virtual) operand the materialized values its fusion re-derives
-        it from (`Materialization.sources`): a chain of cheap ops fused into a reader
-        reads the chain's inputs, once each."""
-        out = {v for v in op.operands + op.results if v >= 0 and not self._virtual[v]}
-        return out | {u for v in op.operands if v >= 0 and self._virtual[v] for u in self._mat_sources.get(v, ())}
-
     def _moved(self, slots, shards) -> float:
         """The bytes a device's op reads and writes, its layout's `slots` as
         `Partitioning.op_layout` gives them and `shards(dims)` the devices a value tiled
         `dims` is split over: its materialized operands and results, and for a fused
-        operand the sources its fusion reads (`_read_written`), split as the operand is
-        (an elementwise chain's values share its tiling; a broadcast's source is smaller)."""
+        (virtual) operand the materialized values its fusion re-derives it from
+        (`Materialization.sources`: a chain of cheap ops fused into a reader reads the
+        chain's inputs), once each, split as the operand is (an elementwise chain's
+        values share its tiling; a broadcast's source is smaller)."""
         direct = {v: dims for _, _, v, dims in slots if not self._virtual[v]}
         fused = {u: dims for side, _, v, dims in slots if side == "operand" and self._virtual[v]
                  for u in self._mat_sources.get(v, ()) if u not in direct}
@@ -486,6 +479,13 @@ class CostModel(CostTime, CostMemory):
             top_ops=tuple((op_label(prog, o), float(times[o])) for o in order if times[o] > 0),
             pipeline_ticks=self._pipeline.tick_times(self, times) if self._pipeline else (),
         )
+
+def _whole_slots(op) -> list:
+    """`op`'s operands and results as `CostModel._moved` takes a layout's slots, whole
+    (each one shard: no dims)."""
+    return [(side, 0, v, ()) for side, values in (("operand", op.operands), ("result", op.results))
+            for v in values if v >= 0]
+
 
 def _shards(dims, mesh) -> int:
     """Devices along the axes of a dim tiling (or factor tiling)."""
