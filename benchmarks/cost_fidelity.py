@@ -80,21 +80,16 @@ LLAMA = llama.LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=
                           dtype=jax.numpy.float32)
 
 
-def llama_plans(program, mesh, kinds):
-    """(label, partitioning) of the Llama [3]: data parallelism over `data` with Megatron
-    or FSDP over `model` (tactics: the Llama has no `STRATEGIES` entry), the searched
-    plan and random plans."""
-    import tactics
+def plans(name, program, mesh, kinds):
+    """(label, partitioning) for the hand strategies (the Llama's [3]: data parallelism
+    over `data` with Megatron or FSDP over `model`, by tactics, as it has no `STRATEGIES`
+    entry), the searched plan and random plans."""
+    if "hand" in kinds and name == "llama":
+        import tactics
 
-    if "hand" in kinds:
         for label, axis in (("data parallel + megatron", tactics.Megatron), ("data parallel + fsdp", tactics.FSDP)):
             yield label, tactics.apply_schedule(program, mesh, [tactics.DataParallel("data"), axis("model")]).partitioning
-    yield from plans(None, program, mesh, set(kinds) - {"hand"})
-
-
-def plans(name, program, mesh, kinds):
-    """(label, partitioning) for the hand strategies, the searched plan and random plans."""
-    if "hand" in kinds:
+    elif "hand" in kinds:
         for strategy, apply in STRATEGIES.items():
             part = partir.Partitioning(program, mesh)
             apply(part, name, "data", "model")
@@ -107,7 +102,8 @@ def plans(name, program, mesh, kinds):
 
 
 def cases(args):
-    """(model label, footnote, step, example args, strategy filter) to compare."""
+    """(model label, footnote, step, example args, strategy filter) to compare; with
+    `--llama`, the Llama's two forms last."""
     for name in args.models:
         step, ex = REGISTRY[name](FIDELITY_CONFIGS[name], abstract=True)
         yield name, "", step, ex, name
@@ -120,6 +116,9 @@ def cases(args):
                 label = "gpt remat" + (f"-{policy}" if policy else "")
                 label, note = (label + " scan", "") if scan else (label, "[2]")
                 yield label, note, *gpt.make_train_step(cfg, abstract=True), name
+    for scan in (True, False) if args.llama else ():
+        cfg = dataclasses.replace(LLAMA, scan_layers=scan)
+        yield "llama" + (" scan" if scan else ""), "[3]", *llama.make_train_step(cfg, abstract=True), "llama"
 
 
 def pipelined():
@@ -141,20 +140,13 @@ def pipelined():
 
 def compared(args):
     """(model label, footnote, plan, mesh, `search.Fidelity`) of every row: the cases'
-    plans on each mesh, then the `--llama` [3] and `--pipelines` plans."""
+    plans on each mesh (the `--llama` ones [3] among them), then the `--pipelines` plans."""
     for label, note, step, ex, name in cases(args):
         program = partir.lift(step, *ex)
         for mesh_text in args.meshes:
             d, m = map(int, mesh_text.split("x"))
             for plan, part in plans(name, program, partir.MeshSpec.of(data=d, model=m), args.plans):
                 yield label, note, plan, mesh_text, search.compare_with_xla(part, ex)
-    for scan in (True, False) if args.llama else ():
-        step, ex = llama.make_train_step(dataclasses.replace(LLAMA, scan_layers=scan), abstract=True)
-        program = partir.lift(step, *ex)
-        for mesh_text in args.meshes:
-            d, m = map(int, mesh_text.split("x"))
-            for plan, part in llama_plans(program, partir.MeshSpec.of(data=d, model=m), args.plans):
-                yield "llama" + (" scan" if scan else ""), "[3]", plan, mesh_text, search.compare_with_xla(part, ex)
     for plan, part, ex in pipelined() if args.pipelines else ():
         yield "gpt pipelined", "", plan, "4x2", search.compare_with_xla(part, ex, backend="shard_map")
 
