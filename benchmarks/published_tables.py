@@ -6,33 +6,42 @@ from __future__ import annotations
 from benchmarks.published_rows import NOISE, SPLITS, TIE, Row
 
 
+#: Characters a row of the runs' tables may take: the widest cells (a remat policy's
+#: name, why a row is not expressible) print whole.
+ROWS_WIDTH = 224
+
+
 def print_rows(rows: list[Row], results: dict) -> None:
     """One table a split (`SPLITS`): each row's published figure and, where modeled
     (`results`, by id, as `published.model_rows` gives them), its modeled MFU, error,
-    peak and searched plan's figures; else why the row is not expressible."""
+    the measured step less the modeled one in seconds (a cost the model lacks shows as
+    the same seconds on rows of different step times: the MFU error divides it by the
+    step), peak and searched plan's figures; else why the row is not expressible."""
     from rich.console import Console
     from rich.table import Table
 
     for split in SPLITS:
         table = Table(title=f"published runs, {split} rows (MFU by each source's formula)")
-        for col in ("run", "device", "mesh", "remat", "published MFU", "modeled MFU", "error", "peak", "searched MFU",
-                    "searched/published step"):
-            table.add_column(col, justify="left" if col in ("run", "mesh") else "right")
+        for col in ("run", "device", "mesh", "remat", "published MFU", "modeled MFU", "error",
+                    "measured -\nmodeled step", "peak", "searched MFU", "searched/published step"):
+            # A run's id is what the tests and the rankings name: it never wraps.
+            table.add_column(col, justify="left" if col in ("run", "mesh") else "right", no_wrap=col == "run")
         for r in rows:
             if r.split != split:
                 continue
             res = results.get(r.id)
             if res is None:
                 table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, _published(r), "-",
-                              f"not expressible: {r.why_not}", "", "", "")
+                              f"not expressible: {r.why_not}", "", "", "", "")
                 continue
             p, s = res["published"], res.get("searched")
             table.add_row(r.id, f"{r.devices}x {r.device}", _parallel(r), r.remat, f"{res['published_mfu']:.1%}",
-                          f"{p['mfu']:.1%}", f"{res['error']:+.1%}", f"{p['peak_gib']:.0f} GiB"
+                          f"{p['mfu']:.1%}", f"{res['error']:+.1%}",
+                          f"{res['published_step_s'] - p['step_s']:+.2f} s", f"{p['peak_gib']:.0f} GiB"
                           + ("" if p["fits"] else " (no fit)"),
                           f"{s['mfu']:.1%}" + ("" if s["fits"] else " (no fit)") if s else "-",
                           _searched_step(res) if s else "-")
-        Console(width=200).print(table)
+        Console(width=ROWS_WIDTH).print(table)
 
 
 def _searched_step(res: dict) -> str:
