@@ -10,9 +10,13 @@ result multiplied by both scales), by one of two recipes (`SCALINGS`):
   ``DelayedScaling``): each scale comes from an amax history of earlier steps; here the
   history is frozen, the scales constants of the call. What that leaves out is the
   history's update, a reduction of each quantized tensor's absolute maximum that XLA
-  and TE fuse into the kernel producing the tensor, and one small all-reduce of the
-  maxima a step off the critical path (the maxima feed the next step's scales, not
-  this step's dots).
+  and TE fuse into the kernel producing the tensor, and the maxima's all-reduces. Under
+  MaxText's ``quantization=fp8`` (flax's ``Fp8DotGeneralOp``, as of December 2024)
+  those are three scalar max all-reduces a dot: the input's and the output gradient's
+  over every device the batch is split over, the kernel's over its shards, all in the
+  backward layer loop (its SPMD-partitioned HLO under JAX 0.4.37), each read only by
+  the next step's history. They are off the critical path, and at NCCL's small-message
+  latencies 0.03-0.15 s a step on a 70B model of 80 layers.
 - ``"current"`` (`CurrentScaling`, TE's ``Float8CurrentScaling``, Megatron-Bridge's
   "FP8-CS"): each tensor's scale is its own absolute maximum over the format's
   largest value, taken just before its cast. The cast waits on that reduction, so each
