@@ -206,6 +206,20 @@ def test_rankings_compare_throughput_across_batch_sizes():
     assert pair["tie"] and abs(pair["measured"]) < published.NOISE and pair["ok"]
 
 
+
+def test_the_runs_table_prints_each_rows_step_gap_in_seconds_and_whole_ids(capsys):
+    # The benchmark's table: the measured step less the modeled one, in seconds (what
+    # shows a cost the model lacks as the same seconds on rows of different steps), and
+    # every run id whole, the longest among them, beside a row that is not expressible.
+    longest = max(EXPRESSIBLE, key=lambda r: len(r.id))
+    other = next(r for r in ROWS if not r.expressible and r.split == longest.split)
+    step = published.published_step(longest)
+    modeled = {"mfu": 0.5, "step_s": step - 0.42, "peak_gib": 40.0, "fits": True}
+    published.print_rows([longest, other], {longest.id: {"published": modeled, "published_mfu": 0.48,
+                                                         "published_step_s": step, "error": 0.5 / 0.48 - 1}})
+    out = capsys.readouterr().out
+    assert "+0.42 s" in out and longest.id in out and other.id in out and "…" not in out
+
 #: Published configurations the model finds too big for the chips they ran on, each
 #: with why. Every run updates its state in place (`published.DONATED_ARGS`): judged with
 #: a second copy of the state, MaxText's 32B on 64 v5p chips was 101 GiB, 95.0 now, under
