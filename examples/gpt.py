@@ -24,8 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from examples._common import (build_train_step, dense_init, init_layers, next_token_loss, normal, stack_layers,
-                              token_batch)
+from examples._common import build_train_step, dense_init, init_layers, next_token_loss, normal, token_batch
 
 #: ``remat_policy`` name -> the ``jax.checkpoint`` policy it stands for.
 REMAT_POLICIES = {

@@ -11,6 +11,7 @@ import pytest
 from jax.extend import core as jex_core
 
 from examples import REGISTRY, gpt, moe
+from examples._common import stack_layers
 
 NAMES = sorted(REGISTRY)
 
@@ -114,13 +115,13 @@ def test_gpt_scanned_matches_unrolled():
     _, (params, _, batch) = gpt.make_train_step()
     scan_config = gpt.GPTConfig(scan_layers=True)
     _, (scanned, _, _) = gpt.make_train_step(scan_config)
-    stacked = dict(params, layers=gpt.stack_layers(params["layers"]))
+    stacked = dict(params, layers=stack_layers(params["layers"]))
     # Same seed, same weights: the scanned init is the stacked unrolled init.
     jax.tree.map(np.testing.assert_array_equal, stacked, scanned)
     loss_unrolled, grads = _loss_and_grads(gpt.GPTConfig(), params, batch)
     loss_scanned, grads_scanned = _loss_and_grads(scan_config, stacked, batch)
     np.testing.assert_allclose(loss_scanned, loss_unrolled, rtol=1e-5)
-    grads_stacked = dict(grads, layers=gpt.stack_layers(grads["layers"]))
+    grads_stacked = dict(grads, layers=stack_layers(grads["layers"]))
     jax.tree.map(_assert_close, grads_scanned, grads_stacked)
 
 
