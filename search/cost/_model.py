@@ -480,6 +480,7 @@ class CostModel(CostTime, CostMemory):
             pipeline_ticks=self._pipeline.tick_times(self, times) if self._pipeline else (),
         )
 
+
 def _whole_slots(op) -> list:
     """`op`'s operands and results as `CostModel._moved` takes a layout's slots, whole
     (each one shard: no dims)."""
