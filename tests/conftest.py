@@ -35,9 +35,9 @@ os.makedirs(_XLA_CACHE, exist_ok=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-# JAX writes an entry in place: a process reading one that another is writing warns and
-# compiles. pyproject.toml's filterwarnings lets this process go on; the subprocesses,
-# whose stderr some tests read line by line, are told the same here.
+# JAX writes an entry in place, not through a rename: a process reading one that another
+# is writing warns and compiles. This process lets it go (`pytest_configure`), and so do
+# the subprocesses, whose stderr some tests read line by line.
 _TORN = "ignore:Error reading persistent compilation cache entry:UserWarning"
 os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), _TORN) if w)
 
@@ -71,6 +71,11 @@ def _usable_cpus() -> int:
     except (OSError, ValueError):
         pass
     return max(1, cpus)
+
+
+def pytest_configure(config):
+    # After pyproject.toml's "error", so it wins for this one warning.
+    config.addinivalue_line("filterwarnings", _TORN)
 
 
 def pytest_xdist_auto_num_workers(config):
