@@ -152,9 +152,9 @@ def test_fp8_dots_partition_exactly(scaling, layout, backend):
     params = {"w1": _small_integers(k1, (32, 16)), "w2": _small_integers(k2, (16, 8))}
     batch = {"x": _small_integers(kx, (16, 32)), "g": _small_integers(kg, (16, 8), 2.0**-13)}
     fn = _two_fp8_dots(SCALINGS[scaling])
-    mesh, layout = _DOT_LAYOUTS[layout]
+    mesh, shards = _DOT_LAYOUTS[layout]
     part = tactics.apply_schedule(partir.lift(fn, params, batch), mesh,
-                                  [tactics.Shard("batch/*", 0, "data"), *layout]).partitioning
+                                  [tactics.Shard("batch/*", 0, "data"), *shards]).partitioning
     partir.check_equivalence(fn, (params, batch), part, rtol=0, atol=0, backend=backend)
 
 
